@@ -1,0 +1,35 @@
+# `make test` and `make demo` work on a fresh machine: both create the virtual environment first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install test lint typecheck demo bench clean
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# The CPU build of torch; an unpinned torch pulls a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+lint: install
+	$(VENV)/bin/ruff check rankmem tests bench scripts examples
+
+typecheck: install
+	$(VENV)/bin/mypy rankmem
+
+test: lint typecheck
+	$(VENV)/bin/pytest -q
+
+demo: install
+	$(PY) -m torch.distributed.run --nproc-per-node 2 --max-restarts 0 examples/quickstart.py --out runs/demo
+
+bench: install
+	$(PY) bench/bench_probe.py
+	$(PY) bench/bench_gather.py
+
+clean:
+	rm -rf $(VENV) runs .mypy_cache .ruff_cache .pytest_cache

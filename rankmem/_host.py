@@ -1,0 +1,292 @@
+"""Host memory of this process, its children and its node.
+
+On Linux every per-step read is an ``os.pread`` on a descriptor opened once (a few microseconds);
+elsewhere psutil is the fallback. The implementation is chosen once, by :func:`make_host_probe`.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import sys
+import time
+import warnings
+
+from rankmem import _procfs
+from rankmem._records import HostReading
+
+_STATUS_BUF = 4096  # /proc/self/status is ~1.4 KB; VmHWM sits in its first half
+_MEMINFO_BUF = 8192
+
+
+def _open_ro(path: str) -> int | None:
+    try:
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+
+
+def _pread(fd: int | None, size: int) -> bytes | None:
+    if fd is None:
+        return None
+    try:
+        return os.pread(fd, size, 0)
+    except OSError:
+        return None
+
+
+class LinuxHostProbe:
+    """Reads ``/proc`` and cgroup files through descriptors kept open for the life of the probe.
+
+    Children: the descendant list is rebuilt from ``/proc/PID/task/*/children`` at most every
+    ``children_refresh_s`` seconds (a walk costs ~100 us per process; a psutil scan of all of ``/proc``
+    ~0.7 ms); each known child's ``statm`` is read through a cached descriptor on every call.
+    """
+
+    def __init__(self, children: bool = True, children_refresh_s: float = 5.0, proc: str = "/proc") -> None:
+        self._proc = proc
+        self._pid = os.getpid()
+        self._page = os.sysconf("SC_PAGE_SIZE")
+        self._children_enabled = children
+        self._children_refresh_s = children_refresh_s
+        self._children_fds: dict[int, int] = {}
+        self._children_at = -float("inf")
+        self._warned: set[str] = set()
+        self._open()
+
+    def _open(self) -> None:
+        me = f"{self._proc}/{self._pid}"
+        self._statm = _open_ro(f"{me}/statm")
+        self._status = _open_ro(f"{me}/status")
+        self._meminfo = _open_ro(f"{self._proc}/meminfo")
+        self._clear_refs: int | None
+        try:
+            # Writing "5" resets VmHWM to the current RSS (Linux >= 4.0). Opening does not reset; the
+            # first reset_peak() that fails marks the peak as a lifetime peak.
+            self._clear_refs = os.open(f"{me}/clear_refs", os.O_WRONLY | os.O_CLOEXEC)
+        except OSError:
+            self._clear_refs = None
+        self.peak_is_lifetime = self._clear_refs is None
+        if self.peak_is_lifetime:
+            self._lifetime_warning()
+        self._cgroup_current: int | None = None
+        self._cgroup_limit: int | None = None
+        try:
+            with open(f"{me}/cgroup") as f:
+                files = _procfs.find_cgroup_files(f.read())
+        except OSError:
+            files = None
+        if files is not None:
+            self._cgroup_current = _open_ro(files.current)
+            self._cgroup_limit = _open_ro(files.limit)
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(f"rankmem: {message}", RuntimeWarning, stacklevel=3)
+
+    def check_fork(self) -> None:
+        # Descriptors opened on /proc/PID follow the PID, not the caller: a forked child must reopen.
+        if os.getpid() != self._pid:
+            self.close()
+            self._pid = os.getpid()
+            self._children_at = -float("inf")
+            self._open()
+
+    def rss(self) -> int | None:
+        data = _pread(self._statm, 256)
+        return None if data is None else _procfs.parse_statm_rss(data, self._page)
+
+    def peak_rss(self) -> int | None:
+        """Max RSS since the last :meth:`reset_peak` (``VmHWM``)."""
+        data = _pread(self._status, _STATUS_BUF)
+        return None if data is None else _procfs.parse_kb_field(data, b"VmHWM")
+
+    def reset_peak(self) -> None:
+        if self._clear_refs is not None:
+            try:
+                os.write(self._clear_refs, b"5")
+            except OSError:
+                os.close(self._clear_refs)
+                self._clear_refs = None
+                self.peak_is_lifetime = True
+                self._lifetime_warning()
+
+    def _lifetime_warning(self) -> None:
+        self._warn_once("clear_refs", "cannot reset VmHWM (/proc/self/clear_refs); peak RSS is a lifetime peak")
+
+    def children_rss(self) -> int | None:
+        if not self._children_enabled:
+            return None
+        now = time.monotonic()
+        if now - self._children_at >= self._children_refresh_s:
+            self._children_at = now
+            self._refresh_children()
+        total = 0
+        for pid, fd in list(self._children_fds.items()):
+            data = _pread(fd, 256)
+            rss = None if not data else _procfs.parse_statm_rss(data, self._page)
+            if rss is None:  # the child exited: its statm reads ESRCH or nothing
+                os.close(fd)
+                del self._children_fds[pid]
+                continue
+            total += rss
+        return total
+
+    def _descendants(self) -> set[int]:
+        found: set[int] = set()
+        frontier = [self._pid]
+        while frontier:
+            pid = frontier.pop()
+            for path in glob.glob(f"{self._proc}/{pid}/task/*/children"):
+                try:
+                    with open(path, "rb") as f:
+                        kids = _procfs.parse_children(f.read())
+                except OSError:
+                    continue
+                for kid in kids:
+                    if kid not in found:
+                        found.add(kid)
+                        frontier.append(kid)
+        return found
+
+    def _refresh_children(self) -> None:
+        pids = self._descendants()
+        for gone in set(self._children_fds) - pids:
+            os.close(self._children_fds.pop(gone))
+        for pid in pids - set(self._children_fds):
+            fd = _open_ro(f"{self._proc}/{pid}/statm")
+            if fd is not None:
+                self._children_fds[pid] = fd
+
+    def node(self) -> tuple[int | None, int | None]:
+        data = _pread(self._meminfo, _MEMINFO_BUF)
+        if data is None:
+            return None, None
+        total, available = _procfs.parse_meminfo(data)
+        if available is None:
+            self._warn_once("MemAvailable", "/proc/meminfo has no MemAvailable (Linux < 3.14); node available unavailable")
+        return total, available
+
+    def cgroup(self) -> tuple[int | None, int | None]:
+        """``(used, limit)``, both ``None`` when no memory limit applies."""
+        data = _pread(self._cgroup_limit, 64)
+        limit = None if data is None else _procfs.parse_cgroup_limit(data)
+        if limit is None:
+            return None, None
+        data = _pread(self._cgroup_current, 64)
+        return (None if data is None else _procfs.parse_int(data)), limit
+
+    def read(self) -> HostReading:
+        self.check_fork()
+        total, available = self.node()
+        cg_used, cg_limit = self.cgroup()
+        return HostReading(
+            rss=self.rss(),
+            peak_rss=self.peak_rss(),
+            peak_rss_is_lifetime=self.peak_is_lifetime,
+            children_rss=self.children_rss(),
+            node_total=total,
+            node_available=available,
+            cgroup_used=cg_used,
+            cgroup_limit=cg_limit,
+        )
+
+    def close(self) -> None:
+        fds = [self._statm, self._status, self._meminfo, self._clear_refs, self._cgroup_current, self._cgroup_limit]
+        for fd in [*fds, *self._children_fds.values()]:
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self._children_fds.clear()
+        self._statm = self._status = self._meminfo = self._clear_refs = None
+        self._cgroup_current = self._cgroup_limit = None
+
+
+class PsutilHostProbe:
+    """Off Linux: psutil. The peak is our own max over reads, or the OS lifetime peak where one exists."""
+
+    def __init__(self, children: bool = True, children_refresh_s: float = 5.0) -> None:
+        import psutil
+
+        self._psutil = psutil
+        self._proc = psutil.Process()
+        self._children_enabled = children
+        self._children_refresh_s = children_refresh_s
+        self._children: list[psutil.Process] = []
+        self._children_at = -float("inf")
+        self.peak_is_lifetime = True
+        self._peak: int | None = None
+
+    def rss(self) -> int | None:
+        try:
+            return int(self._proc.memory_info().rss)
+        except Exception:
+            return None
+
+    def peak_rss(self) -> int | None:
+        rss = self.rss()
+        info = self._proc.memory_info()
+        os_peak = getattr(info, "peak_wset", None)  # Windows only; psutil has no peak elsewhere
+        candidates = [v for v in (rss, self._peak, os_peak) if v is not None]
+        self._peak = max(candidates) if candidates else None
+        return self._peak
+
+    def reset_peak(self) -> None:
+        self._peak = None
+
+    def children_rss(self) -> int | None:
+        if not self._children_enabled:
+            return None
+        now = time.monotonic()
+        if now - self._children_at >= self._children_refresh_s:
+            self._children_at = now
+            try:
+                self._children = self._proc.children(recursive=True)
+            except Exception:
+                self._children = []
+        total = 0
+        for child in self._children:
+            try:
+                total += int(child.memory_info().rss)
+            except Exception:
+                continue
+        return total
+
+    def node(self) -> tuple[int | None, int | None]:
+        vm = self._psutil.virtual_memory()
+        return int(vm.total), int(vm.available)
+
+    def cgroup(self) -> tuple[int | None, int | None]:
+        return None, None  # cgroups are Linux-only
+
+    def read(self) -> HostReading:
+        total, available = self.node()
+        return HostReading(
+            rss=self.rss(),
+            peak_rss=self.peak_rss(),
+            peak_rss_is_lifetime=True,
+            children_rss=self.children_rss(),
+            node_total=total,
+            node_available=available,
+            cgroup_used=None,
+            cgroup_limit=None,
+        )
+
+    def check_fork(self) -> None:
+        pass  # psutil.Process() follows no descriptors
+
+    def close(self) -> None:
+        self._children = []
+
+
+HostProbe = LinuxHostProbe | PsutilHostProbe
+
+
+def make_host_probe(children: bool = True, children_refresh_s: float = 5.0) -> HostProbe:
+    """The host probe for this platform, chosen once."""
+    if sys.platform.startswith("linux") and os.path.exists(f"/proc/{os.getpid()}/statm"):
+        return LinuxHostProbe(children=children, children_refresh_s=children_refresh_s)
+    return PsutilHostProbe(children=children, children_refresh_s=children_refresh_s)

@@ -1,0 +1,125 @@
+"""Parsers for Linux ``/proc`` and cgroup files, fed bytes so tests can give them fixed text.
+
+Every parser returns bytes (or ``None`` for a field the kernel did not give); none raises on odd input.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+_KB = 1024
+# cgroup v1 reports "no limit" as PAGE_COUNTER_MAX rounded to pages, e.g. 9223372036854771712;
+# anything this large is no limit at all.
+_UNLIMITED = 1 << 62
+
+
+def parse_statm_rss(data: bytes, page_size: int) -> int | None:
+    """RSS in bytes from ``/proc/PID/statm`` (``size resident shared text lib data dt``, in pages)."""
+    fields = data.split()
+    if len(fields) < 2:
+        return None
+    try:
+        return int(fields[1]) * page_size
+    except ValueError:
+        return None
+
+
+def parse_kb_field(data: bytes, name: bytes) -> int | None:
+    """A ``Name:  123 kB`` field of ``/proc/PID/status`` or ``/proc/meminfo``, in bytes."""
+    start = data.find(b"\n" + name + b":")
+    if start < 0:
+        if not data.startswith(name + b":"):
+            return None
+        start = 0
+    else:
+        start += 1
+    end = data.find(b"\n", start)
+    line = data[start : end if end >= 0 else len(data)]
+    parts = line.split()
+    if len(parts) < 2:
+        return None
+    try:
+        value = int(parts[1])
+    except ValueError:
+        return None
+    unit = parts[2].lower() if len(parts) > 2 else b""
+    return value * _KB if unit == b"kb" else value
+
+
+def parse_meminfo(data: bytes) -> tuple[int | None, int | None]:
+    """``(MemTotal, MemAvailable)`` in bytes. ``MemAvailable`` is missing before Linux 3.14."""
+    return parse_kb_field(data, b"MemTotal"), parse_kb_field(data, b"MemAvailable")
+
+
+def parse_cgroup_limit(data: bytes) -> int | None:
+    """``memory.max`` (v2) or ``memory.limit_in_bytes`` (v1): ``None`` for ``max`` or an unlimited value."""
+    text = data.strip()
+    if not text or text == b"max":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        return None
+    return None if value >= _UNLIMITED else value
+
+
+def parse_int(data: bytes) -> int | None:
+    try:
+        return int(data.strip())
+    except ValueError:
+        return None
+
+
+def parse_children(data: bytes) -> list[int]:
+    """Child PIDs from ``/proc/PID/task/TID/children`` (space separated)."""
+    pids = []
+    for tok in data.split():
+        try:
+            pids.append(int(tok))
+        except ValueError:
+            continue
+    return pids
+
+
+@dataclass(frozen=True, slots=True)
+class CgroupFiles:
+    """Where this process's cgroup memory accounting lives."""
+
+    version: int
+    current: str
+    """``memory.current`` (v2) or ``memory.usage_in_bytes`` (v1)."""
+    limit: str
+    """``memory.max`` (v2) or ``memory.limit_in_bytes`` (v1)."""
+
+
+def find_cgroup_files(proc_self_cgroup: str, root: str = "/sys/fs/cgroup") -> CgroupFiles | None:
+    """Locate the memory files of the cgroup named in ``/proc/self/cgroup``; v2 first, then v1.
+
+    Inside a container with a cgroup namespace the path is ``/`` and the mount root is the
+    container's own cgroup, so the mount root is tried after the full path.
+    """
+    v2_path: str | None = None
+    v1_path: str | None = None
+    for line in proc_self_cgroup.splitlines():
+        parts = line.strip().split(":", 2)
+        if len(parts) != 3:
+            continue
+        hierarchy, controllers, path = parts
+        if hierarchy == "0" and controllers == "":
+            v2_path = path
+        elif "memory" in controllers.split(","):
+            v1_path = path
+    candidates: list[tuple[int, str, str, str]] = []
+    if v2_path is not None:
+        for base in (os.path.join(root, v2_path.lstrip("/")), root):
+            candidates.append((2, base, "memory.current", "memory.max"))
+    if v1_path is not None:
+        mount = os.path.join(root, "memory")
+        for base in (os.path.join(mount, v1_path.lstrip("/")), mount):
+            candidates.append((1, base, "memory.usage_in_bytes", "memory.limit_in_bytes"))
+    for version, base, current, limit in candidates:
+        cur, lim = os.path.join(base, current), os.path.join(base, limit)
+        if os.path.isfile(cur) and os.path.isfile(lim):
+            return CgroupFiles(version, cur, lim)
+    return None

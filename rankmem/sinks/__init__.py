@@ -1,0 +1,87 @@
+"""Where aggregated metrics go, on the logging rank only. Sinks are chosen by name or passed in.
+
+Names follow verl's trackers where they match: ``console``, ``file``/``jsonl`` (the run log),
+``tensorboard``, ``wandb``, ``mlflow``. Each tracker is an optional extra imported only when used.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import warnings
+from typing import Any, Protocol, runtime_checkable
+
+from rankmem._records import RunHeader, StepRecord
+from rankmem.errors import MissingExtraError, RankmemError
+
+__all__ = ["Sink", "SINK_NAMES", "make_sink", "SafeSink"]
+
+
+@runtime_checkable
+class Sink(Protocol):
+    """Receives the run header once, then one record per logged step. Called on the logging rank."""
+
+    def open(self, header: RunHeader) -> None: ...
+
+    def write(self, record: StepRecord) -> None: ...
+
+    def close(self) -> None: ...
+
+
+# name -> (module, class, extra that provides its package, package imported)
+_REGISTRY: dict[str, tuple[str, str, str | None, str | None]] = {
+    "console": ("rankmem.sinks._console", "ConsoleSink", None, None),
+    "jsonl": ("rankmem.sinks._jsonl", "JsonlSink", None, None),
+    "file": ("rankmem.sinks._jsonl", "JsonlSink", None, None),
+    "tensorboard": ("rankmem.sinks._tensorboard", "TensorBoardSink", "tensorboard", "tensorboard"),
+    "wandb": ("rankmem.sinks._wandb", "WandbSink", "wandb", "wandb"),
+    "mlflow": ("rankmem.sinks._mlflow", "MlflowSink", "mlflow", "mlflow"),
+}
+SINK_NAMES = tuple(_REGISTRY)
+
+
+def make_sink(spec: str | Sink, out_dir: str | None = None, **options: Any) -> Sink:
+    """Build a sink from its name (``out_dir`` is where file-backed sinks write), or pass one through."""
+    if not isinstance(spec, str):
+        if not isinstance(spec, Sink):
+            raise RankmemError(f"a sink must be one of {', '.join(SINK_NAMES)} or have open/write/close; got {spec!r}")
+        return spec
+    if spec not in _REGISTRY:
+        raise RankmemError(f"unknown sink {spec!r}: choose from {', '.join(SINK_NAMES)}")
+    module_name, cls_name, extra, package = _REGISTRY[spec]
+    if package is not None and importlib.util.find_spec(package) is None:
+        raise MissingExtraError(f"the {spec} sink", extra or spec, package)
+    module = importlib.import_module(module_name)
+    cls = getattr(module, cls_name)
+    sink: Sink = cls(out_dir=out_dir, **options)
+    return sink
+
+
+class SafeSink:
+    """Telemetry never kills training: the first exception from a sink warns once and disables it."""
+
+    def __init__(self, sink: Sink) -> None:
+        self.sink = sink
+        self.disabled = False
+
+    def _call(self, method: str, *args: Any) -> None:
+        if self.disabled:
+            return
+        try:
+            getattr(self.sink, method)(*args)
+        except Exception as exc:  # noqa: BLE001 - any sink failure must stay out of the training loop
+            self.disabled = True
+            warnings.warn(
+                f"rankmem: sink {type(self.sink).__name__} failed in {method}() and is disabled: {exc!r}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+    def open(self, header: RunHeader) -> None:
+        self._call("open", header)
+
+    def write(self, record: StepRecord) -> None:
+        self._call("write", record)
+
+    def close(self) -> None:
+        self._call("close")

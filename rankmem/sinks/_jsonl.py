@@ -1,0 +1,19 @@
+"""The ``jsonl`` / ``file`` sink: the run log (see :mod:`rankmem.runlog`)."""
+
+from __future__ import annotations
+
+import os
+
+from rankmem.errors import RankmemError
+from rankmem.runlog import RUN_LOG_NAME, RunLogWriter
+
+
+class JsonlSink(RunLogWriter):
+    """Writes ``<out_dir>/rankmem.jsonl`` (or ``path``)."""
+
+    def __init__(self, out_dir: str | None = None, path: str | None = None) -> None:
+        if path is None:
+            if out_dir is None:
+                raise RankmemError("the jsonl sink needs a directory: pass out_dir='runs/NAME' to the Monitor")
+            path = os.path.join(out_dir, RUN_LOG_NAME)
+        super().__init__(path)
