@@ -1,0 +1,5 @@
+"""``python -m rankmem`` is the ``rankmem`` command."""
+
+from rankmem.cli import main
+
+raise SystemExit(main())

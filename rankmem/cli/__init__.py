@@ -1,0 +1,64 @@
+"""The ``rankmem`` command: ``train`` (launch the reference worker), ``report``, ``plot``, ``leaks``.
+
+Each subcommand lives in its own module with ``add_arguments(parser)`` and ``run(args) -> int``,
+imported only when chosen. User errors (:class:`rankmem.RankmemError`, a missing file) print one line
+naming the fix and exit 2, without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from rankmem.errors import RankmemError
+
+# name -> (module, one-line help)
+COMMANDS = {
+    "train": ("rankmem.cli._train", "launch the reference engine worker under torchrun"),
+    "report": ("rankmem.cli._report", "summarise a run log: peaks with their step, rank and phase"),
+    "plot": ("rankmem.cli._plot", "plot per-rank memory against step to a PNG"),
+    "leaks": ("rankmem.cli._leaks", "detect steadily growing memory per rank (exit 1 when found)"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from rankmem import __version__
+
+    parser = argparse.ArgumentParser(prog="rankmem", description="Per-rank memory telemetry for distributed PyTorch.")
+    parser.add_argument("--version", action="version", version=f"rankmem {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module_name, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name != module_name:
+                raise
+            continue  # a subcommand not built yet
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    run = getattr(args, "_run", None)
+    if run is None:
+        print(f"rankmem {args.command}: not available in this build", file=sys.stderr)
+        return 2
+    try:
+        return int(run(args))
+    except RankmemError as exc:
+        print(f"rankmem {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, IsADirectoryError, PermissionError) as exc:
+        print(f"rankmem {args.command}: error: {exc.strerror}: {exc.filename}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

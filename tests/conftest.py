@@ -1,0 +1,47 @@
+"""Shared test helpers: real multi-process gloo groups and real torchrun launches, each with a timeout."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PROCESS_TIMEOUT_S = 240  # no subprocess in the suite may outlive this
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def torchrun(
+    script: str | Path,
+    nproc: int,
+    args: Sequence[str] = (),
+    *,
+    extra: Sequence[str] = (),
+    timeout: float = PROCESS_TIMEOUT_S,
+    env: dict[str, str] | None = None,
+    cwd: str | Path | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Launch ``script`` under a real torchrun on loopback; returns the completed process."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nproc-per-node", str(nproc), "--max-restarts", "0",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+        *extra, str(script), *args,
+    ]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd or REPO)
+
+
+@pytest.fixture
+def run_torchrun():  # type: ignore[no-untyped-def]
+    return torchrun
