@@ -12,6 +12,7 @@ import warnings
 from typing import Any
 
 from rankmem._records import DeviceReading
+from rankmem.errors import RankmemError
 
 BACKENDS = ("cuda", "npu", "xpu")
 
@@ -101,14 +102,14 @@ def select_backend(device: str = "auto", device_module: Any = None) -> DeviceBac
     if device in ("cpu", "none"):
         return None
     if device not in ("auto", *BACKENDS):
-        raise ValueError(f"device must be one of auto, cuda, npu, xpu, cpu, none; got {device!r}")
+        raise RankmemError(f"device must be one of auto, cuda, npu, xpu, cpu, none; got {device!r}")
     if device_module is not None:
         return DeviceBackend("cuda" if device == "auto" else device, device_module)
     try:
         import torch
     except ImportError:
         if device != "auto":
-            raise ValueError(f"device={device!r} needs torch: pip install 'rankmem[torch]'") from None
+            raise RankmemError(f"device={device!r} needs torch: pip install 'rankmem[torch]'") from None
         return None
     names = BACKENDS if device == "auto" else (device,)
     for name in names:

@@ -41,39 +41,44 @@ class FakeCuda:
         self._peak_reserved = 0
         self._retries = 0
         self._ooms = 0
-        self._blocks: dict[int, int] = {}
+        self._segments: dict[int, list[int]] = {}  # handle -> [segment bytes, bytes in use]
         self._next = 0
-        self._free_cached = 0  # reserved bytes not backing a live block
 
     # ---- simulation ---------------------------------------------------------------------------------
     def malloc(self, nbytes: int) -> int:
-        """Allocate ``nbytes`` as a tensor would; returns a handle for :meth:`free`."""
+        """Allocate ``nbytes`` as a tensor would; returns a handle for :meth:`free`.
+
+        A request is served by the smallest cached free segment that fits (one block per segment, a
+        simplification of torch's block splitting); otherwise a new segment is reserved from the
+        device. When the device is too full, the cache is released and the reservation retried once
+        (``num_alloc_retries``); if that fails too, ``num_ooms`` counts it and the error is raised.
+        """
         size = _round_up(max(nbytes, 1), 512)
-        if size > self._free_cached:
-            grow = _round_up(size - self._free_cached, _SEGMENT)
-            if self._device_free() < grow:
-                # torch frees its cached blocks and retries once before raising OOM.
+        free_segments = [h for h, (seg, used) in self._segments.items() if used == 0 and seg >= size]
+        if free_segments:
+            handle = min(free_segments, key=lambda h: self._segments[h][0])
+        else:
+            seg = _round_up(size, _SEGMENT)
+            if self._device_free() < seg:
                 self._retries += 1
-                self._reserved -= self._free_cached
-                self._free_cached = 0
-                grow = _round_up(size, _SEGMENT)
-                if self._device_free() < grow:
+                self.empty_cache()
+                if self._device_free() < seg:
                     self._ooms += 1
                     raise FakeOutOfMemoryError(f"CUDA out of memory. Tried to allocate {nbytes} bytes")
-            self._reserved += grow
-            self._free_cached += grow
-        self._free_cached -= size
+            self._next += 1
+            handle = self._next
+            self._segments[handle] = [seg, 0]
+            self._reserved += seg
+        self._segments[handle][1] = size
         self._allocated += size
         self._peak_allocated = max(self._peak_allocated, self._allocated)
         self._peak_reserved = max(self._peak_reserved, self._reserved)
-        self._next += 1
-        self._blocks[self._next] = size
-        return self._next
+        return handle
 
     def free(self, handle: int) -> None:
-        size = self._blocks.pop(handle)
-        self._allocated -= size
-        self._free_cached += size  # kept by the caching allocator
+        """Free a block; its segment stays reserved (cached) until :meth:`empty_cache`."""
+        self._allocated -= self._segments[handle][1]
+        self._segments[handle][1] = 0
 
     def _device_free(self) -> int:
         return self.total - self.context - self.other_process - self._reserved
@@ -126,5 +131,7 @@ class FakeCuda:
         return self._device_free(), self.total
 
     def empty_cache(self) -> None:
-        self._reserved -= self._free_cached
-        self._free_cached = 0
+        for handle, (seg, used) in list(self._segments.items()):
+            if used == 0:
+                self._reserved -= seg
+                del self._segments[handle]

@@ -1,0 +1,75 @@
+"""A real 3-process gloo group under torchrun: aggregation values, caller metrics, mismatched keys."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rankmem._units import GIB, MIB
+from tests.conftest import REPO, torchrun
+
+WORLD = 3
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    out = tmp_path_factory.mktemp("gather")
+    proc = torchrun(REPO / "tests/dist_scripts/gather_worker.py", WORLD, [str(out)], timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+def test_every_rank_gets_the_same_aggregate(results: list[dict[str, Any]]) -> None:
+    for r in results[1:]:
+        assert r["first"] == results[0]["first"]
+        assert r["mixed"] == results[0]["mixed"]
+        assert r["dict"] == results[0]["dict"]
+
+
+def test_caller_metrics_max_min_mean_max_rank(results: list[dict[str, Any]]) -> None:
+    m = results[0]["first"]
+    assert (m["tokens/max"], m["tokens/min"], m["tokens/mean"], m["tokens/max_rank"]) == (300, 100, 200, 2)
+    assert (m["loss/max"], m["loss/min"], m["loss/max_rank"]) == (2.5, 0.5, 2)
+    assert m["loss/mean"] == pytest.approx(1.5)
+
+
+def test_memory_aggregates_name_the_right_ranks(results: list[dict[str, Any]]) -> None:
+    m = results[0]["first"]
+    # Rank r holds (r + 1) * 64 MiB: rank 2 has the most RSS, rank 0 the least.
+    assert m["mem/host/rss_gib/max_rank"] == 2
+    spread = (m["mem/host/rss_gib/max"] - m["mem/host/rss_gib/min"]) * GIB
+    assert abs(spread - 128 * MIB) < 24 * MIB
+    # Held + spike: rank 0 peaks at 64 + 384 MiB, rank 1 at 128 + 256, rank 2 at 192 + 128.
+    assert m["mem/phase/rollout/peak_rss_gib/max_rank"] == 0
+    assert m["mem/host/rss_gib/min"] <= m["mem/host/rss_gib/mean"] <= m["mem/host/rss_gib/max"]
+    assert m["perf/cpu_memory_used_gb"] == m["mem/host/rss_gib/max"]
+
+
+def test_steady_state_is_one_tensor_collective(results: list[dict[str, Any]]) -> None:
+    r = results[0]
+    assert r["fallbacks_after_first"] == 1  # the first call learns the layout
+    assert r["fallbacks_after_second"] == 1  # the second took the fast path
+    assert r["second_tokens_max"] == 300
+
+
+def test_a_rank_with_an_extra_key_does_not_hang_or_mix(results: list[dict[str, Any]]) -> None:
+    for r in results:
+        assert r["fallbacks_after_mixed"] == 2
+        m = r["mixed"]
+        assert (m["extra/max"], m["extra/min"], m["extra/mean"], m["extra/max_rank"]) == (7.0, 7.0, 7.0, 1)
+        assert m["tokens/mean"] == 1.0
+        assert any("different keys ['extra']" in w for w in r["mixed_warnings"])
+
+
+def test_nan_is_left_out_of_the_aggregate(results: list[dict[str, Any]]) -> None:
+    m = results[0]["nan_loss"]
+    assert (m["loss/max"], m["loss/min"], m["loss/mean"], m["loss/max_rank"]) == (2.0, 1.0, 1.5, 2)
+    assert not any(math.isnan(v) for v in m.values())
+
+
+def test_allgather_dict_into_dict_in_rank_order(results: list[dict[str, Any]]) -> None:
+    assert results[0]["dict"] == {"a": [0.0, 1.0, 2.0], "lst": [0.0, 0.0, 1.0, 10.0, 2.0, 20.0]}

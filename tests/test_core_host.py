@@ -1,0 +1,173 @@
+"""Host figures against ground truth we create: allocate and touch N MiB, expect the delta.
+
+Tolerance: 16 MiB on a 256 MiB allocation (the interpreter, numpy and the allocator move a few MiB
+on their own between two reads).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import sys
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+import rankmem
+from rankmem._host import LinuxHostProbe, PsutilHostProbe, make_host_probe
+from rankmem._units import GIB, MIB
+
+TOL = 16 * MIB
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the /proc probe is Linux-only")
+
+
+def touch(nbytes: int) -> np.ndarray:
+    a = np.empty(nbytes, dtype=np.uint8)
+    a.fill(1)  # write every page so it is resident
+    return a
+
+
+def test_rss_matches_psutil_within_tolerance() -> None:
+    probe = make_host_probe(children=False)
+    ours = probe.rss()
+    theirs = psutil.Process().memory_info().rss
+    assert ours is not None and abs(ours - theirs) < 2 * MIB
+    probe.close()
+
+
+@linux_only
+def test_window_peak_catches_a_freed_spike_and_resets() -> None:
+    monitor = rankmem.Monitor(sinks=(), device="cpu", children=False)
+    base = monitor._host.rss()
+    assert base is not None
+    for n_mib in (256, 128):  # the second step proves the reset: its peak is the smaller spike
+        with monitor.step(n_mib):
+            with monitor.phase("rollout"):
+                spike = touch(n_mib * MIB)
+                del spike
+        metrics = monitor.local_metrics()
+        phase_peak = metrics["mem/phase/rollout/peak_rss_gib"] * GIB
+        step_peak = metrics["mem/host/peak_rss_gib"] * GIB
+        current = metrics["mem/host/rss_gib"] * GIB
+        assert abs((phase_peak - base) - n_mib * MIB) < TOL, (n_mib, (phase_peak - base) / MIB)
+        assert step_peak >= phase_peak  # the step's peak is the max over its phases and gaps
+        assert abs(current - base) < TOL, (current - base) / MIB  # freed: no trace at step end
+        assert abs(metrics["mem/phase/rollout/rss_delta_gib"] * GIB) < TOL
+    monitor.close()
+
+
+@linux_only
+def test_phase_delta_shows_what_a_phase_leaves_behind() -> None:
+    monitor = rankmem.Monitor(sinks=(), device="cpu", children=False)
+    with monitor.step(0):
+        with monitor.phase("update"):
+            kept = touch(96 * MIB)
+    metrics = monitor.local_metrics()
+    assert abs(metrics["mem/phase/update/rss_delta_gib"] * GIB - 96 * MIB) < TOL
+    assert kept.size == 96 * MIB
+    monitor.close()
+
+
+@linux_only
+def test_peak_in_gap_between_phases_counts_for_the_step() -> None:
+    monitor = rankmem.Monitor(sinks=(), device="cpu", children=False)
+    base = monitor._host.rss()
+    assert base is not None
+    with monitor.step(0):
+        with monitor.phase("a"):
+            pass
+        gap = touch(200 * MIB)
+        del gap
+        with monitor.phase("b"):
+            pass
+    metrics = monitor.local_metrics()
+    assert abs(metrics["mem/host/peak_rss_gib"] * GIB - base - 200 * MIB) < TOL
+    assert metrics["mem/phase/a/peak_rss_gib"] * GIB - base < TOL
+    assert metrics["mem/phase/b/peak_rss_gib"] * GIB - base < TOL
+    monitor.close()
+
+
+def _child(n_mib: int, ready: mp.synchronize.Event, done: mp.synchronize.Event) -> None:
+    held = touch(n_mib * MIB)
+    ready.set()
+    done.wait(60)
+    del held
+
+
+@linux_only
+def test_children_rss_sees_a_dataloader_like_worker() -> None:
+    ctx = mp.get_context("spawn")
+    ready, done = ctx.Event(), ctx.Event()
+    worker = ctx.Process(target=_child, args=(192, ready, done))
+    worker.start()
+    try:
+        assert ready.wait(60)
+        probe = LinuxHostProbe(children=True, children_refresh_s=0.001)
+        time.sleep(0.01)
+        children = probe.children_rss()
+        # The outside tool: psutil's full /proc scan of our descendants (the spawn start method adds a
+        # resource-tracker process beside the worker).
+        expected = sum(p.memory_info().rss for p in psutil.Process().children(recursive=True))
+        assert children is not None
+        assert children >= 192 * MIB
+        assert abs(children - expected) < 4 * MIB
+        probe.close()
+    finally:
+        done.set()
+        worker.join(30)
+
+
+@linux_only
+def test_node_and_cgroup_match_kernel_files() -> None:
+    probe = LinuxHostProbe(children=False)
+    total, available = probe.node()
+    vm = psutil.virtual_memory()
+    assert total == vm.total
+    assert available is not None and abs(available - vm.available) < 64 * MIB
+    used, limit = probe.cgroup()
+    assert (used is None) == (limit is None)  # both absent when no limit applies
+    probe.close()
+
+
+def test_psutil_fallback_flags_lifetime_peak() -> None:
+    probe = PsutilHostProbe(children=False)
+    reading = probe.read()
+    assert reading.peak_rss_is_lifetime
+    assert reading.rss is not None and reading.peak_rss is not None and reading.peak_rss >= reading.rss
+    assert reading.node_total == psutil.virtual_memory().total
+    assert reading.cgroup_used is None and reading.cgroup_limit is None
+
+
+def test_sample_is_lifetime_and_consistent() -> None:
+    s = rankmem.sample(device="cpu")
+    assert s.device is None and s.device_name == "none"
+    assert s.host.peak_rss_is_lifetime
+    assert s.host.rss is not None and s.host.peak_rss is not None and s.host.peak_rss >= s.host.rss
+    metrics = s.to_metrics()
+    assert abs(metrics["mem/host/rss_gib"] * GIB - psutil.Process().memory_info().rss) < 4 * MIB
+    assert not any(k.startswith("mem/device/") for k in metrics)
+
+
+@linux_only
+def test_probe_reopens_after_fork() -> None:
+    probe = LinuxHostProbe(children=False)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: its own RSS, not the parent's descriptors
+        try:
+            held = touch(64 * MIB)
+            probe.check_fork()
+            rss = probe.rss() or 0
+            os.write(w, str(rss).encode())
+            del held
+        finally:
+            os._exit(0)
+    os.close(w)
+    child_rss = int(os.read(r, 64) or b"0")
+    os.waitpid(pid, 0)
+    parent_rss = probe.rss()
+    assert parent_rss is not None and child_rss > 0
+    assert child_rss != parent_rss
+    probe.close()
