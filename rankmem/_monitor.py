@@ -45,8 +45,9 @@ class MonitorConfig:
 
     device: str = "auto"
     """Device backend: ``auto`` (cuda, npu, xpu, in that order, if available), a backend name, or ``cpu``."""
-    sinks: Sequence[str | Sink] = ("jsonl",)
-    """Sink names (``console``, ``jsonl``/``file``, ``tensorboard``, ``wandb``, ``mlflow``) or sink objects."""
+    sinks: Sequence[str | Sink] | None = None
+    """Sink names (``console``, ``jsonl``/``file``, ``tensorboard``, ``wandb``, ``mlflow``) or sink objects.
+    Default: the run log (``jsonl``) when ``out_dir`` is set, nothing otherwise."""
     out_dir: str | None = None
     """Run directory for file-backed sinks (the run log is ``<out_dir>/rankmem.jsonl``)."""
     log_rank: int = 0
@@ -59,9 +60,13 @@ class MonitorConfig:
     """Also return verl's ``perf/*`` memory keys with their corrected meaning."""
     run_config: dict[str, Any] = field(default_factory=dict)
     """The caller's own configuration, stored in the run log header."""
+    leak_check: bool = True
+    """On the logging rank, test host RSS / device allocated / worker RSS for steady growth; warn once."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.sinks, str):
+        if self.sinks is None:
+            self.sinks = ("jsonl",) if self.out_dir is not None else ()
+        elif isinstance(self.sinks, str):
             self.sinks = (self.sinks,)
         for s in self.sinks:
             if isinstance(s, str) and s not in SINK_NAMES:
@@ -146,6 +151,7 @@ class Monitor:
         self._header: RunHeader | None = None
         self.last_record: StepRecord | None = None
         """The last aggregated record (per-rank vectors included), on every rank."""
+        self._leak_watch: Any = None
         self._implicit = self._begin()
 
     # ---- properties -------------------------------------------------------------------------------
@@ -349,6 +355,15 @@ class Monitor:
             aggregated.update(verl_metrics(aggregated))
         record = StepRecord(step=int(step), time=time.time(), metrics=aggregated, ranks=_columns(agg_keys, matrix))
         self.last_record = record
+        if self.config.leak_check and self.is_logging_rank:
+            try:  # leak checking is advice: nothing in it may reach the training loop
+                if self._leak_watch is None:
+                    from rankmem.leaks import LeakWatch
+
+                    self._leak_watch = LeakWatch()
+                self._leak_watch.feed(record)
+            except Exception:  # noqa: BLE001
+                pass
         if self._sinks:
             for sink in self._sinks:
                 sink.write(record)
@@ -366,12 +381,12 @@ class Monitor:
         )
         infos = _collective.all_gather_objects(asdict(me), self.group)  # once per run
         config = {k: v for k, v in asdict(self.config).items() if k not in ("sinks", "run_config")}
-        config["sinks"] = [s if isinstance(s, str) else type(s).__name__ for s in self.config.sinks]
+        config["sinks"] = [s if isinstance(s, str) else type(s).__name__ for s in self.config.sinks or ()]
         config["run"] = self.config.run_config
         return RunHeader(world_size=world, ranks=[RankInfo(**i) for i in infos], config=config, started=time.time())
 
     def _open_sinks(self, header: RunHeader) -> None:
-        for spec in self.config.sinks:
+        for spec in self.config.sinks or ():
             sink = SafeSink(make_sink(spec, self.config.out_dir))
             sink.open(header)
             self._sinks.append(sink)

@@ -1,0 +1,92 @@
+"""The public surface: an honest __all__, no torch at import, clear errors for bad configuration."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+import rankmem
+from rankmem.sinks import SafeSink
+
+
+def test_all_is_exactly_the_public_names() -> None:
+    future = {"annotations"}  # `from __future__ import annotations` leaves this name behind
+    public = {n for n in vars(rankmem) if not n.startswith("_") or n == "__version__"} - future
+    modules = {n for n in public if type(getattr(rankmem, n)).__name__ == "module"}
+    assert set(rankmem.__all__) == public - modules
+    for name in rankmem.__all__:
+        assert getattr(rankmem, name) is not None
+
+
+def test_import_does_not_import_torch() -> None:
+    code = "import sys, rankmem; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"sinks": ("jsonl",)}, "set out_dir='runs/NAME'"),
+        ({"sinks": ("graphite",)}, "unknown sink 'graphite': choose from console, jsonl"),
+        ({"log_rank": -1}, "log_rank must be >= 0"),
+        ({"children_refresh_s": 0}, "children_refresh_s must be > 0"),
+        ({"colour": "red"}, "unknown Monitor option(s) ['colour']"),
+    ],
+)
+def test_bad_config_is_one_clear_error(options: dict[str, object], message: str) -> None:
+    with pytest.raises(rankmem.RankmemError) as info:
+        rankmem.Monitor(**options)  # type: ignore[arg-type]
+    assert message in str(info.value)
+
+
+def test_bad_phase_name_is_a_clear_error() -> None:
+    monitor = rankmem.Monitor(sinks=(), device="cpu")
+    with pytest.raises(rankmem.RankmemError, match="phase name must match"):
+        with monitor.phase("roll out"):
+            pass
+
+
+def test_non_scalar_metric_is_dropped_with_one_warning() -> None:
+    monitor = rankmem.Monitor(sinks=(), device="cpu", children=False)
+    with pytest.warns(RuntimeWarning, match="metric 'texts' is not a scalar"):
+        out = monitor.collect({"texts": ["a"], "loss": 2.0})
+    assert out["loss/mean"] == 2.0 and "texts/mean" not in out
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once only
+        monitor.collect({"texts": ["a"], "loss": 2.0})
+
+
+def test_failing_sink_warns_once_and_training_goes_on(tmp_path: object) -> None:
+    class Broken:
+        writes = 0
+
+        def open(self, header: object) -> None:
+            pass
+
+        def write(self, record: object) -> None:
+            Broken.writes += 1
+            raise OSError("disk full")
+
+        def close(self) -> None:
+            pass
+
+    monitor = rankmem.Monitor(sinks=(Broken(),), device="cpu", children=False)
+    with pytest.warns(RuntimeWarning, match="Broken failed in write.*disk full"):
+        monitor.collect({"loss": 1.0})
+    out = monitor.collect({"loss": 3.0})
+    assert out["loss/max"] == 3.0
+    assert Broken.writes == 1  # disabled after the first failure
+    assert all(isinstance(s, SafeSink) for s in monitor._sinks)
+
+
+def test_single_process_collect_needs_no_process_group() -> None:
+    monitor = rankmem.Monitor(sinks=(), device="cpu", children=False)
+    out = monitor.collect({"loss": 4.0}, step=7)
+    assert out["loss/max_rank"] == 0 and out["loss/min"] == 4.0
+    assert monitor.last_record is not None and monitor.last_record.step == 7
+    assert monitor.last_record.ranks["loss"] == [4.0]
+    assert monitor._gather.fallbacks == 0  # no collective at all
