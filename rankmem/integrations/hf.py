@@ -1,0 +1,108 @@
+"""Hugging Face ``Trainer`` integration: per-rank memory figures, aggregated across ranks, in its logs.
+
+    from rankmem.integrations.hf import RankmemCallback
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[RankmemCallback()])
+
+What is measured: each optimizer step (``on_step_begin`` .. ``on_step_end``) is the phase
+``train_step`` (keys ``mem/phase/train_step/...``: the max step peak since the last log, and the RSS /
+allocated growth summed over those steps). The window keys (``mem/host/peak_rss_gib``, ...) cover the
+whole logging interval, gaps included, so a spike in evaluation or checkpointing is not missed.
+
+When: at every ``on_log``. The Trainer calls ``on_log`` on every process at the same points (training
+log steps, evaluation, the final summary; ``Trainer.log`` is not rank-gated), which is what makes the
+collective in :meth:`rankmem.Monitor.collect` safe there. The aggregates (``K/max``, ``K/min``,
+``K/mean``, ``K/max_rank``) are added to ``logs`` and to the matching ``state.log_history`` entry.
+
+Ordering: the Trainer runs its ``report_to`` trackers' callbacks before the ones passed in
+``callbacks=``, so those trackers would miss the keys; :func:`attach` puts the callback ahead of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from rankmem._monitor import Monitor
+from rankmem.errors import MissingExtraError
+
+try:
+    from transformers import TrainerCallback
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise MissingExtraError("rankmem.integrations.hf", "hf", "transformers") from exc
+
+__all__ = ["RankmemCallback", "attach"]
+
+STEP_PHASE = "train_step"
+
+
+class RankmemCallback(TrainerCallback):  # type: ignore[misc]
+    """Adds rankmem's cross-rank memory aggregates to the Trainer's logs.
+
+    ``monitor``: a :class:`rankmem.Monitor` you built (on every rank); by default one is built at
+    ``on_train_begin``, after the Trainer has initialised the process group, from ``monitor_options``
+    (e.g. ``out_dir="runs/x", sinks=("jsonl",)`` to also write the run log; default: no sinks).
+    ``step_phase``: the phase name for each optimizer step, or ``None`` to skip per-step probing.
+    """
+
+    def __init__(self, monitor: Monitor | None = None, *, step_phase: str | None = STEP_PHASE, **monitor_options: Any):
+        self.monitor = monitor
+        self.step_phase = step_phase
+        self._options: dict[str, Any] = {"sinks": (), "verl_keys": False, **monitor_options}
+        self._owns_monitor = monitor is None
+        self._step: contextlib.ExitStack | None = None
+        self.last_metrics: dict[str, float] = {}
+        """The aggregates added at the last ``on_log``, on every rank."""
+
+    def _monitor(self) -> Monitor:
+        if self.monitor is None:
+            self.monitor = Monitor(**self._options)
+        return self.monitor
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._monitor()
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.step_phase is None:
+            return
+        self._close_step()
+        self._step = contextlib.ExitStack()
+        self._step.enter_context(self._monitor().phase(self.step_phase))
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._close_step()
+
+    def _close_step(self) -> None:
+        if self._step is not None:
+            step, self._step = self._step, None
+            step.close()
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        # A collective: every process reaches on_log at the same points (see the module docstring).
+        metrics = self._monitor().collect(step=int(state.global_step))
+        self.last_metrics = metrics
+        if logs is not None:
+            logs.update(metrics)
+        # Trainer.log appended a copy of logs to log_history before calling on_log.
+        history = getattr(state, "log_history", None)
+        if history and history[-1].get("step") == state.global_step:
+            history[-1].update(metrics)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._close_step()
+        if self._owns_monitor and self.monitor is not None:
+            self.monitor.close()
+
+
+def attach(trainer: Any, callback: RankmemCallback | None = None, **options: Any) -> RankmemCallback:
+    """Add ``callback`` (or a new one from ``options``) to ``trainer`` ahead of its tracker callbacks.
+
+    Placed right after the Trainer's flow callback, so W&B, TensorBoard, MLflow and the progress bar
+    all see the memory keys in the same ``logs``.
+    """
+    cb = callback if callback is not None else RankmemCallback(**options)
+    callbacks: list[Any] = trainer.callback_handler.callbacks
+    from transformers.trainer_callback import DefaultFlowCallback
+
+    flow = [i for i, c in enumerate(callbacks) if isinstance(c, DefaultFlowCallback)]
+    callbacks.insert(flow[0] + 1 if flow else 0, cb)
+    return cb
