@@ -344,8 +344,8 @@ class Monitor:
             agg_keys: Sequence[str] = keys
             matrix = np.vstack(rows) if rows else np.zeros((0, 0))
         else:
-            agg_keys, matrix = _collective.union_matrix(schemas, rows)  # type: ignore[arg-type]
-            differing = sorted(set(agg_keys) - set.intersection(*(set(s) for s in schemas)))  # type: ignore[arg-type]
+            agg_keys, matrix = _collective.union_matrix(schemas, rows)
+            differing = sorted(set(agg_keys) - set.intersection(*(set(s) for s in schemas)))
             self._warn_once(
                 "keys:" + ",".join(differing),
                 f"ranks reported different keys {differing}; each is aggregated over the ranks that have it",
@@ -429,4 +429,4 @@ def _to_float(value: Any) -> float | None:
 
 def _columns(keys: Sequence[str], matrix: np.ndarray) -> dict[str, list[float | None]]:
     cols = matrix.T.tolist()
-    return {k: [None if math.isnan(v) else v for v in col] for k, col in zip(keys, cols)}
+    return {k: [None if math.isnan(v) else v for v in col] for k, col in zip(keys, cols, strict=True)}

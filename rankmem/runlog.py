@@ -11,10 +11,13 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from typing import IO, Any
 
+import numpy as np
+
 from rankmem._records import RunHeader, StepRecord
+from rankmem.errors import RankmemError
 
 SCHEMA = 1
 RUN_LOG_NAME = "rankmem.jsonl"
@@ -83,3 +86,212 @@ class RunLogWriter:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+# ---- reader -------------------------------------------------------------------------------------------
+
+SUPPORTED_SCHEMAS = (1,)
+
+# A step line as RunLogWriter writes it: the aggregated metrics come before the per-rank vectors, which
+# close the line. The aggregates are a function of those vectors, so the fast path parses only the
+# ``"ranks"`` object (about a third of the line); anything else goes through a full json.loads.
+_STEP_PREFIX = '{"kind":"step","step":'
+_RANKS_MARK = ',"ranks":{'
+
+
+@dataclass
+class Run:
+    """A run log read into arrays: one row per logged step, one column per rank.
+
+    ``series[K]`` is a float64 array of shape ``(len(steps), world_size)`` holding the per-rank values of
+    key ``K``; ``nan`` where a step or a rank lacks it. ``metrics`` holds the aggregated keys (one value
+    per step) only when read with ``metrics=True``.
+    """
+
+    path: str
+    header: dict[str, Any]
+    steps: np.ndarray
+    """Step numbers, int64, in file order."""
+    times: np.ndarray
+    """Unix times of the collects, float64."""
+    series: dict[str, np.ndarray]
+    corrupt_lines: list[int] = field(default_factory=list)
+    """1-based line numbers that did not parse (or were not a step) and were skipped."""
+    truncated: bool = False
+    """True when the last line was cut short (a crash mid-write) and skipped."""
+    metrics: dict[str, np.ndarray] | None = None
+
+    @property
+    def world_size(self) -> int:
+        return int(self.header.get("world_size") or 0)
+
+    @property
+    def corrupt(self) -> int:
+        return len(self.corrupt_lines)
+
+    def phases(self) -> list[str]:
+        """Names of the phases with keys in the log (``mem/phase/<name>/...``), sorted."""
+        return sorted({k.split("/")[2] for k in self.series if k.startswith("mem/phase/") and k.count("/") >= 3})
+
+
+def resolve_run_path(path: str) -> str:
+    """A run directory or the ``.jsonl`` itself -> the run log's path; RankmemError when there is none."""
+    if os.path.isdir(path):
+        candidate = os.path.join(path, RUN_LOG_NAME)
+        if not os.path.isfile(candidate):
+            raise RankmemError(f"no run log in {path}: expected {candidate} (the Monitor writes it with sinks=('jsonl',))")
+        return candidate
+    if not os.path.isfile(path):
+        raise RankmemError(f"no run log at {path}: pass a run directory holding {RUN_LOG_NAME}, or the .jsonl file")
+    return path
+
+
+def _parse_header(first: str, path: str) -> dict[str, Any]:
+    try:
+        header = json.loads(first)
+    except ValueError:
+        header = None
+    if not isinstance(header, dict) or header.get("kind") != "header":
+        raise RankmemError(
+            f"{path} has no header line: its first line must be a rankmem run log header "
+            '({"kind":"header",...}); is this a rankmem.jsonl file?'
+        )
+    schema = header.get("schema")
+    if schema not in SUPPORTED_SCHEMAS:
+        supported = ", ".join(str(s) for s in SUPPORTED_SCHEMAS)
+        raise RankmemError(
+            f"{path} has run log schema {schema!r}; this rankmem reads schema {supported}: "
+            "read it with the rankmem version that wrote it (see the header's 'rankmem' field)"
+        )
+    return header
+
+
+def _fast_step(line: str) -> tuple[int, float, dict[str, Any]] | None:
+    """(step, time, ranks) of a line in the writer's own layout, or None to take the slow path."""
+    if not line.startswith(_STEP_PREFIX):
+        return None
+    cut = line.rfind(_RANKS_MARK)
+    if cut < 0:
+        return None
+    comma = line.find(",", len(_STEP_PREFIX))
+    head = line[len(_STEP_PREFIX) : comma]
+    rest = line[comma + 1 : line.find(",", comma + 1)]
+    if not rest.startswith('"time":'):
+        return None
+    try:
+        ranks = json.loads(line[cut + 9 : -1]) if line.endswith("}") else None
+        step, time_ = int(head), float(rest[7:])
+    except ValueError:
+        return None
+    if not isinstance(ranks, dict):
+        return None
+    return step, time_, ranks
+
+
+def read_run(path: str, *, metrics: bool = False) -> Run:
+    """Read a run log (a run directory or the ``.jsonl`` path) into a :class:`Run`.
+
+    Corrupt lines are skipped and counted; a truncated last line is skipped and flagged. An empty file,
+    a missing header and an unknown schema raise :class:`RankmemError`. ``metrics=True`` also parses the
+    aggregated keys of every line (a full parse, about three times slower).
+    """
+    path = resolve_run_path(path)
+    steps: list[int] = []
+    times: list[float] = []
+    # key -> (row indices, per-rank vectors): arrays are built once, at the end.
+    cols: dict[str, tuple[list[int], list[list[float | None]]]] = {}
+    aggs: dict[str, tuple[list[int], list[float | None]]] = {}
+    corrupt: list[int] = []
+    truncated = False
+    with open(path, encoding="utf-8", errors="replace") as f:
+        first = f.readline()
+        if not first.strip():
+            raise RankmemError(f"{path} is empty: the run wrote no header (a run log starts at the first collect())")
+        header = _parse_header(first, path)
+        lineno = 1
+        for line in f:
+            lineno += 1
+            ended = line.endswith("\n")
+            line = line.rstrip("\r\n")
+            if not line:
+                continue
+            parsed = None if metrics else _fast_step(line)
+            agg: Any = None
+            if parsed is None:
+                try:
+                    obj = json.loads(line)
+                except ValueError:
+                    obj = None
+                if (
+                    isinstance(obj, dict)
+                    and obj.get("kind") == "step"
+                    and isinstance(obj.get("ranks"), dict)
+                    and isinstance(obj.get("step"), int)
+                ):
+                    parsed = (obj["step"], _num(obj.get("time")), obj["ranks"])
+                    agg = obj.get("metrics")
+                else:
+                    if ended:
+                        corrupt.append(lineno)
+                    else:
+                        truncated = True
+                    continue
+            row = len(steps)
+            steps.append(parsed[0])
+            times.append(parsed[1])
+            for key, vec in parsed[2].items():
+                entry = cols.get(key)
+                if entry is None:
+                    entry = cols[key] = ([], [])
+                entry[0].append(row)
+                entry[1].append(vec)
+            if isinstance(agg, dict):
+                for key, value in agg.items():
+                    a = aggs.get(key)
+                    if a is None:
+                        a = aggs[key] = ([], [])
+                    a[0].append(row)
+                    a[1].append(value)
+    n = len(steps)
+    world = int(header.get("world_size") or 0)
+    series = {key: _stack(rows, vecs, n, world) for key, (rows, vecs) in cols.items()}
+    agg_arrays: dict[str, np.ndarray] | None = None
+    if metrics:
+        agg_arrays = {}
+        for key, (rows, values) in aggs.items():
+            out = np.full(n, np.nan)
+            out[np.asarray(rows, dtype=np.intp)] = np.array([_num(v) for v in values], dtype=float)
+            agg_arrays[key] = out
+    return Run(
+        path=path,
+        header=header,
+        steps=np.asarray(steps, dtype=np.int64),
+        times=np.asarray(times, dtype=np.float64),
+        series=series,
+        corrupt_lines=corrupt,
+        truncated=truncated,
+        metrics=agg_arrays,
+    )
+
+
+def _num(v: Any) -> float:
+    return float(v) if isinstance(v, (int, float)) else math.nan
+
+
+def _stack(rows: list[int], vecs: list[list[float | None]], n: int, world: int) -> np.ndarray:
+    """Per-rank vectors -> an ``(n, world)`` float64 array; ``None`` and missing rows become nan."""
+    out = np.full((n, world), np.nan)
+    index = np.asarray(rows, dtype=np.intp)
+    try:
+        # numpy turns None into nan under dtype=float; one C loop for the common, well-formed case.
+        block = np.array(vecs, dtype=float)
+    except (TypeError, ValueError):
+        block = None
+    if block is not None and block.ndim == 2 and block.shape[1] == world:
+        out[index] = block
+        return out
+    for i, vec in zip(rows, vecs, strict=True):  # ragged or odd values: keep what fits, row by row
+        if isinstance(vec, list):
+            for r, v in enumerate(vec[:world]):
+                out[i, r] = _num(v)
+    return out

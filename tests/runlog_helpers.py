@@ -1,0 +1,42 @@
+"""Build multi-rank run logs with known values, through the real writer (no torchrun needed)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+from rankmem._collective import aggregate
+from rankmem._records import RankInfo, RunHeader, StepRecord
+from rankmem.runlog import RUN_LOG_NAME, RunLogWriter
+
+
+def write_run(
+    out_dir: str | os.PathLike[str],
+    series: Mapping[str, np.ndarray],
+    steps: np.ndarray | None = None,
+    world: int | None = None,
+) -> Path:
+    """Write ``series`` (key -> steps x ranks array, GiB; nan = absent) as a run log; returns its path."""
+    first = next(iter(series.values()))
+    n, w = first.shape
+    world = world or w
+    steps = np.arange(n) if steps is None else steps
+    keys = sorted(series)
+    header = RunHeader(
+        world_size=world,
+        ranks=[RankInfo(rank=r, local_rank=r, host="node0", pid=1000 + r, device="none", peak_rss_scope="window") for r in range(world)],
+        config={"test": True},
+        started=1.7e9,
+    )
+    path = Path(out_dir) / RUN_LOG_NAME
+    writer = RunLogWriter(str(path))
+    writer.open(header)
+    for i in range(n):
+        matrix = np.column_stack([series[k][i] for k in keys])  # ranks x keys
+        ranks = {k: [None if np.isnan(v) else float(v) for v in series[k][i]] for k in keys}
+        writer.write(StepRecord(step=int(steps[i]), time=1.7e9 + i, metrics=aggregate(keys, matrix), ranks=ranks))
+    writer.close()
+    return path

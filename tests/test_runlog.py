@@ -1,0 +1,110 @@
+"""The run log reader: arrays per key, corrupt and truncated lines counted, clear errors for bad files."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import rankmem
+from rankmem.errors import RankmemError
+from rankmem.runlog import RUN_LOG_NAME, read_run
+from tests.runlog_helpers import write_run
+
+RSS = "mem/host/rss_gib"
+
+
+def _two_rank(tmp_path: Path, n: int = 6) -> Path:
+    rss = np.column_stack([np.arange(n) * 0.5, np.arange(n) * 0.25 + 1.0])
+    phase = np.full((n, 2), np.nan)
+    phase[::2, 1] = 7.0  # only rank 1, only on even steps
+    return write_run(tmp_path, {RSS: rss, "mem/phase/update/peak_rss_gib": phase}, steps=np.arange(n) * 10)
+
+
+def test_reads_values_steps_and_missing_as_nan(tmp_path: Path) -> None:
+    _two_rank(tmp_path)
+    run = read_run(str(tmp_path))  # a run directory works as well as the file
+    assert run.world_size == 2
+    assert run.steps.tolist() == [0, 10, 20, 30, 40, 50]
+    assert run.series[RSS][:, 0].tolist() == [0.0, 0.5, 1.0, 1.5, 2.0, 2.5]
+    assert run.series[RSS][:, 1].tolist() == [1.0, 1.25, 1.5, 1.75, 2.0, 2.25]
+    phase = run.series["mem/phase/update/peak_rss_gib"]
+    assert np.isnan(phase[:, 0]).all()
+    assert phase[::2, 1].tolist() == [7.0, 7.0, 7.0]
+    assert np.isnan(phase[1::2, 1]).all()
+    assert run.phases() == ["update"]
+    assert run.corrupt == 0 and not run.truncated and run.metrics is None
+
+
+def test_metrics_option_matches_fast_path(tmp_path: Path) -> None:
+    path = _two_rank(tmp_path)
+    full = read_run(str(path), metrics=True)
+    fast = read_run(str(path))
+    assert full.metrics is not None
+    assert full.metrics[RSS + "/max"].tolist() == [1.0, 1.25, 1.5, 1.75, 2.0, 2.5]
+    assert full.metrics[RSS + "/max_rank"].tolist() == [1, 1, 1, 1, 0, 0]  # the tie at step 40 goes to rank 0
+    np.testing.assert_array_equal(full.series[RSS], fast.series[RSS])
+
+
+def test_corrupt_lines_counted_and_truncated_last_line_skipped(tmp_path: Path) -> None:
+    path = _two_rank(tmp_path)
+    lines = path.read_text().splitlines(keepends=True)
+    lines.insert(3, "this is not json\n")
+    lines.insert(5, '{"kind":"step","step":99,"time":1.0,"metrics":{},"ranks":{"x":[1,\n')
+    lines.append(lines[-1][: len(lines[-1]) // 2])  # a crash mid-write: no newline
+    path.write_text("".join(lines))
+    run = read_run(str(path))
+    assert run.corrupt_lines == [4, 6]
+    assert run.truncated
+    assert run.steps.tolist() == [0, 10, 20, 30, 40, 50]
+
+
+def test_other_writers_layout_takes_the_slow_path(tmp_path: Path) -> None:
+    header = {"kind": "header", "schema": 1, "world_size": 2}
+    step = {"ranks": {RSS: [1.5, None]}, "time": 3.0, "step": 7, "kind": "step"}
+    (tmp_path / RUN_LOG_NAME).write_text(json.dumps(header) + "\n" + json.dumps(step, indent=None) + "\n")
+    run = read_run(str(tmp_path / RUN_LOG_NAME))
+    assert run.steps.tolist() == [7] and run.times.tolist() == [3.0]
+    assert run.series[RSS][0, 0] == 1.5 and math.isnan(run.series[RSS][0, 1])
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("", "is empty: the run wrote no header"),
+        ('{"kind":"step","step":0}\n', "has no header line"),
+        ("garbage\n", "has no header line"),
+        ('{"kind":"header","schema":7,"world_size":1}\n', "has run log schema 7; this rankmem reads schema 1"),
+    ],
+)
+def test_bad_files_raise_clear_errors(tmp_path: Path, content: str, message: str) -> None:
+    path = tmp_path / RUN_LOG_NAME
+    path.write_text(content)
+    with pytest.raises(RankmemError, match=message):
+        read_run(str(path))
+
+
+def test_missing_paths(tmp_path: Path) -> None:
+    with pytest.raises(RankmemError, match=f"no run log in {tmp_path}: expected .*{RUN_LOG_NAME}"):
+        read_run(str(tmp_path))
+    with pytest.raises(RankmemError, match="no run log at .*nope.jsonl: pass a run directory"):
+        read_run(str(tmp_path / "nope.jsonl"))
+
+
+def test_real_monitor_run_reads_back(tmp_path: Path) -> None:
+    monitor = rankmem.Monitor(out_dir=str(tmp_path), sinks=("jsonl",), device="cpu", children=False)
+    for step in range(4):
+        with monitor.step(step):
+            with monitor.phase("update"):
+                pass
+        monitor.collect({"loss": 1.0 / (step + 1)})
+    monitor.close()
+    run = read_run(str(tmp_path))
+    assert run.steps.tolist() == [0, 1, 2, 3]
+    assert run.world_size == 1 and run.header["schema"] == 1
+    assert run.series["loss"][:, 0].tolist() == [1.0, 0.5, 1.0 / 3, 0.25]
+    assert (run.series[RSS] > 0.001).all()
+    assert run.phases() == ["update"]
