@@ -9,12 +9,15 @@ from __future__ import annotations
 import math
 import warnings
 import zlib
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 _SIG_MASK = (1 << 52) - 1  # a float64 holds integers up to 2**53 exactly
+
+Schema = tuple[Any, ...]
+"""A rank's value layout: its sorted keys (with lengths, for lists); equal layouts pack equally."""
 
 
 def dist_active(group: Any = None) -> bool:
@@ -57,7 +60,7 @@ def _all_gather_single(out: Any, inp: Any, group: Any) -> None:
     fn(out, inp, group=group)
 
 
-def schema_signature(schema: Hashable) -> float:
+def schema_signature(schema: Schema) -> float:
     """A 52-bit checksum of the key layout, exact in a float64, equal on every rank for equal layouts."""
     text = repr(schema).encode()
     return float(((zlib.adler32(text) << 32) | zlib.crc32(text)) & _SIG_MASK)
@@ -80,7 +83,7 @@ class PackedGather:
         self.capacity = 0
         self.fallbacks = 0
         self._device: Any = None
-        self._last_schema: Hashable = None
+        self._last_schema: Schema | None = None
         self._last_sig = 0.0
 
     def _tensor_device(self) -> Any:
@@ -96,7 +99,7 @@ class PackedGather:
                 self._device = torch.device("cpu")
         return self._device
 
-    def gather(self, schema: Hashable, values: Sequence[float]) -> tuple[list[Hashable], list[np.ndarray]]:
+    def gather(self, schema: Schema, values: Sequence[float]) -> tuple[list[Schema], list[np.ndarray]]:
         """Per rank, its layout and its values. A collective: every rank of the group calls it."""
         if not dist_active(self.group):
             return [schema], [np.asarray(values, dtype=np.float64)]
@@ -154,8 +157,8 @@ def union_matrix(schemas: Sequence[Sequence[str]], rows: Sequence[np.ndarray]) -
     keys = sorted(set().union(*schemas))
     col = {k: j for j, k in enumerate(keys)}
     matrix = np.full((len(rows), len(keys)), math.nan)
-    for r, (schema, row) in enumerate(zip(schemas, rows)):
-        for k, v in zip(schema, row):
+    for r, (schema, row) in enumerate(zip(schemas, rows, strict=True)):
+        for k, v in zip(schema, row, strict=True):
             matrix[r, col[k]] = v
     return keys, matrix
 
@@ -189,14 +192,14 @@ class DictGather:
         layout, flat = _flatten(data)
         layouts, rows = self._gather.gather(layout, flat)
         out: dict[str, list[float]] = {}
-        for rank_layout, row in zip(layouts, rows):
+        for rank_layout, row in zip(layouts, rows, strict=True):
             pos = 0
-            for key, length in rank_layout:  # type: ignore[attr-defined]
+            for key, length in rank_layout:
                 out.setdefault(key, []).extend(row[pos : pos + length].tolist())
                 pos += length
-        if not self._warned and any(set(lay) != set(layouts[0]) for lay in layouts):  # type: ignore[arg-type]
+        if not self._warned and any(set(lay) != set(layouts[0]) for lay in layouts):
             self._warned = True
-            keysets = [{k for k, _ in lay} for lay in layouts]  # type: ignore[attr-defined]
+            keysets = [{k for k, _ in lay} for lay in layouts]
             differing = sorted(set().union(*keysets) - set.intersection(*keysets))
             if differing:
                 warnings.warn(f"rankmem: ranks gathered different keys: {differing}", RuntimeWarning, stacklevel=2)
