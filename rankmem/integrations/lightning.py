@@ -1,0 +1,101 @@
+"""Lightning integration: per-rank memory figures, aggregated across ranks, through Lightning's loggers.
+
+    from rankmem.integrations.lightning import RankmemCallback
+    trainer = L.Trainer(callbacks=[RankmemCallback()], ...)
+
+Each training batch (``on_train_batch_start`` .. ``on_train_batch_end``) is the phase ``train_step``;
+the window keys cover the whole interval between logs. Every ``every_n_steps`` batches (default:
+the Trainer's ``log_every_n_steps``) every rank calls :meth:`rankmem.Monitor.collect`, a collective:
+the hooks run on every rank and DDP ranks run the same number of batches (the distributed sampler
+pads), so the ranks agree on when. The global-zero rank then writes the aggregates to every logger
+with ``log_metrics`` (not ``self.log``, which would reduce the already-reduced values again).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from rankmem._monitor import Monitor
+from rankmem.errors import MissingExtraError
+
+try:
+    from lightning.pytorch.callbacks import Callback
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise MissingExtraError("rankmem.integrations.lightning", "lightning", "lightning") from exc
+
+__all__ = ["RankmemCallback"]
+
+STEP_PHASE = "train_step"
+
+
+class RankmemCallback(Callback):  # type: ignore[misc]
+    """Logs rankmem's cross-rank memory aggregates through the Trainer's loggers.
+
+    ``monitor``: a :class:`rankmem.Monitor` you built on every rank; by default one is built at
+    ``setup``, after the strategy has initialised the process group, from ``monitor_options``
+    (default: no sinks). ``every_n_steps``: batches between collects (default: the Trainer's
+    ``log_every_n_steps``). ``step_phase``: the phase name per batch, or ``None`` to skip it.
+    """
+
+    def __init__(
+        self,
+        monitor: Monitor | None = None,
+        *,
+        every_n_steps: int | None = None,
+        step_phase: str | None = STEP_PHASE,
+        **monitor_options: Any,
+    ) -> None:
+        if every_n_steps is not None and every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
+        self.monitor = monitor
+        self.every_n_steps = every_n_steps
+        self.step_phase = step_phase
+        self._options: dict[str, Any] = {"sinks": (), "verl_keys": False, **monitor_options}
+        self._owns_monitor = monitor is None
+        self._step: contextlib.ExitStack | None = None
+        self._batches = 0
+        self.last_metrics: dict[str, float] = {}
+        """The aggregates of the last collect, on every rank."""
+
+    def _monitor(self) -> Monitor:
+        if self.monitor is None:
+            self.monitor = Monitor(**self._options)
+        return self.monitor
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._monitor()
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self.step_phase is None:
+            return
+        self._close_step()
+        self._step = contextlib.ExitStack()
+        self._step.enter_context(self._monitor().phase(self.step_phase))
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._close_step()
+        self._batches += 1
+        every = self.every_n_steps or int(getattr(trainer, "log_every_n_steps", 50) or 50)
+        if self._batches % every == 0:
+            self._collect(trainer)
+
+    def _close_step(self) -> None:
+        if self._step is not None:
+            step, self._step = self._step, None
+            step.close()
+
+    def _collect(self, trainer: Any) -> None:
+        step = int(trainer.global_step)
+        metrics = self._monitor().collect(step=step)  # a collective: every rank is here (module docstring)
+        self.last_metrics = metrics
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=step)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self._close_step()
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if self._owns_monitor and self.monitor is not None:
+            self.monitor.close()
