@@ -1,0 +1,237 @@
+"""The reference job: a tiny GPT trained by :class:`TrainingWorker` with per-rank memory telemetry.
+
+Run (one node, two ranks)::
+
+    python -m torch.distributed.run --nproc-per-node 2 -m rankmem.engine.train --task grpo --steps 40 --out runs/demo
+
+Several nodes: the same line on each node with ``--nnodes N --node-rank I --rdzv-backend c10d
+--rdzv-endpoint HOST:PORT``. ``rankmem train`` builds these lines for you.
+
+Every rank measures; the logging rank (0) writes ``OUT/rankmem.jsonl``, shows progress and prints a
+summary: the peak of each memory key with its step, rank and phase.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+
+import rich.progress
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+import rankmem
+from rankmem._records import StepRecord
+from rankmem.engine.data import ArithmeticSFT, CountingTask, group_normalised_advantages
+from rankmem.engine.model import GPT, GPTConfig
+from rankmem.engine.options import add_job_arguments
+from rankmem.engine.worker import TrainingWorker, WorkerConfig, make_pg_loss, sft_loss
+from rankmem.errors import RankmemError
+
+StepCallback = Callable[[int, Mapping[str, float]], None]
+
+# Sizes of the generated tasks: small vocabularies keep the tiny GPT's learning visible in a few steps.
+SFT_VOCAB, SFT_SEQ_LEN = 32, 24
+GRPO_VOCAB, PROMPT_LEN, RESPONSE_LEN = 16, 4, 6
+
+
+def init_distributed(device_choice: str, timeout_s: float) -> torch.device:
+    """Join the torchrun job: NCCL on GPU, gloo on CPU, always with a timeout (a lost rank is an error,
+    not a hang)."""
+    if "RANK" not in os.environ:
+        raise RankmemError("launch under torchrun: python -m torch.distributed.run --nproc-per-node 2 -m rankmem.engine.train")
+    use_cuda = torch.cuda.is_available() if device_choice == "auto" else device_choice == "cuda"
+    if use_cuda and not torch.cuda.is_available():
+        raise RankmemError("--device cuda, but this torch has no CUDA device: use --device cpu")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if use_cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", timeout=timeout, device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=timeout)
+    return device
+
+
+def run_sft(worker: TrainingWorker, args: argparse.Namespace, on_step: StepCallback) -> None:
+    data = ArithmeticSFT(SFT_VOCAB, SFT_SEQ_LEN, args.batch_size, seed=args.seed)
+    for step in range(args.steps):
+        batch = data.batch(worker.rank, step)
+        with worker.step(step):
+            maybe_fail(args, step, worker.rank)
+            out = worker.train_batch(batch, sft_loss)
+        on_step(step, worker.finish_step(out))
+
+
+def run_grpo(worker: TrainingWorker, args: argparse.Namespace, on_step: StepCallback) -> None:
+    task = CountingTask(GRPO_VOCAB, PROMPT_LEN, RESPONSE_LEN, args.prompts_per_rank, args.group_size, seed=args.seed)
+    pg_loss = make_pg_loss()
+    for step in range(args.steps):
+        prompts = task.prompts(worker.rank, step)
+        mask = task.response_mask(prompts.shape[0])
+        with worker.step(step):
+            with worker.phase("rollout"):
+                seqs = worker.generate(prompts, RESPONSE_LEN)
+                rewards = task.reward(prompts, seqs[:, PROMPT_LEN:])
+                advantages = group_normalised_advantages(rewards, args.group_size)
+            with worker.phase("log_prob"):
+                old = worker.infer_batch({"input_ids": seqs, "loss_mask": mask}).log_probs
+            maybe_fail(args, step, worker.rank)
+            with worker.phase("update"):
+                batch = {"input_ids": seqs, "loss_mask": mask, "old_log_probs": old, "advantages": advantages}
+                out = worker.train_batch(batch, pg_loss)
+        on_step(step, worker.finish_step(out, {"reward": rewards.mean()}))
+
+
+def maybe_fail(args: argparse.Namespace, step: int, rank: int) -> None:
+    """The hidden ``--fail-at-step N --fail-rank R``: the tests' stand-in for a rank that crashes."""
+    if args.fail_at_step is not None and step == args.fail_at_step and rank == args.fail_rank:
+        raise RuntimeError(f"injected failure on rank {rank} at step {step} (--fail-at-step)")
+
+
+# ---- the logging rank's view: progress and summary ----------------------------------------------------
+# step key -> the per-phase key that tells in which phase the step's peak happened
+PEAK_KEYS = {
+    "mem/host/peak_rss_gib": "peak_rss_gib",
+    "mem/host/children_rss_gib": None,
+    "mem/device/peak_allocated_gib": "peak_allocated_gib",
+    "mem/device/peak_reserved_gib": "peak_reserved_gib",
+    "mem/device/used_gib": None,
+}
+
+
+@dataclass
+class Peak:
+    value: float
+    step: int
+    rank: int
+    phase: str
+
+
+class PeakTracker:
+    """The largest value of each memory key over the run, with its step, rank and phase."""
+
+    def __init__(self, monitor: rankmem.Monitor) -> None:
+        self.monitor = monitor
+        self.peaks: dict[str, Peak] = {}
+
+    def update(self, step: int, metrics: Mapping[str, float]) -> None:
+        record = self.monitor.last_record
+        for key, phase_suffix in PEAK_KEYS.items():
+            value = metrics.get(key + "/max")
+            if value is None or (key in self.peaks and self.peaks[key].value >= value):
+                continue
+            rank = int(metrics[key + "/max_rank"])
+            self.peaks[key] = Peak(value, step, rank, self._phase_of(record, phase_suffix, rank, value))
+
+    @staticmethod
+    def _phase_of(record: StepRecord | None, suffix: str | None, rank: int, value: float) -> str:
+        if record is None or suffix is None:
+            return "-"
+        best, best_value = "-", -1.0
+        for key, per_rank in record.ranks.items():
+            if key.startswith("mem/phase/") and key.endswith("/" + suffix):
+                v = per_rank[rank]
+                if v is not None and v > best_value:
+                    best, best_value = key.split("/")[2], v
+        # A phase holds the step's peak when its own peak reaches it (within 1 KiB of rounding).
+        if best == "-":
+            return best  # a step without phases
+        return best if best_value >= value - 2**-20 else "between phases"
+
+    def lines(self) -> list[str]:
+        out = []
+        for key, p in self.peaks.items():
+            out.append(f"  {key:<32} {p.value:8.3f} GiB  rank {p.rank}  step {p.step}  phase {p.phase}")
+        return out
+
+
+def headline(metrics: Mapping[str, float], task: str) -> str:
+    parts = [f"loss {metrics['loss/mean']:.3f}"]
+    if task == "grpo":
+        parts.append(f"reward {metrics['reward/mean']:.2f}")
+    for key, label in (("mem/device/peak_reserved_gib", "dev peak"), ("mem/host/peak_rss_gib", "rss peak")):
+        if key + "/max" in metrics:
+            parts.append(f"{label} {metrics[key + '/max']:.2f} GiB (rank {int(metrics[key + '/max_rank'])})")
+    return " | ".join(parts)
+
+
+@record  # torchrun's agent then shows the failing rank's traceback as the root cause
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_job_arguments(parser)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
+    device = init_distributed(args.device, args.pg_timeout_s)
+    try:
+        model = GPT(GPTConfig(vocab_size=SFT_VOCAB if args.task == "sft" else GRPO_VOCAB))
+        lr = args.lr if args.lr is not None else (3e-3 if args.task == "sft" else 5e-3)
+        config = WorkerConfig(engine=args.engine, lr=lr, total_steps=args.steps,
+                              micro_batch_size=args.micro_batch_size, peak_tflops=args.peak_tflops)
+        run_config = {**vars(args), "lr": lr, "params": model.num_params(), "worker": asdict(config)}
+        monitor = rankmem.Monitor(out_dir=args.out, sinks=("jsonl",), run_config=run_config)
+        worker = TrainingWorker(model, config, device=device, monitor=monitor)
+        # Different sampling per rank, after the identical init.
+        torch.manual_seed(args.seed * 1000 + worker.rank + 1)
+        tracker = PeakTracker(monitor)
+        with Progress(monitor.is_logging_rank and not args.no_progress, args.steps, args.task) as progress:
+
+            def on_step(step: int, metrics: Mapping[str, float]) -> None:
+                if monitor.is_logging_rank:
+                    tracker.update(step, metrics)
+                    progress.advance(step, headline(metrics, args.task))
+
+            (run_sft if args.task == "sft" else run_grpo)(worker, args, on_step)
+        monitor.close()
+        if monitor.is_logging_rank:
+            print(f"rankmem train: {args.task}/{args.engine}, {worker.world_size} ranks, {args.steps} steps, "
+                  f"{model.num_params() / 1e6:.2f}M params, device {device.type}")
+            print("peak memory (max over ranks and steps):")
+            print("\n".join(tracker.lines()))
+            print(f"run log: {os.path.join(args.out, 'rankmem.jsonl')}", flush=True)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+class Progress:
+    """A rich progress bar on a terminal, plain lines (every tenth of the run) otherwise; inert when
+    ``enabled`` is false (every rank but the logging one)."""
+
+    def __init__(self, enabled: bool, total: int, task: str) -> None:
+        self.enabled, self.total, self.task = enabled, total, task
+        self._bar: rich.progress.Progress | None = None
+        self._id: rich.progress.TaskID | None = None
+
+    def __enter__(self) -> Progress:
+        if self.enabled and sys.stdout.isatty():
+            import rich.progress as rp
+
+            self._bar = rp.Progress(rp.TextColumn(f"[bold]{self.task}"), rp.BarColumn(), rp.MofNCompleteColumn(),
+                                    rp.TimeElapsedColumn(), rp.TextColumn("{task.description}"))
+            self._bar.start()
+            self._id = self._bar.add_task("", total=self.total)
+        return self
+
+    def advance(self, step: int, text: str) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None and self._id is not None:
+            self._bar.update(self._id, advance=1, description=text)
+        elif step % max(1, self.total // 10) == 0 or step == self.total - 1:
+            print(f"step {step + 1}/{self.total}: {text}", flush=True)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

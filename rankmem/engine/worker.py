@@ -1,0 +1,316 @@
+"""``TrainingWorker``: the reference engine worker, in the shape of verl's.
+
+``train_batch`` runs micro-batches with gradient accumulation, clips gradients (yielding the grad
+norm) and steps the optimizer and LR scheduler; ``infer_batch`` is forward only (log-probs, optional
+loss); ``_postprocess_output`` builds the step's metrics (loss, grad norm, LR, tokens/s, MFU) and
+gathers them together with the memory metrics in the single collective of
+:meth:`rankmem.Monitor.collect`.
+
+Unlike verl, the collective runs after the step window has closed (:meth:`finish_step`), not inside
+``train_batch``: a GRPO step is rollout + log_prob + update, and the step's memory peak must cover all
+three. Without a monitor the same scalars travel in the same kind of collective
+(:func:`rankmem.allgather_dict_into_dict`) with no memory keys: the baseline the overhead benchmark
+compares against.
+
+The engine is DDP or FSDP2 (``fully_shard``) over gloo on CPU or NCCL on GPU. Both average gradients
+over the data-parallel ranks, so each micro-batch's summed loss is scaled by
+``world_size / global_tokens``: the gradient is then that of the token mean over the whole global batch,
+however tokens fall across ranks and micro-batches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import rankmem
+from rankmem.engine.data import Batch
+from rankmem.engine.model import GPT
+from rankmem.errors import RankmemError
+
+ENGINES = ("ddp", "fsdp")
+
+LossFn = Callable[[torch.Tensor, Batch], torch.Tensor]
+"""``loss_fn(log_probs, micro_batch) -> summed loss`` over the masked tokens (a sum, not a mean: the
+worker does the global token scaling)."""
+
+
+@dataclass
+class WorkerConfig:
+    """Optimisation and engine settings of a :class:`TrainingWorker`."""
+
+    engine: str = "ddp"
+    """``ddp`` (DistributedDataParallel) or ``fsdp`` (FSDP2, ``fully_shard`` per block and the root)."""
+    lr: float = 3e-3
+    """Peak learning rate of AdamW."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    warmup_steps: int = 5
+    """Linear warmup steps before the cosine decay."""
+    total_steps: int = 100
+    """Length of the cosine schedule; the LR ends at ``min_lr_ratio * lr``."""
+    min_lr_ratio: float = 0.1
+    """Final LR as a fraction of ``lr``."""
+    grad_clip: float = 1.0
+    """Max global gradient norm."""
+    micro_batch_size: int = 16
+    """Rows per forward/backward; a larger batch is accumulated over micro-batches."""
+    peak_tflops: float | None = None
+    """Peak dense TFLOP/s of one device for the MFU estimate; default 989 on CUDA (H100 bf16) and
+    0.1 on CPU (roughly two cores' fp32 FMA peak)."""
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise RankmemError(f"unknown engine {self.engine!r}: choose from {', '.join(ENGINES)}")
+        if self.micro_batch_size < 1:
+            raise RankmemError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if self.total_steps < 1 or self.warmup_steps < 0:
+            raise RankmemError("total_steps must be >= 1 and warmup_steps >= 0")
+        if self.peak_tflops is not None and not self.peak_tflops > 0:
+            raise RankmemError(f"peak_tflops must be > 0, got {self.peak_tflops}")
+
+
+@dataclass
+class TrainOutput:
+    """One rank's unreduced figures from :meth:`TrainingWorker.train_batch`."""
+
+    loss_sum: float
+    """Summed (unscaled) loss over this rank's masked tokens."""
+    local_tokens: float
+    """This rank's masked (loss) tokens."""
+    global_tokens: float
+    """Masked tokens over all ranks (one all_reduce SUM per step)."""
+    grad_norm: float
+    """Global gradient norm before clipping."""
+    lr: float
+    """Learning rate used for this step."""
+    tokens: int
+    """Tokens this rank pushed through forward and backward (for throughput and MFU)."""
+    seconds: float
+    """Wall time of ``train_batch`` on this rank."""
+
+
+@dataclass
+class InferOutput:
+    """Forward-only results of :meth:`TrainingWorker.infer_batch`."""
+
+    log_probs: torch.Tensor
+    """(B, T - 1) log-probability of each next token."""
+    loss_sum: float | None = None
+    """Summed loss over the masked tokens, when a loss function was given."""
+
+
+def sft_loss(log_probs: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """Next-token cross-entropy, summed over the masked tokens."""
+    return -(log_probs * batch["loss_mask"]).sum()
+
+
+def make_pg_loss(clip_eps: float = 0.2) -> LossFn:
+    """The PPO-clip policy-gradient loss on per-sequence advantages (GRPO), summed over response tokens."""
+
+    def pg_loss(log_probs: torch.Tensor, batch: Batch) -> torch.Tensor:
+        ratio = torch.exp(log_probs - batch["old_log_probs"])
+        adv = batch["advantages"][:, None]
+        surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
+        return -(surrogate * batch["loss_mask"]).sum()
+
+    return pg_loss
+
+
+def _lr_lambda(cfg: WorkerConfig) -> Callable[[int], float]:
+    def factor(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / (cfg.warmup_steps + 1)
+        progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps))
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def wrap_model(model: GPT, engine: str, device: torch.device) -> nn.Module:
+    """Wrap ``model`` (already on ``device``) in the data-parallel engine. Needs an initialised group."""
+    if not dist.is_initialized():
+        raise RankmemError("the engine needs torch.distributed: launch with torchrun (see rankmem.engine.train)")
+    if engine == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [device.index] if device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=ids)
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError as exc:
+        raise RankmemError(
+            f"--engine fsdp needs FSDP2 (torch.distributed.fsdp.fully_shard, torch >= 2.6); this torch "
+            f"{torch.__version__} lacks it: upgrade torch or use --engine ddp"
+        ) from exc
+    try:
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    except (RuntimeError, NotImplementedError) as exc:
+        backend = dist.get_backend()
+        raise RankmemError(
+            f"FSDP2 cannot shard on {device.type} with the {backend} backend in torch {torch.__version__} "
+            f"({exc}): use --engine ddp"
+        ) from exc
+    return model
+
+
+class TrainingWorker:
+    """A data-parallel GPT worker. Build it on every rank; :meth:`train_batch` and :meth:`finish_step`
+    are collectives (every rank calls them on the same steps)."""
+
+    def __init__(
+        self,
+        model: GPT,
+        config: WorkerConfig,
+        *,
+        device: torch.device,
+        monitor: rankmem.Monitor | None = None,
+    ) -> None:
+        self.config = config
+        self.device = device
+        self.monitor = monitor
+        self.world_size = dist.get_world_size()
+        self.rank = dist.get_rank()
+        # Before sharding: FSDP2 leaves each rank only its shard of the parameters.
+        self.flops_per_token = model.flops_per_token(model.cfg.block_size)
+        self.model = model
+        self.module = wrap_model(model.to(device), config.engine, device)
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(config))
+        peak = config.peak_tflops if config.peak_tflops is not None else (989.0 if device.type == "cuda" else 0.1)
+        self.peak_flops = peak * 1e12
+
+    # ---- telemetry windows (no-ops without a monitor) -----------------------------------------------
+    def step(self, n: int) -> contextlib.AbstractContextManager[None]:
+        return self.monitor.step(n) if self.monitor is not None else contextlib.nullcontext()
+
+    def phase(self, name: str) -> contextlib.AbstractContextManager[None]:
+        return self.monitor.phase(name) if self.monitor is not None else contextlib.nullcontext()
+
+    # ---- compute -------------------------------------------------------------------------------------
+    def _log_probs(self, input_ids: torch.Tensor) -> torch.Tensor:
+        logits = self.module(input_ids)[:, :-1].float()
+        return torch.gather(F.log_softmax(logits, dim=-1), 2, input_ids[:, 1:, None]).squeeze(2)
+
+    @contextlib.contextmanager
+    def _grad_sync(self, enabled: bool) -> Iterator[None]:
+        """Reduce gradients only on the last micro-batch: one all-reduce per step, not per micro-batch."""
+        if self.config.engine == "ddp":
+            with contextlib.nullcontext() if enabled else self.module.no_sync():  # type: ignore[operator]
+                yield
+        else:
+            self.module.set_requires_gradient_sync(enabled)  # type: ignore[operator]
+            yield
+
+    def _micro_batches(self, batch: Batch) -> list[Batch]:
+        n = batch["input_ids"].shape[0]
+        mbs = self.config.micro_batch_size
+        return [{k: v[i : i + mbs].to(self.device) for k, v in batch.items()} for i in range(0, n, mbs)]
+
+    def train_batch(self, batch: Batch, loss_fn: LossFn = sft_loss) -> TrainOutput:
+        """One optimizer step on ``batch``. A collective (token count, gradient reduction)."""
+        t0 = time.perf_counter()
+        self.module.train()
+        local_tokens = batch["loss_mask"].sum().to(self.device, torch.float64)
+        global_tokens_t = local_tokens.clone()
+        dist.all_reduce(global_tokens_t, op=dist.ReduceOp.SUM)  # gloo has SUM (not AVG)
+        global_tokens = float(global_tokens_t.item())
+        if global_tokens <= 0:
+            raise RankmemError("the global batch has no loss tokens: check loss_mask")
+        scale = self.world_size / global_tokens
+        micro = self._micro_batches(batch)
+        loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
+        for i, mb in enumerate(micro):
+            with self._grad_sync(i == len(micro) - 1):
+                summed = loss_fn(self._log_probs(mb["input_ids"]), mb)
+                (summed * scale).backward()  # type: ignore[no-untyped-call]
+            loss_sum += summed.detach()
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        full = getattr(norm, "full_tensor", None)  # FSDP2 returns a DTensor
+        grad_norm = float((full() if full is not None else norm).item())  # a device sync point
+        lr = float(self.scheduler.get_last_lr()[0])
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        tokens = int(batch["input_ids"].numel())
+        return TrainOutput(
+            loss_sum=float(loss_sum.item()),
+            local_tokens=float(local_tokens.item()),
+            global_tokens=global_tokens,
+            grad_norm=grad_norm,
+            lr=lr,
+            tokens=tokens,
+            seconds=time.perf_counter() - t0,
+        )
+
+    @torch.no_grad()
+    def infer_batch(self, batch: Batch, loss_fn: LossFn | None = None) -> InferOutput:
+        """Forward only: per-token log-probs (on the CPU), and the summed loss when ``loss_fn`` is given."""
+        self.module.eval()
+        parts: list[torch.Tensor] = []
+        loss_sum = 0.0
+        for mb in self._micro_batches(batch):
+            lp = self._log_probs(mb["input_ids"])
+            if loss_fn is not None:
+                loss_sum += float(loss_fn(lp, mb).item())
+            parts.append(lp.cpu())
+        return InferOutput(torch.cat(parts), loss_sum if loss_fn is not None else None)
+
+    @torch.no_grad()
+    def generate(self, prompts: torch.Tensor, new_tokens: int, temperature: float = 1.0) -> torch.Tensor:
+        """Sample ``new_tokens`` after each prompt from the policy. Every rank must call it with the same
+        shapes (FSDP2 all-gathers parameters in each forward)."""
+        self.module.eval()
+        seq = prompts.to(self.device)
+        for _ in range(new_tokens):
+            logits = self.module(seq)[:, -1].float() / temperature
+            nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1)
+            seq = torch.cat([seq, nxt], dim=1)
+        return seq.cpu()
+
+    # ---- metrics ---------------------------------------------------------------------------------------
+    def _postprocess_output(self, out: TrainOutput, extra: Mapping[str, float]) -> dict[str, float]:
+        """The step's metrics, aggregated over ranks in one collective (memory keys included when a
+        monitor is attached). Returns ``K/max``, ``K/min``, ``K/mean``, ``K/max_rank`` per key.
+
+        ``loss``: this rank's summed loss times ``world / global_tokens``, so ``loss/mean`` is the exact
+        token mean over the global batch (gloo has no AVG; a mean of these per-rank values is a SUM /
+        world). ``throughput/tokens_per_s`` and ``mfu`` are per rank: the job's total throughput is
+        ``mean * world``, its MFU the ``mean``.
+        """
+        tokens_per_s = out.tokens / out.seconds if out.seconds > 0 else float("nan")
+        local: dict[str, float] = {
+            "loss": out.loss_sum * self.world_size / out.global_tokens,
+            "grad_norm": out.grad_norm,
+            "lr": out.lr,
+            "throughput/tokens_per_s": tokens_per_s,
+            "mfu": tokens_per_s * self.flops_per_token / self.peak_flops,
+            "step_time_s": out.seconds,
+            **extra,
+        }
+        if self.monitor is not None:
+            return self.monitor.collect(local)
+        gathered = rankmem.allgather_dict_into_dict(local)
+        result: dict[str, float] = {}
+        for key, values in gathered.items():
+            v = np.asarray(values, dtype=np.float64)
+            result.update({f"{key}/max": float(v.max()), f"{key}/min": float(v.min()),
+                           f"{key}/mean": float(v.mean()), f"{key}/max_rank": float(v.argmax())})
+        return result
+
+    def finish_step(self, out: TrainOutput, extra: Mapping[str, Any] | None = None) -> dict[str, float]:
+        """Gather the step's metrics (a collective): call it on every rank after the step window closes."""
+        return self._postprocess_output(out, {k: float(v) for k, v in (extra or {}).items()})
