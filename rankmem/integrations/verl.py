@@ -1,0 +1,148 @@
+"""verl integration: memory figures that ride verl's own data-parallel gather and reduce correctly.
+
+verl's engine worker (``TrainingWorker._postprocess_output``, verl 0.9) all-gathers its metrics dict
+over the data-parallel group, then adds ``perf/max_memory_*_gb`` and ``perf/cpu_memory_used_gb``
+*after* the gather: rank-local lifetime peaks, and the node's system-wide used memory. The driver
+keeps one DP rank's output and reduces every list with ``reduce_metrics``, whose rule is by key
+name: a key containing ``max`` takes the max, else one containing ``min`` the min, else the mean.
+
+:func:`metrics_for_gather` is called *before* the gather instead. It returns this rank's window
+figures under names that rule reduces the way each figure means:
+
+- every per-rank key ``K`` becomes ``K/max``, ``K/min`` and ``K/mean`` (a peak taken by ``mean``
+  would hide the rank about to run out of memory, so the reduction is in the name). A name whose
+  base already contains ``max`` or ``min`` (a phase called ``minibatch``) would be reduced by that
+  word instead, so it is left out rather than emitted with a wrong value; ``K/max`` is always kept.
+- ``K/max_rank`` cannot come out of a per-key reduce; it is in rankmem's own run log and
+  :meth:`rankmem.Monitor.collect`.
+- verl's names, per rank, with the corrected meaning: ``perf/max_memory_allocated_gb`` and
+  ``perf/max_memory_reserved_gb`` are this window's peaks (the name says ``max``: max over ranks);
+  ``perf/cpu_memory_used_gb`` is the process RSS (not the node's), which verl's rule averages over
+  ranks because its name has no ``max``: the worst rank is ``mem/host/rss_gib/max``.
+
+Each value is a one-element list, like verl's per-micro-batch metrics: ``train_mini_batch`` flattens
+the gathered per-rank values with ``itertools.chain``, which needs lists, and ``reduce_metrics``
+reduces a list of lists over all of its elements.
+
+:func:`allgather_dict_into_dict` is a drop-in for verl's function of that name (same result: per key,
+each rank's value in rank order, lists kept whole) that sends numbers in one tensor collective
+instead of pickling, and falls back to a pickled gather only for values that are not numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from rankmem import _collective
+from rankmem._monitor import Monitor
+
+__all__ = ["VERL_NAMES", "allgather_dict_into_dict", "metrics_for_gather", "verl_reduction"]
+
+# verl's key -> the per-rank rankmem key whose value it carries (GiB: verl divides by 1024**3 too).
+VERL_NAMES = {
+    "perf/max_memory_allocated_gb": "mem/device/peak_allocated_gib",
+    "perf/max_memory_reserved_gb": "mem/device/peak_reserved_gib",
+    "perf/cpu_memory_used_gb": "mem/host/rss_gib",
+}
+
+_STATS = ("max", "min", "mean")
+
+
+def verl_reduction(key: str) -> str:
+    """The reduction verl's ``reduce_metrics`` applies to a plain list under ``key``."""
+    if "max" in key:
+        return "max"
+    if "min" in key:
+        return "min"
+    return "mean"
+
+
+def metrics_for_gather(monitor: Monitor) -> dict[str, list[float]]:
+    """This rank's figures for the window since the last call, named for verl's ``reduce_metrics``.
+
+    Local (no collective), so only the ranks that run ``_postprocess_output`` call it. Merge the
+    result into the metrics dict before verl's data-parallel all-gather.
+    """
+    local = monitor.local_metrics()
+    out: dict[str, list[float]] = {}
+    for key, value in local.items():
+        for stat in _STATS:
+            name = f"{key}/{stat}"
+            if verl_reduction(name) == stat:
+                out[name] = [value]
+    for verl_key, ours in VERL_NAMES.items():
+        if ours in local:
+            out[verl_key] = [local[ours]]
+    return out
+
+
+_NUMBER = (int, float)
+
+
+def _as_numbers(value: Any) -> tuple[str, list[float]] | None:
+    """``("s", [v])`` for a scalar, ``("l", [...])`` for a flat list of numbers, None otherwise."""
+    if hasattr(value, "tolist") and not isinstance(value, (list, tuple)):
+        value = value.tolist()  # tensors and numpy values; a 0-d one gives a scalar
+    if isinstance(value, _NUMBER) and not isinstance(value, bool):
+        return "s", [float(value)]
+    if isinstance(value, (list, tuple)) and all(isinstance(v, _NUMBER) and not isinstance(v, bool) for v in value):
+        return "l", [float(v) for v in value]
+    return None
+
+
+class VerlDictGather:
+    """The gather behind :func:`allgather_dict_into_dict`; keep one per call site (it learns a capacity)."""
+
+    def __init__(self, group: Any = None) -> None:
+        self.group = group
+        self._gather = _collective.PackedGather(group)
+
+    def __call__(self, data: Mapping[str, Any]) -> dict[str, list[Any]]:
+        if not isinstance(data, Mapping):
+            raise TypeError(f"allgather_dict_into_dict expects a dict, got {type(data).__name__}")
+        layout: list[tuple[str, str, int]] = []
+        flat: list[float] = []
+        objects: dict[str, Any] = {}
+        for key, value in data.items():  # insertion order, as verl's result keeps it
+            numbers = _as_numbers(value)
+            if numbers is None:
+                layout.append((key, "o", 0))
+                objects[key] = value
+            else:
+                layout.append((key, numbers[0], len(numbers[1])))
+                flat.extend(numbers[1])
+        layouts, rows = self._gather.gather(tuple(layout), flat)
+        # Every rank sees every layout, so all take the pickled path together or none does.
+        gathered_objects: list[dict[str, Any]] = [objects]
+        if any(kind == "o" for lay in layouts for _, kind, _ in lay):  # type: ignore[attr-defined]
+            gathered_objects = _collective.all_gather_objects(objects, self.group)
+        out: dict[str, list[Any]] = {}
+        for rank, (rank_layout, row) in enumerate(zip(layouts, rows, strict=True)):
+            pos = 0
+            for key, kind, length in rank_layout:  # type: ignore[attr-defined]
+                if kind == "o":
+                    value: Any = gathered_objects[rank][key]
+                else:
+                    chunk = row[pos : pos + length].tolist()  # float64: integers exact up to 2**53
+                    pos += length
+                    value = chunk[0] if kind == "s" else chunk
+                out.setdefault(key, []).append(value)
+        return out
+
+
+_gathers: dict[int, VerlDictGather] = {}
+
+
+def allgather_dict_into_dict(data: Mapping[str, Any], group: Any = None) -> dict[str, list[Any]]:
+    """Drop-in for ``verl.utils.torch_functional.allgather_dict_into_dict``: a collective over ``group``.
+
+    Returns, per key, each rank's value in rank order (a scalar per rank, or that rank's list; numbers come back
+    as floats).
+    Numbers travel in one ``all_gather_into_tensor``; values that are not numbers (verl's ``Metric``
+    objects) make every rank add one pickled gather. Without a process group it returns ``[value]``.
+    """
+    gather = _gathers.get(id(group))
+    if gather is None:
+        gather = _gathers[id(group)] = VerlDictGather(group)
+    return gather(data)
