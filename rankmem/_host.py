@@ -99,8 +99,16 @@ class LinuxHostProbe:
 
     def peak_rss(self) -> int | None:
         """Max RSS since the last :meth:`reset_peak` (``VmHWM``)."""
+        return self.rss_and_peak()[1]
+
+    def rss_and_peak(self) -> tuple[int | None, int | None]:
+        """Current RSS and the peak since the last reset from one read of ``status`` (``VmRSS``,
+        ``VmHWM``): the kernel formats the whole file on every read (~5 us), so read it once."""
         data = _pread(self._status, _STATUS_BUF)
-        return None if data is None else _procfs.parse_kb_field(data, b"VmHWM")
+        if data is None:
+            return self.rss(), None
+        rss, hwm = _procfs.parse_status_rss_hwm(data)
+        return (rss if rss is not None else self.rss()), hwm
 
     def reset_peak(self) -> None:
         if self._clear_refs is not None:
@@ -233,6 +241,9 @@ class PsutilHostProbe:
         candidates = [v for v in (rss, self._peak, os_peak) if v is not None]
         self._peak = max(candidates) if candidates else None
         return self._peak
+
+    def rss_and_peak(self) -> tuple[int | None, int | None]:
+        return self.rss(), self.peak_rss()
 
     def reset_peak(self) -> None:
         self._peak = None

@@ -192,8 +192,7 @@ class Monitor:
         current RSS and device reading."""
         host, dev_backend = self._host, self._device
         host.check_fork()
-        peak_rss = host.peak_rss()
-        rss = host.rss()
+        rss, peak_rss = host.rss_and_peak()
         dev = dev_backend.read() if dev_backend is not None else None
         peak_alloc = dev.peak_allocated if dev else None
         peak_res = dev.peak_reserved if dev else None

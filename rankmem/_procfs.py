@@ -47,6 +47,28 @@ def parse_kb_field(data: bytes, name: bytes) -> int | None:
     return value * _KB if unit == b"kb" else value
 
 
+def parse_status_rss_hwm(data: bytes) -> tuple[int | None, int | None]:
+    """``(VmRSS, VmHWM)`` in bytes from ``/proc/PID/status``: the per-step hot path, so one scan.
+
+    Kernel threads and zombies have neither field; both are then ``None``.
+    """
+    return _kb_after(data, b"\nVmRSS:"), _kb_after(data, b"\nVmHWM:")
+
+
+def _kb_after(data: bytes, tag: bytes) -> int | None:
+    start = data.find(tag)
+    if start < 0:
+        return None
+    start += len(tag)
+    end = data.find(b" kB", start)
+    if end < 0 or end - start > 32:
+        return None
+    try:
+        return int(data[start:end]) * _KB  # int() skips the tab and padding
+    except ValueError:
+        return None
+
+
 def parse_meminfo(data: bytes) -> tuple[int | None, int | None]:
     """``(MemTotal, MemAvailable)`` in bytes. ``MemAvailable`` is missing before Linux 3.14."""
     return parse_kb_field(data, b"MemTotal"), parse_kb_field(data, b"MemAvailable")

@@ -43,6 +43,12 @@ def test_status_missing_and_odd_fields() -> None:
     assert _procfs.parse_kb_field(b"Threads:\t7\n", b"Threads") == 7  # a count, no unit
 
 
+def test_status_rss_hwm_fast_path() -> None:
+    assert _procfs.parse_status_rss_hwm(STATUS) == (262144 * 1024, 524288 * 1024)
+    assert _procfs.parse_status_rss_hwm(b"Name:\tkthreadd\nState:\tS\n") == (None, None)  # kernel thread
+    assert _procfs.parse_status_rss_hwm(b"x\nVmHWM:\t bad kB\nVmRSS:\t 4 kB\n") == (4096, None)
+
+
 def test_meminfo_total_available() -> None:
     data = b"MemTotal:       24683304 kB\nMemFree:        20000000 kB\nMemAvailable:   22000000 kB\n"
     assert _procfs.parse_meminfo(data) == (24683304 * 1024, 22000000 * 1024)
