@@ -1,0 +1,84 @@
+"""The ``mlflow`` sink: the aggregated keys as MLflow metrics, through ``MlflowClient`` (no global run).
+
+Where it writes: ``tracking_uri`` if given, else ``MLFLOW_TRACKING_URI``, else a local store under the
+run directory: ``sqlite:///<out_dir>/mlflow.db`` when SQLAlchemy is installed, otherwise the file
+store ``<out_dir>/mlruns`` (mlflow-skinny ships no SQL backend). Read it back with
+``mlflow ui --backend-store-uri <that URI>``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import re
+from typing import Any
+
+from rankmem._records import RunHeader, StepRecord
+from rankmem.errors import RankmemError
+
+# MLflow rejects metric names outside letters, digits and "_-. /:" (see its validation module).
+_KEY_BAD = re.compile(r"[^A-Za-z0-9_\-. /:]")
+_BATCH = 1000  # MLflow's limit of metrics per log_batch call
+
+
+def mlflow_key(key: str) -> str:
+    return _KEY_BAD.sub("_", key)
+
+
+def local_tracking_uri(out_dir: str) -> str:
+    """The local store for ``out_dir``: SQLite when SQLAlchemy is importable, else the file store."""
+    out_dir = os.path.abspath(out_dir)
+    if importlib.util.find_spec("sqlalchemy") is not None:
+        return "sqlite:///" + os.path.join(out_dir, "mlflow.db")
+    # MLflow 3 refuses the file store unless asked: it is the only store mlflow-skinny can write.
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    return "file://" + os.path.join(out_dir, "mlruns")
+
+
+class MlflowSink:
+    """Logs every finite aggregated key per step to one MLflow run (experiment ``rankmem`` by default)."""
+
+    def __init__(
+        self,
+        out_dir: str | None = None,
+        tracking_uri: str | None = None,
+        experiment: str = "rankmem",
+        run_name: str | None = None,
+    ) -> None:
+        tracking_uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+        if tracking_uri is None:
+            if out_dir is None:
+                raise RankmemError("the mlflow sink needs out_dir='runs/NAME' or MLFLOW_TRACKING_URI for its store")
+            tracking_uri = local_tracking_uri(out_dir)
+        self.tracking_uri = tracking_uri
+        self.experiment = experiment
+        self.run_name = run_name or (os.path.basename(os.path.abspath(out_dir)) if out_dir else None)
+        self.run_id: str | None = None
+        self._client: Any = None
+
+    def open(self, header: RunHeader) -> None:
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=self.tracking_uri)
+        found = client.get_experiment_by_name(self.experiment)
+        experiment_id = found.experiment_id if found is not None else client.create_experiment(self.experiment)
+        hosts = ",".join(sorted({r.host for r in header.ranks}))
+        tags = {"rankmem.world_size": str(header.world_size), "rankmem.hosts": hosts[:5000]}
+        run = client.create_run(experiment_id, run_name=self.run_name, tags=tags)
+        self._client, self.run_id = client, run.info.run_id
+
+    def write(self, record: StepRecord) -> None:
+        from mlflow.entities import Metric
+
+        ms = int(record.time * 1000)
+        metrics = [
+            Metric(mlflow_key(k), v, ms, record.step) for k, v in record.metrics.items() if math.isfinite(v)
+        ]
+        for i in range(0, len(metrics), _BATCH):
+            self._client.log_batch(self.run_id, metrics=metrics[i : i + _BATCH])
+
+    def close(self) -> None:
+        if self._client is not None and self.run_id is not None:
+            self._client.set_terminated(self.run_id)
+            self._client = None
