@@ -1,0 +1,100 @@
+"""Hugging Face Trainer integration, with a real ``transformers.Trainer`` on a tiny random GPT-2 (CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+REPO = Path(__file__).resolve().parent.parent
+KEYS = ("mem/host/rss_gib", "mem/host/peak_rss_gib", "mem/phase/train_step/peak_rss_gib")
+
+
+def _statm_rss_gib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+
+def _check_entry(entry: dict[str, Any], world: int) -> None:
+    for key in KEYS:
+        lo, mean, hi = entry[key + "/min"], entry[key + "/mean"], entry[key + "/max"]
+        assert 0.05 < lo <= mean <= hi < 8, (key, lo, mean, hi)
+        assert entry[key + "/max_rank"] in range(world)
+    assert entry["mem/host/peak_rss_gib/max"] >= entry["mem/host/rss_gib/max"]
+    assert entry["mem/host/peak_rss_gib/min"] >= entry["mem/host/rss_gib/min"]
+
+
+def test_trainer_single_process(tmp_path: Path) -> None:
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from rankmem.integrations.hf import RankmemCallback, attach
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=128, n_positions=32))
+    data = [{"input_ids": x, "labels": x} for x in torch.randint(0, 128, (32, 16))]
+    args = TrainingArguments(
+        output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4, logging_steps=1,
+        use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=data)
+    cb = attach(trainer)
+    order = [type(c).__name__ for c in trainer.callback_handler.callbacks]
+    assert order.index("RankmemCallback") == order.index("DefaultFlowCallback") + 1
+    trainer.train()
+    statm = _statm_rss_gib()
+
+    steps = [e for e in trainer.state.log_history if "loss" in e]
+    assert [e["step"] for e in steps] == [1, 2, 3]
+    for entry in steps:
+        _check_entry(entry, world=1)
+        assert entry["mem/host/rss_gib/max_rank"] == 0
+    # The last window ended moments ago: its RSS is this process's RSS now, within 64 MiB.
+    assert abs(cb.last_metrics["mem/host/rss_gib/max"] - statm) < 1 / 16
+    assert isinstance(cb, RankmemCallback)
+
+
+def test_trainer_two_processes_gloo(tmp_path: Path, run_torchrun: Any) -> None:
+    proc = run_torchrun(REPO / "examples/hf_example.py", 2, ["--out", str(tmp_path)], timeout=180)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    history = json.loads((tmp_path / "log_history.json").read_text())
+    logged = [e for e in history if "loss" in e]
+    assert [e["step"] for e in logged] == [2, 4]
+    for entry in logged:
+        _check_entry(entry, world=2)
+    # The run log (jsonl sink) keeps per-rank vectors of world-size length.
+    lines = [json.loads(x) for x in (tmp_path / "rankmem.jsonl").read_text().splitlines()]
+    assert lines[0]["world_size"] == 2
+    steps = [x for x in lines if x.get("kind") == "step"]
+    assert len(steps) == 3  # two training logs and the final summary
+    for rec in steps:
+        for key in KEYS[:2]:
+            assert len(rec["ranks"][key]) == 2
+            assert max(rec["ranks"][key]) == rec["metrics"][key + "/max"]
+
+
+def test_importing_rankmem_imports_no_framework() -> None:
+    code = "import sys, rankmem; print(sorted(m for m in ('transformers', 'lightning', 'torch') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_missing_framework_names_the_extra() -> None:
+    code = (
+        "import sys; sys.modules['transformers'] = None\n"
+        "try:\n    import rankmem.integrations.hf\nexcept ImportError as e:\n"
+        "    print(type(e).__name__, e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == (
+        "MissingExtraError rankmem.integrations.hf needs transformers, which is not installed: "
+        "pip install 'rankmem[hf]'"
+    )
