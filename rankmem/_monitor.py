@@ -149,8 +149,9 @@ class Monitor:
         self._collects = 0
         self._sinks: list[SafeSink] = []
         self._header: RunHeader | None = None
-        self.last_record: StepRecord | None = None
-        """The last aggregated record (per-rank vectors included), on every rank."""
+        self._last: tuple[int, float, dict[str, float], Sequence[str], np.ndarray] | None = None
+        self._last_record: StepRecord | None = None
+        self._is_logging_rank = False  # known at the first collect
         self._leak_watch: Any = None
         self._implicit = self._begin()
 
@@ -180,6 +181,26 @@ class Monitor:
     def header(self) -> RunHeader | None:
         """The run header, known on every rank after the first :meth:`collect`."""
         return self._header
+
+    @property
+    def last_record(self) -> StepRecord | None:
+        """The last collect's record, per-rank vectors included, on every rank (built on first use:
+        only the logging rank needs the per-rank lists every step)."""
+        if self._last_record is None and self._last is not None:
+            step, when, metrics, keys, matrix = self._last
+            self._last_record = StepRecord(step=step, time=when, metrics=metrics, ranks=_columns(keys, matrix))
+        return self._last_record
+
+    def _check_leaks(self, record: StepRecord) -> None:
+        try:  # leak checking is advice: nothing in it may reach the training loop
+            if self._leak_watch is None:
+                from rankmem.leaks import LeakWatch
+
+                self._leak_watch = LeakWatch()
+            self._leak_watch.feed(record)
+        except Exception as exc:  # noqa: BLE001
+            self.config.leak_check = False
+            self._warn_once("leaks", f"online leak check failed and is off: {exc!r}")
 
     # ---- window edges -------------------------------------------------------------------------------
     def _warn_once(self, key: str, message: str) -> None:
@@ -335,7 +356,8 @@ class Monitor:
         self._collects += 1
         if self._header is None:
             self._header = self._make_header()
-            if self.is_logging_rank:
+            self._is_logging_rank = self.is_logging_rank
+            if self._is_logging_rank:
                 self._open_sinks(self._header)
         keys = tuple(sorted(local))
         schemas, rows = self._gather.gather(keys, [local[k] for k in keys])
@@ -352,18 +374,13 @@ class Monitor:
         aggregated = _collective.aggregate(agg_keys, matrix)
         if self.config.verl_keys:
             aggregated.update(verl_metrics(aggregated))
-        record = StepRecord(step=int(step), time=time.time(), metrics=aggregated, ranks=_columns(agg_keys, matrix))
-        self.last_record = record
-        if self.config.leak_check and self.is_logging_rank:
-            try:  # leak checking is advice: nothing in it may reach the training loop
-                if self._leak_watch is None:
-                    from rankmem.leaks import LeakWatch
-
-                    self._leak_watch = LeakWatch()
-                self._leak_watch.feed(record)
-            except Exception:  # noqa: BLE001
-                pass
-        if self._sinks:
+        self._last = (int(step), time.time(), aggregated, agg_keys, matrix)
+        self._last_record = None
+        if self._is_logging_rank and (self._sinks or self.config.leak_check):
+            record = self.last_record
+            assert record is not None
+            if self.config.leak_check:
+                self._check_leaks(record)
             for sink in self._sinks:
                 sink.write(record)
         return aggregated
