@@ -1,0 +1,166 @@
+"""The reference engine worker under real torchrun launches: learning, the run log's contents,
+DDP/FSDP2 agreement, multi-node rendezvous and a failing rank. Every launch has a timeout."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import REPO, free_port, torchrun
+
+ENTRY = "rankmem.engine.train"
+CLI_TIMEOUT_S = 180
+
+
+def read_log(out: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    lines = (out / "rankmem.jsonl").read_text().splitlines()
+    header = json.loads(lines[0])
+    steps = [json.loads(line) for line in lines[1:]]
+    return header, steps
+
+
+def train(out: Path, *args: str, nproc: int = 2) -> subprocess.CompletedProcess[str]:
+    proc = torchrun(ENTRY, nproc, ["--out", str(out), "--no-progress", *args], extra=["-m"], timeout=CLI_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def cli(*args: str, timeout: float = CLI_TIMEOUT_S) -> subprocess.Popen[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "rankmem", "train", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def series(steps: list[dict[str, Any]], key: str) -> list[float]:
+    return [s["metrics"][key] for s in steps]
+
+
+def test_sft_loss_falls_and_ddp_matches_fsdp(tmp_path: Path) -> None:
+    ddp, fsdp = tmp_path / "ddp", tmp_path / "fsdp"
+    train(ddp, "--task", "sft", "--engine", "ddp", "--steps", "12")
+    train(fsdp, "--task", "sft", "--engine", "fsdp", "--steps", "3")
+    _, d = read_log(ddp)
+    _, f = read_log(fsdp)
+    loss = series(d, "loss/mean")
+    assert [s["step"] for s in d] == list(range(12))
+    # An untrained GPT predicts nearly uniformly over the 32 tokens: loss ~ ln 32.
+    assert abs(loss[0] - math.log(32)) < 0.25
+    assert loss[-1] < 0.8 * loss[0]
+    # Same seed, same data, same global-token scaling: the engines agree before and after an update.
+    for step in (0, 1):
+        assert f[step]["metrics"]["loss/mean"] == pytest.approx(d[step]["metrics"]["loss/mean"], rel=1e-4)
+        assert f[step]["metrics"]["grad_norm/mean"] == pytest.approx(d[step]["metrics"]["grad_norm/mean"], rel=1e-3)
+
+
+def test_grpo_reward_rises_and_run_log_has_every_key(tmp_path: Path) -> None:
+    proc = train(tmp_path, "--task", "grpo", "--steps", "30")
+    header, steps = read_log(tmp_path)
+    assert header["world_size"] == 2 and [r["rank"] for r in header["ranks"]] == [0, 1]
+    reward = series(steps, "reward/mean")
+    assert sum(reward[-5:]) / 5 > sum(reward[:5]) / 5 + 0.15, reward
+
+    last = steps[-1]
+    metrics, ranks = last["metrics"], last["ranks"]
+    mem_keys = [k for k in ranks if k.startswith("mem/")]
+    for key in ("mem/host/rss_gib", "mem/host/peak_rss_gib", "mem/node/used_gib"):
+        assert key in mem_keys
+    for key in mem_keys:  # per-rank vectors, aggregated consistently
+        vec = ranks[key]
+        assert len(vec) == 2, key
+        if None not in vec:
+            assert metrics[key + "/max"] == max(vec) and metrics[key + "/min"] == min(vec)
+            assert int(metrics[key + "/max_rank"]) == vec.index(max(vec))
+    for phase in ("rollout", "log_prob", "update"):
+        assert ranks[f"mem/phase/{phase}/peak_rss_gib"][0] > 0.05  # a Python + torch process holds >50 MiB
+    # A step's peak covers its phases.
+    for r in (0, 1):
+        assert ranks["mem/host/peak_rss_gib"][r] >= max(ranks[f"mem/phase/{p}/peak_rss_gib"][r] for p in ("rollout", "log_prob", "update"))
+    assert metrics["perf/cpu_memory_used_gb"] == metrics["mem/host/rss_gib/max"]
+    assert "perf/max_memory_allocated_gb" not in metrics  # no device on a CPU build: absent, not 0
+    # Worker metrics, gathered in the same collective.
+    assert metrics["lr/max"] == metrics["lr/min"] > 0
+    assert steps[0]["metrics"]["lr/mean"] == pytest.approx(5e-3 / 6)  # first warmup step of 5
+    assert metrics["grad_norm/min"] >= 0 and math.isfinite(metrics["grad_norm/max"])
+    assert metrics["throughput/tokens_per_s/min"] > 0
+    # MFU is tokens/s x FLOPs per token / peak (0.1 TFLOP/s on CPU), per rank.
+    params = header["config"]["run"]["params"]
+    flops_per_token = 6 * params + 12 * 3 * 96 * 32
+    for r in (0, 1):
+        assert ranks["mfu"][r] == pytest.approx(ranks["throughput/tokens_per_s"][r] * flops_per_token / 1e11, rel=1e-6)
+    # The summary names the peak's rank and phase.
+    assert "peak memory" in proc.stdout and "mem/host/peak_rss_gib" in proc.stdout
+
+
+@pytest.mark.slow
+def test_grpo_reward_keeps_rising(tmp_path: Path) -> None:
+    train(tmp_path, "--task", "grpo", "--engine", "fsdp", "--steps", "100")
+    _, steps = read_log(tmp_path)
+    reward = series(steps, "reward/mean")
+    assert sum(reward[-10:]) / 10 > 0.4, reward
+
+
+def test_two_torchrun_agents_form_one_job(tmp_path: Path) -> None:
+    endpoint = f"127.0.0.1:{free_port()}"
+    common = ["--nproc-per-node", "1", "--nnodes", "2", "--rdzv-endpoint", endpoint, "--rdzv-id", "t2n",
+              "--task", "sft", "--steps", "3", "--no-progress", "--timeout-s", "150"]
+    agents = [cli(*common, "--node-rank", str(n), "--out", str(tmp_path / f"node{n}")) for n in (0, 1)]
+    outputs = [a.communicate(timeout=CLI_TIMEOUT_S) for a in agents]
+    for a, (out, err) in zip(agents, outputs, strict=True):
+        assert a.returncode == 0, out[-2000:] + err[-2000:]
+    # Exactly one agent hosts the logging rank; its run log lists both nodes' ranks.
+    logs = [tmp_path / f"node{n}" for n in (0, 1) if (tmp_path / f"node{n}" / "rankmem.jsonl").exists()]
+    assert len(logs) == 1
+    header, steps = read_log(logs[0])
+    assert header["world_size"] == 2
+    assert sorted(r["rank"] for r in header["ranks"]) == [0, 1]
+    assert [r["local_rank"] for r in header["ranks"]] == [0, 0]  # one process per node
+    assert len({r["pid"] for r in header["ranks"]}) == 2
+    assert len(steps) == 3 and all(len(v) == 2 for v in steps[-1]["ranks"].values())
+
+
+def test_failing_rank_fails_the_launch_and_keeps_the_log(tmp_path: Path) -> None:
+    proc = cli("--task", "grpo", "--steps", "8", "--fail-at-step", "3", "--fail-rank", "1", "--no-progress",
+               "--out", str(tmp_path), "--timeout-s", "150")
+    out, err = proc.communicate(timeout=CLI_TIMEOUT_S)
+    assert proc.returncode not in (0, 124), err[-2000:]
+    assert "RuntimeError: injected failure on rank 1 at step 3 (--fail-at-step)" in err
+    assert "rankmem train: the job failed" in err
+    header, steps = read_log(tmp_path)  # every line parses
+    assert header["kind"] == "header"
+    assert [s["step"] for s in steps] == [0, 1, 2]
+
+
+def test_multinode_without_endpoint_is_a_user_error() -> None:
+    proc = cli("--nnodes", "2", "--node-rank", "1")
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2
+    assert err.strip() == ("rankmem train: error: --nnodes > 1 needs --rdzv-endpoint HOST:PORT, the same on every "
+                           "node (e.g. node 0's address:29500)")
+
+
+def test_torchrun_command_passes_launch_options_through() -> None:
+    import argparse
+
+    from rankmem.cli import _train
+
+    parser = argparse.ArgumentParser()
+    _train.add_arguments(parser)
+    args = parser.parse_args(["--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "10.0.0.1:29500",
+                              "--task", "sft", "--steps", "5", "--engine", "fsdp", "--out", "runs/x"])
+    cmd = _train.torchrun_command(args)
+    assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    launch = cmd[3:cmd.index("-m", 3)]
+    assert launch == ["--nproc-per-node", "2", "--max-restarts", "0", "--nnodes", "2", "--node-rank", "1",
+                      "--rdzv-backend", "c10d", "--rdzv-endpoint", "10.0.0.1:29500", "--rdzv-id", "rankmem"]
+    job = cmd[cmd.index(ENTRY) + 1:]
+    assert job[job.index("--task") + 1] == "sft" and job[job.index("--engine") + 1] == "fsdp"
+    assert job[job.index("--steps") + 1] == "5" and "--fail-at-step" not in job
+    single = _train.torchrun_command(parser.parse_args([]))
+    assert "--standalone" in single and "--rdzv-endpoint" not in single
