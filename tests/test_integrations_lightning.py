@@ -1,0 +1,77 @@
+"""Lightning integration, with a real Lightning Trainer on CPU, read back from a CSVLogger's metrics.csv."""
+
+from __future__ import annotations
+
+import csv
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("lightning")
+
+REPO = Path(__file__).resolve().parent.parent
+KEYS = ("mem/host/rss_gib", "mem/host/peak_rss_gib", "mem/phase/train_step/peak_rss_gib")
+
+
+def _rows(path: Path) -> list[dict[str, float]]:
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    return [{k: float(v) for k, v in r.items() if v != ""} for r in rows if r.get("mem/host/rss_gib/max")]
+
+
+def _check_row(row: dict[str, float], world: int) -> None:
+    for key in KEYS:
+        lo, mean, hi = row[key + "/min"], row[key + "/mean"], row[key + "/max"]
+        assert 0.05 < lo <= mean <= hi < 8, (key, lo, mean, hi)
+        assert row[key + "/max_rank"] in range(world)
+    assert row["mem/host/peak_rss_gib/max"] >= row["mem/host/rss_gib/max"]
+
+
+def test_lightning_two_process_ddp_gloo(tmp_path: Path, run_torchrun: Any) -> None:
+    proc = run_torchrun(REPO / "examples/lightning_example.py", 2, ["--out", str(tmp_path), "--devices", "2"],
+                        timeout=180)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = _rows(tmp_path / "csv/version_0/metrics.csv")
+    assert [r["step"] for r in rows] == [2, 4, 6, 8]
+    for row in rows:
+        _check_row(row, world=2)
+
+
+def test_lightning_single_process(tmp_path: Path) -> None:
+    import lightning as L
+    import torch
+    from lightning.pytorch.loggers import CSVLogger
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from rankmem.integrations.lightning import RankmemCallback
+
+    class Tiny(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return self.lin(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    cb = RankmemCallback(every_n_steps=1)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=3, callbacks=[cb],
+                        logger=CSVLogger(str(tmp_path), name="csv"),
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=str(tmp_path))
+    trainer.fit(Tiny(), DataLoader(TensorDataset(torch.randn(12, 4)), batch_size=4))
+    with open("/proc/self/statm") as f:
+        statm = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+    # The last window ended moments ago: its RSS is this process's RSS now, within 64 MiB.
+    assert abs(cb.last_metrics["mem/host/rss_gib/max"] - statm) < 1 / 16
+    rows = _rows(tmp_path / "csv/version_0/metrics.csv")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for row in rows:
+        _check_row(row, world=1)
+        assert row["mem/host/rss_gib/max_rank"] == 0
+    with pytest.raises(ValueError, match="every_n_steps must be >= 1"):
+        RankmemCallback(every_n_steps=0)
