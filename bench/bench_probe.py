@@ -53,6 +53,37 @@ def main() -> None:
     for name, us in best.items():
         print(f"{name:52s} {us:9.2f} {us / baseline:14.2f}x")
     probe.close()
+    device_cases()
+
+
+def device_cases() -> None:
+    """On a GPU: one device read (memory_stats + mem_get_info) and a peak reset, against
+    ``torch.cuda.memory_allocated()`` (which builds the same stats dict) as the baseline."""
+    try:
+        import torch
+    except ImportError:
+        return
+    if not torch.cuda.is_available():
+        print("device: no CUDA GPU here; run scripts/gpu_check.sh on one")
+        return
+    from rankmem._device import select_backend
+
+    backend = select_backend("cuda")
+    assert backend is not None
+
+    def edge() -> None:
+        backend.read()
+        backend.reset_peaks()
+
+    cases: dict[str, Callable[[], object]] = {
+        "torch.cuda.memory_allocated()": torch.cuda.memory_allocated,
+        "rankmem device read (stats + mem_get_info)": backend.read,
+        "rankmem device edge (read + peak reset)": edge,
+    }
+    best = {name: min(per_call_us(fn, 2000) for _ in range(ROUNDS)) for name, fn in cases.items()}
+    baseline = best["torch.cuda.memory_allocated()"]
+    for name, us in best.items():
+        print(f"{name:52s} {us:9.2f} {us / baseline:14.2f}x")
 
 
 if __name__ == "__main__":

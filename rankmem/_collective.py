@@ -78,8 +78,10 @@ class PackedGather:
     The first call always takes the fallback (the capacity starts at 0), which also learns the layout.
     """
 
-    def __init__(self, group: Any = None) -> None:
+    def __init__(self, group: Any = None, device: tuple[str, int] | None = None) -> None:
         self.group = group
+        self.device_hint = device
+        """``(device_type, index)`` of the monitor's backend, for device-only collectives (NCCL, HCCL)."""
         self.capacity = 0
         self.fallbacks = 0
         self._device: Any = None
@@ -92,8 +94,12 @@ class PackedGather:
             import torch.distributed as dist
 
             backend = str(dist.get_backend(self.group)).lower()
-            # NCCL gathers device tensors only; everything else (gloo) gathers on the CPU.
-            if "nccl" in backend and torch.cuda.is_available():
+            # gloo (and MPI) gather CPU tensors; NCCL, HCCL and XCCL gather device tensors only.
+            if "gloo" in backend or "mpi" in backend:
+                self._device = torch.device("cpu")
+            elif self.device_hint is not None:
+                self._device = torch.device(*self.device_hint)
+            elif torch.cuda.is_available():
                 self._device = torch.device("cuda", torch.cuda.current_device())
             else:
                 self._device = torch.device("cpu")

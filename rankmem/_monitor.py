@@ -139,7 +139,9 @@ class Monitor:
         self.group = group
         self._host: HostProbe = make_host_probe(config.children, config.children_refresh_s)
         self._device: DeviceBackend | None = select_backend(config.device, device_module)
-        self._gather = _collective.PackedGather(group)
+        self._gather = _collective.PackedGather(
+            group, (self._device.name, self._device.index) if self._device is not None else None
+        )
         self._warned: set[str] = set()
         self._open: list[_Window] = []
         self._lifetime = _Window(None, None)
