@@ -1,0 +1,66 @@
+"""``rankmem leaks RUN``: per rank, is host RSS / device allocated / worker RSS still growing?
+
+Exit status: 1 when a leak is found, 0 when none is, 2 on a user error (as every subcommand).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+
+from rankmem.leaks import LEAK_KEYS, LeakConfig
+
+
+def add_leak_options(parser: argparse.ArgumentParser) -> None:
+    d = LeakConfig()
+    g = parser.add_argument_group("leak detection")
+    g.add_argument("--window", type=float, default=d.window, metavar="FRAC",
+                   help=f"examine the last FRAC of the logged steps, after warm-up (default {d.window})")
+    g.add_argument("--last", type=int, default=None, metavar="N", help="examine the last N logged steps instead")
+    g.add_argument("--min-growth", type=float, default=d.min_growth_mib, metavar="MIB",
+                   help=f"smallest growth over the window worth flagging, MiB (default {d.min_growth_mib:g})")
+    g.add_argument("--alpha", type=float, default=d.alpha,
+                   help=f"largest Mann-Kendall p-value that counts as growth (default {d.alpha:g})")
+
+
+def leak_config(args: argparse.Namespace) -> LeakConfig:
+    return LeakConfig(window=args.window, last=args.last, min_growth_mib=args.min_growth, alpha=args.alpha)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run", metavar="RUN", help="a run directory (holding rankmem.jsonl) or the .jsonl file")
+    parser.add_argument("--keys", nargs="+", default=list(LEAK_KEYS), metavar="KEY",
+                        help="per-rank series to test (default: " + " ".join(LEAK_KEYS) + ")")
+    parser.add_argument("-v", "--verbose", action="store_true", help="print every rank's trend, not only leaks")
+    parser.add_argument("--json", action="store_true", help="print the trends as JSON")
+    add_leak_options(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rankmem.errors import RankmemError
+    from rankmem.leaks import detect_leaks
+    from rankmem.runlog import read_run
+
+    the_run = read_run(args.run)
+    unknown = [k for k in args.keys if k not in the_run.series]
+    if unknown and len(unknown) == len(args.keys):
+        raise RankmemError(f"none of {unknown} is in the run log; it has: {', '.join(sorted(the_run.series))}")
+    trends = detect_leaks(the_run, args.keys, leak_config(args))
+    leaks = [t for t in trends if t.leak]
+    if args.json:
+        print(json.dumps({"leaks": [asdict(t) for t in leaks], "trends": [asdict(t) for t in trends]}, indent=1))
+        return 1 if leaks else 0
+    if the_run.corrupt or the_run.truncated:
+        print(f"skipped: {the_run.corrupt} corrupt line(s){', a truncated last line' if the_run.truncated else ''}")
+    for t in trends if args.verbose else leaks:
+        print(f"{'LEAK' if t.leak else 'ok  '} {t.describe()}")
+    if leaks:
+        ranks = sorted({t.rank for t in leaks})
+        print(f"leak found on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}")
+        return 1
+    if not trends:
+        print(f"no verdict: fewer than {leak_config(args).min_steps} logged steps in the window")
+        return 0
+    print(f"no leak found ({len(trends)} rank series checked)")
+    return 0

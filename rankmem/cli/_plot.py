@@ -1,0 +1,34 @@
+"""``rankmem plot RUN -o FILE.png``: per-rank memory against step, phase peaks marked, worst rank named."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _size(text: str) -> tuple[int, int]:
+    try:
+        w, h = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"size must be WIDTHxHEIGHT in pixels, like 1200x800; got {text!r}") from None
+    if w < 100 or h < 100:
+        raise argparse.ArgumentTypeError(f"size must be at least 100x100 pixels; got {text!r}")
+    return w, h
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run", metavar="RUN", help="a run directory (holding rankmem.jsonl) or the .jsonl file")
+    parser.add_argument("-o", "--output", required=True, metavar="FILE.png", help="where to write the PNG")
+    parser.add_argument("--keys", nargs="+", default=None, metavar="KEY",
+                        help="per-rank keys to plot, one panel each (default: host rss, host peak rss, "
+                             "device peak reserved when present)")
+    parser.add_argument("--size", type=_size, default=None, metavar="WxH",
+                        help="image size in pixels (default 1200 wide, 360 high per panel)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from rankmem.plot import plot_run
+    from rankmem.runlog import read_run
+
+    keys = plot_run(read_run(args.run), args.output, keys=args.keys, size=args.size)
+    print(f"wrote {args.output} ({', '.join(keys)})")
+    return 0

@@ -1,0 +1,26 @@
+"""``rankmem report RUN``: peaks per key with their step, rank and phase; headroom, growth, leaks."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from rankmem.cli._leaks import add_leak_options, leak_config
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run", metavar="RUN", help="a run directory (holding rankmem.jsonl) or the .jsonl file")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    add_leak_options(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rankmem.report import build_report, render
+    from rankmem.runlog import read_run
+
+    report = build_report(read_run(args.run), leak_config(args))
+    if args.json:
+        print(json.dumps(report.to_json(), indent=1, sort_keys=True))
+    else:
+        render(report)
+    return 0

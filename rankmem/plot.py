@@ -1,0 +1,100 @@
+"""``rankmem plot``: one panel per key, one line per rank against step, drawn with matplotlib (Agg).
+
+Phase peaks of the same quantity (``mem/phase/P/peak_*``) are drawn as markers, one marker shape per
+phase, so a spike shows which phase made it. The worst rank (highest peak; lowest for headroom) is
+drawn thicker and named in the legend. matplotlib is imported only here: ``pip install 'rankmem[plot]'``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import warnings
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from rankmem.errors import MissingExtraError, RankmemError
+from rankmem.report import LOW_IS_BAD, PHASE_SUFFIX
+from rankmem.runlog import Run
+
+DEFAULT_KEYS = ("mem/host/rss_gib", "mem/host/peak_rss_gib", "mem/device/peak_reserved_gib")
+_MARKERS = "o^sDv<>Px*"
+_DPI = 100
+
+
+def default_keys(run: Run) -> list[str]:
+    return [k for k in DEFAULT_KEYS if k in run.series]
+
+
+def _label(key: str) -> str:
+    return f"{key} (GiB)" if key.endswith("_gib") else key
+
+
+def plot_run(run: Run, output: str, keys: Sequence[str] | None = None, size: tuple[int, int] | None = None) -> list[str]:
+    """Write a PNG of ``keys`` (default :data:`DEFAULT_KEYS` present in the run); returns the keys drawn."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise MissingExtraError("rankmem plot", "plot", "matplotlib")
+    chosen = list(keys) if keys else default_keys(run)
+    missing = [k for k in chosen if k not in run.series]
+    if missing or not chosen:
+        available = ", ".join(k for k in sorted(run.series) if not k.startswith("mem/phase/"))
+        raise RankmemError(f"no such key(s) in the run log: {', '.join(missing) or '(none chosen)'}; choose from: {available}")
+    if run.steps.size == 0:
+        raise RankmemError(f"{run.path} has no logged steps to plot")
+    width, height = size or (1200, 360 * len(chosen))
+
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed; must precede pyplot's first import
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    fig, axes = plt.subplots(len(chosen), 1, figsize=(width / _DPI, height / _DPI), dpi=_DPI, sharex=True, squeeze=False)
+    steps = run.steps
+    phases = run.phases()
+    try:
+        for ax, key in zip(axes[:, 0], chosen, strict=True):
+            matrix = run.series[key]
+            low = key in LOW_IS_BAD
+            with np.errstate(invalid="ignore"), _quiet():
+                worst_per_rank = np.nanmin(matrix, axis=0) if low else np.nanmax(matrix, axis=0)
+            finite = np.isfinite(worst_per_rank)
+            worst = int(np.nanargmin(worst_per_rank) if low else np.nanargmax(worst_per_rank)) if finite.any() else -1
+            colors = plt.get_cmap("tab10" if matrix.shape[1] <= 10 else "viridis")
+            for rank in range(matrix.shape[1]):
+                color = colors(rank % 10 if matrix.shape[1] <= 10 else rank / max(matrix.shape[1] - 1, 1))
+                label = f"rank {rank}" + (" (worst)" if rank == worst else "")
+                ax.plot(steps, matrix[:, rank], color=color, label=label, linewidth=2.2 if rank == worst else 1.0)
+            suffix = PHASE_SUFFIX.get(key)
+            for i, p in enumerate(phases):
+                col = run.series.get(f"mem/phase/{p}/{suffix}") if suffix else None
+                if col is None:
+                    continue
+                # One marker per step at the ranks' max: shows which phase peaks where without clutter.
+                with _quiet():
+                    peak = np.nanmax(col, axis=1)
+                ax.scatter(steps, peak, marker=_MARKERS[i % len(_MARKERS)], s=14, color="black", alpha=0.6,
+                           label=f"phase {p} peak (max over ranks)", zorder=3)
+            if worst >= 0:
+                ax.set_title(f"{key}: worst rank {worst}, {'min' if low else 'peak'} {worst_per_rank[worst]:.3f}"
+                             + (" GiB" if key.endswith("_gib") else ""))
+            ax.set_ylabel(_label(key))
+            ax.grid(True, alpha=0.3)
+            ax.legend(loc="best", fontsize="small", ncol=2 if matrix.shape[1] > 4 else 1)
+        axes[-1, 0].set_xlabel("step")
+        axes[-1, 0].xaxis.set_major_locator(MaxNLocator(integer=True))
+        fig.tight_layout()
+        # No bbox_inches="tight": the PNG must be exactly the size asked for.
+        fig.savefig(output, dpi=_DPI, format="png")
+    finally:
+        plt.close(fig)
+    return chosen
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Silence numpy's all-NaN-slice warnings: a rank or a step without a value is normal here."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        yield

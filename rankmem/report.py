@@ -1,0 +1,266 @@
+"""``rankmem report``: what a run log says about each memory key, worst rank first.
+
+Per key: the worst value over the run (the peak, or the minimum for keys where low is bad, such as
+device headroom), the step and rank that hold it, the phase that set it (when the run has phases),
+and the imbalance across ranks (max over mean of the per-rank peaks). Then device headroom, host RSS
+growth and the leak verdicts of :mod:`rankmem.leaks`. Everything is computed on the arrays of
+:func:`rankmem.runlog.read_run`, so a 100k-step log costs little more than reading it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from rankmem.leaks import LeakConfig, Trend, detect_leaks
+from rankmem.runlog import Run
+
+# Keys whose danger is a low value: their worst is the minimum.
+LOW_IS_BAD = ("mem/device/headroom_gib", "mem/node/available_gib")
+
+# A step-level peak key -> the phase key that holds the same peak inside phase P (mem/phase/P/<suffix>).
+PHASE_SUFFIX = {
+    "mem/host/peak_rss_gib": "peak_rss_gib",
+    "mem/device/peak_allocated_gib": "peak_allocated_gib",
+    "mem/device/peak_reserved_gib": "peak_reserved_gib",
+}
+OUTSIDE_PHASES = "(outside phases)"
+
+
+@dataclass
+class KeyReport:
+    """The worst value of one per-rank key over the run."""
+
+    key: str
+    worst: str
+    """``"max"`` or ``"min"``: which end is dangerous."""
+    value: float
+    step: int
+    rank: int
+    phase: str | None
+    """The phase whose own peak equals this step's peak on this rank; ``None`` when not applicable."""
+    imbalance: float | None
+    """max over mean, across ranks, of each rank's peak over the run (1.0 = balanced)."""
+
+
+@dataclass
+class Growth:
+    """How much a per-rank key grew from the first to the last step, for the rank that grew most."""
+
+    key: str
+    rank: int
+    first: float
+    last: float
+    mean_growth: float
+    """Mean over ranks of (last - first)."""
+
+    @property
+    def growth(self) -> float:
+        return self.last - self.first
+
+
+@dataclass
+class Report:
+    path: str
+    world_size: int
+    hosts: list[str]
+    steps: int
+    first_step: int | None
+    last_step: int | None
+    corrupt: int
+    truncated: bool
+    keys: list[KeyReport] = field(default_factory=list)
+    headroom: KeyReport | None = None
+    host_growth: Growth | None = None
+    trends: list[Trend] = field(default_factory=list)
+
+    @property
+    def leaks(self) -> list[Trend]:
+        return [t for t in self.trends if t.leak]
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["leaks"] = [asdict(t) for t in self.leaks]
+        if self.host_growth is not None:
+            out["host_growth"]["growth"] = self.host_growth.growth
+        cleaned: dict[str, Any] = _clean(out)
+        return cleaned
+
+
+def _clean(obj: Any) -> Any:
+    """NaN and infinities become None: the JSON output must parse everywhere."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _clean(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+def memory_keys(run: Run) -> list[str]:
+    """The run's per-rank memory keys, phase keys aside, sorted."""
+    return sorted(k for k in run.series if k.startswith("mem/") and not k.startswith("mem/phase/"))
+
+
+def _phase_of(run: Run, key: str, row: int, rank: int, value: float) -> str | None:
+    suffix = PHASE_SUFFIX.get(key)
+    phases = run.phases()
+    if suffix is None or not phases:
+        return None
+    best: tuple[float, str] | None = None
+    for p in phases:
+        col = run.series.get(f"mem/phase/{p}/{suffix}")
+        if col is None:
+            continue
+        v = float(col[row, rank])
+        # The step peak is the max of its phases' peaks and the gaps: bit-equal when a phase set it.
+        if math.isfinite(v) and math.isclose(v, value, rel_tol=1e-9, abs_tol=1e-12) and (best is None or v > best[0]):
+            best = (v, p)
+    return best[1] if best else OUTSIDE_PHASES
+
+
+def key_report(run: Run, key: str) -> KeyReport | None:
+    """The worst value of ``key`` with its step, rank, phase and imbalance; None if never present."""
+    matrix = run.series[key]
+    if matrix.size == 0 or not np.isfinite(matrix).any():
+        return None
+    low = key in LOW_IS_BAD
+    filled = np.where(np.isfinite(matrix), matrix, np.inf if low else -np.inf)
+    # argmin/argmax over the flattened (step, rank) array: ties go to the earliest step, then lowest rank.
+    flat = int(filled.argmin() if low else filled.argmax())
+    row, rank = divmod(flat, matrix.shape[1])
+    value = float(matrix[row, rank])
+    imbalance = None
+    if not low:
+        with np.errstate(invalid="ignore"):
+            per_rank = np.nanmax(np.where(np.isfinite(matrix), matrix, np.nan), axis=0)
+        per_rank = per_rank[np.isfinite(per_rank)]
+        mean = float(per_rank.mean()) if per_rank.size else math.nan
+        imbalance = float(per_rank.max()) / mean if per_rank.size and mean > 0 else None
+    return KeyReport(
+        key=key,
+        worst="min" if low else "max",
+        value=value,
+        step=int(run.steps[row]),
+        rank=rank,
+        phase=_phase_of(run, key, row, rank, value),
+        imbalance=imbalance,
+    )
+
+
+def growth(run: Run, key: str) -> Growth | None:
+    """First-to-last change of ``key`` per rank (each rank's own first and last finite value)."""
+    matrix = run.series.get(key)
+    if matrix is None:
+        return None
+    best: Growth | None = None
+    changes = []
+    for rank in range(matrix.shape[1]):
+        col = matrix[:, rank]
+        ok = np.flatnonzero(np.isfinite(col))
+        if ok.size < 2:
+            continue
+        first, last = float(col[ok[0]]), float(col[ok[-1]])
+        changes.append(last - first)
+        if best is None or last - first > best.growth:
+            best = Growth(key=key, rank=rank, first=first, last=last, mean_growth=0.0)
+    if best is not None:
+        best.mean_growth = float(np.mean(changes))
+    return best
+
+
+def build_report(run: Run, leak_config: LeakConfig | None = None) -> Report:
+    steps = run.steps
+    report = Report(
+        path=run.path,
+        world_size=run.world_size,
+        hosts=sorted({str(r.get("host")) for r in run.header.get("ranks", []) if isinstance(r, dict)}),
+        steps=int(steps.size),
+        first_step=int(steps[0]) if steps.size else None,
+        last_step=int(steps[-1]) if steps.size else None,
+        corrupt=run.corrupt,
+        truncated=run.truncated,
+    )
+    for key in memory_keys(run):
+        kr = key_report(run, key)
+        if kr is not None:
+            report.keys.append(kr)
+            if key == "mem/device/headroom_gib":
+                report.headroom = kr
+    report.host_growth = growth(run, "mem/host/rss_gib")
+    report.trends = detect_leaks(run, config=leak_config)
+    return report
+
+
+def _fmt(value: float, key: str) -> str:
+    return f"{value:.3f}" if key.endswith("_gib") else f"{value:g}"
+
+
+def render(report: Report) -> None:
+    """Print the report with rich: a summary, one table row per key, then headroom, growth and leaks."""
+    import sys
+
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    # A fixed width off a terminal keeps piped output and tests stable.
+    console = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 120, highlight=False)
+    for line in summary_lines(report):
+        console.print(line, markup=False)
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    for name, justify in (("key", "left"), ("worst", "right"), ("unit", "left"), ("step", "right"),
+                          ("rank", "right"), ("phase", "left"), ("max/mean", "right")):
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for k in report.keys:
+        table.add_row(
+            k.key,
+            f"{k.worst} {_fmt(k.value, k.key)}",
+            "GiB" if k.key.endswith("_gib") else "",
+            str(k.step),
+            str(k.rank),
+            k.phase or "",
+            f"{k.imbalance:.2f}" if k.imbalance is not None else "",
+        )
+    if report.keys:
+        console.print(table)
+    for line in verdict_lines(report):
+        console.print(line, markup=False)
+
+
+def summary_lines(report: Report) -> list[str]:
+    lines = [f"run log: {report.path}"]
+    span = f"steps {report.first_step}..{report.last_step}" if report.steps else "no steps"
+    hosts = f"{len(report.hosts)} host{'s' if len(report.hosts) != 1 else ''}"
+    lines.append(f"{report.world_size} ranks on {hosts}, {report.steps} logged steps ({span})")
+    if report.corrupt or report.truncated:
+        lines.append(
+            f"skipped: {report.corrupt} corrupt line{'s' if report.corrupt != 1 else ''}, "
+            f"{'a truncated last line' if report.truncated else 'no truncated last line'}"
+        )
+    return lines
+
+
+def verdict_lines(report: Report) -> list[str]:
+    lines = []
+    if report.headroom is not None:
+        h = report.headroom
+        lines.append(f"device headroom: min {h.value:.3f} GiB at step {h.step} on rank {h.rank}")
+    if report.host_growth is not None:
+        g = report.host_growth
+        lines.append(
+            f"host RSS growth (first to last step): {g.growth * 1024:+.1f} MiB on rank {g.rank} "
+            f"(mean over ranks {g.mean_growth * 1024:+.1f} MiB)"
+        )
+    leaks = report.leaks
+    if leaks:
+        lines += [f"LEAK {t.describe()}" for t in leaks]
+    elif report.trends:
+        lines.append(f"leaks: none found ({len(report.trends)} rank series checked)")
+    else:
+        lines.append("leaks: not checked (too few steps)")
+    return lines
