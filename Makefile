@@ -11,6 +11,9 @@ $(STAMP): pyproject.toml
 	# The CPU build of torch; an unpinned torch pulls a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
+	# verl's own reduce_metrics / allgather_dict_into_dict for tests/test_integrations_verl.py; its
+	# requirements (ray, an older transformers) are not needed for that, hence --no-deps.
+	$(PY) -m pip install -q --no-deps verl==0.9.1
 	touch $(STAMP)
 
 install: $(STAMP)
