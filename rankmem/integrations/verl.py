@@ -121,13 +121,14 @@ class VerlDictGather:
         for rank, (rank_layout, row) in enumerate(zip(layouts, rows, strict=True)):
             pos = 0
             for key, kind, length in rank_layout:  # type: ignore[attr-defined]
+                item: Any
                 if kind == "o":
-                    value: Any = gathered_objects[rank][key]
+                    item = gathered_objects[rank][key]
                 else:
                     chunk = row[pos : pos + length].tolist()  # float64: integers exact up to 2**53
                     pos += length
-                    value = chunk[0] if kind == "s" else chunk
-                out.setdefault(key, []).append(value)
+                    item = chunk[0] if kind == "s" else chunk
+                out.setdefault(key, []).append(item)
         return out
 
 
