@@ -10,6 +10,9 @@ flagged, and ask three things:
   assumed. The one-sided p-value must be below ``alpha``.
 - **Minimum total growth** over the window: a statistically clear but tiny drift (a few KiB/step of
   allocator caches) is not worth an alarm.
+- **No give-back**: a leak never returns memory, a cache that fills and empties does. The largest
+  persistent fall in the window (after a 9-step running median that drops one-step spikes) must stay
+  under half the growth, so a sawtooth is not flagged. A one-time permanent jump still is.
 
 Long windows are first reduced to at most ``max_points`` block medians, which keeps the O(n²) pairwise
 work at ~32k pairs (about a millisecond) and damps the short-range autocorrelation that makes
@@ -95,6 +98,8 @@ class Trend:
     """One-sided Mann–Kendall p-value for an increasing series."""
     growth_mib: float
     """``slope_mib`` times the steps spanned by the window."""
+    drawdown_mib: float
+    """Largest persistent fall inside the window (after a 9-step running median), MiB."""
     leak: bool
 
     @property
@@ -180,7 +185,12 @@ def trend(steps: np.ndarray, values_gib: np.ndarray, key: str, rank: int, config
         return None
     _, _, p = mann_kendall(yb)
     growth = slope * float(x[-1] - x[0])
-    leak = slope > 0 and p < config.alpha and growth >= config.min_growth_mib
+    # A leak never gives memory back; a cache that fills and empties (a sawtooth) does. The largest
+    # persistent fall (after a 9-step running median, which removes one-step spikes) must stay small
+    # next to the growth.
+    smooth = np.median(np.lib.stride_tricks.sliding_window_view(y, 9), axis=1) if y.size >= 9 else y
+    drawdown = float((np.maximum.accumulate(smooth) - smooth).max())
+    leak = slope > 0 and p < config.alpha and growth >= config.min_growth_mib and drawdown <= 0.5 * growth
     return Trend(
         key=key,
         rank=rank,
@@ -192,6 +202,7 @@ def trend(steps: np.ndarray, values_gib: np.ndarray, key: str, rank: int, config
         high_mib=high,
         p_value=p,
         growth_mib=growth,
+        drawdown_mib=drawdown,
         leak=bool(leak),
     )
 

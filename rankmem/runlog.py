@@ -8,6 +8,7 @@ crash loses at most the line being written, and readers skip a truncated last li
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -282,11 +283,17 @@ def _stack(rows: list[int], vecs: list[list[float | None]], n: int, world: int) 
     """Per-rank vectors -> an ``(n, world)`` float64 array; ``None`` and missing rows become nan."""
     out = np.full((n, world), np.nan)
     index = np.asarray(rows, dtype=np.intp)
-    try:
-        # numpy turns None into nan under dtype=float; one C loop for the common, well-formed case.
-        block = np.array(vecs, dtype=float)
-    except (TypeError, ValueError):
-        block = None
+    block = None
+    if set(map(len, vecs)) == {world}:
+        try:
+            # The common case, all floats: fromiter is ~5x faster than np.array on nested lists.
+            flat = np.fromiter(itertools.chain.from_iterable(vecs), dtype=float, count=len(vecs) * world)
+            block = flat.reshape(len(vecs), world)
+        except (TypeError, ValueError):
+            try:
+                block = np.array(vecs, dtype=float)  # numpy turns None into nan under dtype=float
+            except (TypeError, ValueError):
+                block = None
     if block is not None and block.ndim == 2 and block.shape[1] == world:
         out[index] = block
         return out

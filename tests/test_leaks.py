@@ -89,6 +89,14 @@ def test_flat_and_warmup_then_flat_are_not_flagged() -> None:
                 assert t is not None and not t.leak, t.describe()
 
 
+def test_sawtooth_cache_is_not_a_leak() -> None:
+    n = 400
+    saw = _noisy(n, 1, seed=5)[:, 0] + (np.arange(n) % 100) * 2.0 * MIB_IN_GIB  # fills 200 MiB, then freed
+    t = trend(np.arange(n), saw, RSS, 0)
+    assert t is not None and t.growth_mib > 64 and t.p_value < 0.01  # growth alone would flag it
+    assert t.drawdown_mib > 150 and not t.leak
+
+
 def test_small_drift_below_min_growth_is_not_a_leak() -> None:
     n = 400
     values = 10.0 + np.arange(n) * 0.1 * MIB_IN_GIB  # perfectly clean, but only 20 MiB over the window

@@ -1,0 +1,100 @@
+"""``rankmem report`` on a large run log, timed against a plain ``json.loads`` of every line.
+
+Run:  python bench/bench_report.py [--steps 100000] [--ranks 8]
+
+Writes (once, cached under the temp dir) a run log through the real RunLogWriter with the keys of a
+GPU run with two phases: 28 per-rank keys, 8 ranks, aggregated keys included, about 10 KiB a line.
+Then times, in the same process: (a) ``for line in f: json.loads(line)``; (b) ``read_run``; (c) the
+whole report (read, per-key peaks with phase attribution, growth, leak verdicts). Prints the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import tempfile
+import time
+from contextlib import redirect_stdout
+
+import numpy as np
+
+from rankmem._collective import aggregate
+from rankmem._records import RankInfo, RunHeader, StepRecord
+from rankmem.report import build_report, render
+from rankmem.runlog import RunLogWriter, read_run
+
+HOST = ("rss", "peak_rss", "lifetime_peak_rss", "children_rss")
+NODE = ("used", "available")
+DEVICE = ("allocated", "reserved", "peak_allocated", "peak_reserved", "lifetime_peak_reserved", "used", "total",
+          "other", "headroom")
+PHASE = ("peak_rss", "rss_delta", "peak_allocated", "peak_reserved", "allocated_delta")
+
+
+def keys() -> list[str]:
+    out = [f"mem/host/{k}_gib" for k in HOST] + [f"mem/node/{k}_gib" for k in NODE]
+    out += [f"mem/device/{k}_gib" for k in DEVICE] + ["mem/device/alloc_retries", "mem/device/ooms"]
+    out += [f"mem/phase/{p}/{k}_gib" for p in ("rollout", "update") for k in PHASE] + ["loss"]
+    return sorted(out)
+
+
+def generate(path: str, steps: int, world: int) -> None:
+    rng = np.random.default_rng(0)
+    ks = keys()
+    ranks = [RankInfo(rank=r, local_rank=r % 8, host=f"node{r // 8}", pid=100 + r, device="cuda NVIDIA H100",
+                      peak_rss_scope="window") for r in range(world)]
+    writer = RunLogWriter(path)
+    writer.open(RunHeader(world_size=world, ranks=ranks, config={}, started=1.7e9))
+    level = rng.uniform(5, 60, (len(ks), world))
+    for step in range(steps):
+        matrix = level + rng.normal(0, 0.01, level.shape)  # keys x ranks, full-precision floats
+        record = StepRecord(step=step, time=1.7e9 + step, metrics=aggregate(ks, matrix.T),
+                            ranks={k: matrix[i].tolist() for i, k in enumerate(ks)})
+        writer.write(record)
+    writer.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=100_000)
+    parser.add_argument("--ranks", type=int, default=8)
+    args = parser.parse_args()
+    path = os.path.join(tempfile.gettempdir(), f"rankmem_bench_{args.steps}x{args.ranks}.jsonl")
+    if not os.path.exists(path):
+        t0 = time.perf_counter()
+        generate(path + ".tmp", args.steps, args.ranks)
+        os.replace(path + ".tmp", path)
+        print(f"generated {path} in {time.perf_counter() - t0:.1f} s")
+    size = os.path.getsize(path)
+    print(f"run log: {args.steps} steps x {args.ranks} ranks, {len(keys())} per-rank keys, {size / 2**20:.0f} MiB")
+
+    t0 = time.perf_counter()
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            json.loads(line)
+    plain = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    run = read_run(path)
+    read = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    run = read_run(path)
+    report = build_report(run)
+    with redirect_stdout(io.StringIO()):
+        render(report)
+    whole = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    read_run(path, metrics=True)
+    full = time.perf_counter() - t0
+
+    print(f"plain json.loads per line:        {plain:6.2f} s  (1.00x)")
+    print(f"read_run (arrays, per-rank part): {read:6.2f} s  ({read / plain:.2f}x)")
+    print(f"rankmem report (read + analyse):  {whole:6.2f} s  ({whole / plain:.2f}x)")
+    print(f"read_run(metrics=True) full parse:{full:6.2f} s  ({full / plain:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()
