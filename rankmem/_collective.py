@@ -7,7 +7,6 @@ order. With no initialised process group (or a world of one) none of them commun
 from __future__ import annotations
 
 import math
-import warnings
 import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -184,55 +183,73 @@ def union_matrix(schemas: Sequence[Sequence[str]], rows: Sequence[np.ndarray]) -
     return keys, matrix
 
 
-def _flatten(data: Mapping[str, Any]) -> tuple[tuple[tuple[str, int], ...], list[float]]:
-    layout = []
-    flat: list[float] = []
-    for key in sorted(data):
-        value = data[key]
-        if hasattr(value, "tolist"):  # tensors and numpy arrays
-            value = value.tolist()
-        items = value if isinstance(value, (list, tuple)) else [value]
-        layout.append((key, len(items)))
-        flat.extend(float(x) for x in items)
-    return tuple(layout), flat
+_NUMBER = (int, float)
 
 
-class DictGather:
-    """A reusable drop-in for verl's ``allgather_dict_into_dict``: no pickling in steady state.
+def _as_numbers(value: Any) -> tuple[str, list[float]] | None:
+    """``("s", [v])`` for a scalar, ``("l", [...])`` for a flat list of numbers, None otherwise."""
+    if hasattr(value, "tolist") and not isinstance(value, (list, tuple)):
+        value = value.tolist()  # tensors and numpy values; a 0-d one gives a scalar
+    if isinstance(value, _NUMBER) and not isinstance(value, bool):
+        return "s", [float(value)]
+    if isinstance(value, (list, tuple)) and all(isinstance(v, _NUMBER) and not isinstance(v, bool) for v in value):
+        return "l", [float(v) for v in value]
+    return None
 
-    ``data`` maps keys to a scalar or a list of scalars; the result maps each key to the
-    concatenation, in rank order, of every rank's values (one element per rank for scalars).
-    Keep one instance per call site so the agreed capacity persists between calls.
-    """
+
+class VerlDictGather:
+    """The gather behind :func:`allgather_dict_into_dict`; keep one per call site (it learns a capacity)."""
 
     def __init__(self, group: Any = None) -> None:
+        self.group = group
         self._gather = PackedGather(group)
-        self._warned = False
 
-    def __call__(self, data: Mapping[str, Any]) -> dict[str, list[float]]:
-        layout, flat = _flatten(data)
-        layouts, rows = self._gather.gather(layout, flat)
-        out: dict[str, list[float]] = {}
-        for rank_layout, row in zip(layouts, rows, strict=True):
+    def __call__(self, data: Mapping[str, Any]) -> dict[str, list[Any]]:
+        if not isinstance(data, Mapping):
+            raise TypeError(f"allgather_dict_into_dict expects a dict, got {type(data).__name__}")
+        layout: list[tuple[str, str, int]] = []
+        flat: list[float] = []
+        objects: dict[str, Any] = {}
+        for key, value in data.items():  # insertion order, as verl's result keeps it
+            numbers = _as_numbers(value)
+            if numbers is None:
+                layout.append((key, "o", 0))
+                objects[key] = value
+            else:
+                layout.append((key, numbers[0], len(numbers[1])))
+                flat.extend(numbers[1])
+        layouts, rows = self._gather.gather(tuple(layout), flat)
+        # Every rank sees every layout, so all take the pickled path together or none does.
+        gathered_objects: list[dict[str, Any]] = [objects]
+        if any(kind == "o" for lay in layouts for _, kind, _ in lay):  # type: ignore[attr-defined]
+            gathered_objects = all_gather_objects(objects, self.group)
+        out: dict[str, list[Any]] = {}
+        for rank, (rank_layout, row) in enumerate(zip(layouts, rows, strict=True)):
             pos = 0
-            for key, length in rank_layout:
-                out.setdefault(key, []).extend(row[pos : pos + length].tolist())
-                pos += length
-        if not self._warned and any(set(lay) != set(layouts[0]) for lay in layouts):
-            self._warned = True
-            keysets = [{k for k, _ in lay} for lay in layouts]
-            differing = sorted(set().union(*keysets) - set.intersection(*keysets))
-            if differing:
-                warnings.warn(f"rankmem: ranks gathered different keys: {differing}", RuntimeWarning, stacklevel=2)
+            for key, kind, length in rank_layout:  # type: ignore[attr-defined]
+                item: Any
+                if kind == "o":
+                    item = gathered_objects[rank][key]
+                else:
+                    chunk = row[pos : pos + length].tolist()  # float64: integers exact up to 2**53
+                    pos += length
+                    item = chunk[0] if kind == "s" else chunk
+                out.setdefault(key, []).append(item)
         return out
 
 
-_default_dict_gathers: dict[int, DictGather] = {}
+_gathers: dict[int, VerlDictGather] = {}
 
 
-def allgather_dict_into_dict(data: Mapping[str, Any], group: Any = None) -> dict[str, list[float]]:
-    """verl-compatible: every rank's values of each key, in rank order, in one tensor collective."""
-    gather = _default_dict_gathers.get(id(group))
+def allgather_dict_into_dict(data: Mapping[str, Any], group: Any = None) -> dict[str, list[Any]]:
+    """Drop-in for ``verl.utils.torch_functional.allgather_dict_into_dict``: a collective over ``group``.
+
+    Returns, per key, each rank's value in rank order (a scalar per rank, or that rank's list; numbers come back
+    as floats).
+    Numbers travel in one ``all_gather_into_tensor``; values that are not numbers (verl's ``Metric``
+    objects) make every rank add one pickled gather. Without a process group it returns ``[value]``.
+    """
+    gather = _gathers.get(id(group))
     if gather is None:
-        gather = _default_dict_gathers[id(group)] = DictGather(group)
+        gather = _gathers[id(group)] = VerlDictGather(group)
     return gather(data)

@@ -282,14 +282,17 @@ class Monitor:
     def step(self, n: int | None = None) -> Iterator[None]:
         """A step window: peaks reset at entry, current values and the window's peaks read at exit.
 
-        Local to this rank (no collective); call :meth:`collect` after it on every rank.
+        Local to this rank (no collective); call :meth:`collect` after it on every rank, every step or
+        every N steps (steps closed since the last collect merge: max peaks, summed events).
         """
         window = self._begin()
         try:
             yield
         finally:
             rss, dev = self._end(window)
-            self._step_window = self._window_bytes(window, rss, dev)
+            closed = self._window_bytes(window, rss, dev)
+            # Steps not yet collected merge: collecting every N steps still sees every step's peak.
+            self._step_window = closed if self._step_window is None else _merge(self._step_window, closed)
             if n is not None:
                 self._step_n = int(n)
 
@@ -423,6 +426,17 @@ class Monitor:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _merge(earlier: WindowBytes, later: WindowBytes) -> WindowBytes:
+    """Two consecutive windows as one: the max of the peaks, the sum of the event counts, and the
+    later window's current values."""
+    later.peak_rss = _max(earlier.peak_rss, later.peak_rss)
+    later.peak_allocated = _max(earlier.peak_allocated, later.peak_allocated)
+    later.peak_reserved = _max(earlier.peak_reserved, later.peak_reserved)
+    later.alloc_retries = _sum(earlier.alloc_retries, later.alloc_retries)
+    later.ooms = _sum(earlier.ooms, later.ooms)
+    return later
 
 
 def _sum(a: int | None, b: int | None) -> int | None:

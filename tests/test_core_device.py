@@ -57,6 +57,24 @@ def test_phase_peaks_and_step_peak_is_max_over_phases_and_gaps() -> None:
     cuda.free(kept)
 
 
+def test_steps_collected_every_n_keep_every_peak() -> None:
+    cuda = FakeCuda(total=1 * GIB, context=0)
+    monitor = rankmem.Monitor(sinks=(), device_module=cuda, children=False)
+    with monitor.step(0):
+        spike = cuda.malloc(700 * MIB)
+        cuda.free(spike)
+    with monitor.step(1):
+        with pytest.raises(FakeOutOfMemoryError):  # a retry and an OOM in the second step
+            cuda.malloc(2 * GIB)
+        kept = cuda.malloc(10 * MIB)
+    m = monitor.collect(step=1)
+    assert round(m["mem/device/peak_allocated_gib/max"] * GIB) == 700 * MIB  # step 0's peak survives
+    assert round(m["mem/device/allocated_gib/max"] * GIB) == 10 * MIB  # current: the last step's
+    assert (m["mem/device/alloc_retries/max"], m["mem/device/ooms/max"]) == (1, 1)
+    assert monitor.last_record is not None and monitor.last_record.step == 1
+    cuda.free(kept)
+
+
 def test_retry_and_oom_counts_are_window_deltas() -> None:
     cuda = FakeCuda(total=1 * GIB, context=0)
     monitor = rankmem.Monitor(sinks=(), device_module=cuda, children=False)

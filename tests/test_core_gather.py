@@ -71,4 +71,5 @@ def test_nan_is_left_out_of_the_aggregate(results: list[dict[str, Any]]) -> None
 
 
 def test_allgather_dict_into_dict_in_rank_order(results: list[dict[str, Any]]) -> None:
-    assert results[0]["dict"] == {"a": [0.0, 1.0, 2.0], "lst": [0.0, 0.0, 1.0, 10.0, 2.0, 20.0]}
+    # As verl's own: per key, each rank's value in rank order, a rank's list kept whole.
+    assert results[0]["dict"] == {"a": [0.0, 1.0, 2.0], "lst": [[0.0, 0.0], [1.0, 10.0], [2.0, 20.0]]}

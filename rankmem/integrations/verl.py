@@ -31,13 +31,10 @@ instead of pickling, and falls back to a pickled gather only for values that are
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
-from rankmem import _collective
+from rankmem._collective import VerlDictGather, allgather_dict_into_dict
 from rankmem._monitor import Monitor
 
-__all__ = ["VERL_NAMES", "allgather_dict_into_dict", "metrics_for_gather", "verl_reduction"]
+__all__ = ["VERL_NAMES", "VerlDictGather", "allgather_dict_into_dict", "metrics_for_gather", "verl_reduction"]
 
 # verl's key -> the per-rank rankmem key whose value it carries (GiB: verl divides by 1024**3 too).
 VERL_NAMES = {
@@ -75,75 +72,3 @@ def metrics_for_gather(monitor: Monitor) -> dict[str, list[float]]:
         if ours in local:
             out[verl_key] = [local[ours]]
     return out
-
-
-_NUMBER = (int, float)
-
-
-def _as_numbers(value: Any) -> tuple[str, list[float]] | None:
-    """``("s", [v])`` for a scalar, ``("l", [...])`` for a flat list of numbers, None otherwise."""
-    if hasattr(value, "tolist") and not isinstance(value, (list, tuple)):
-        value = value.tolist()  # tensors and numpy values; a 0-d one gives a scalar
-    if isinstance(value, _NUMBER) and not isinstance(value, bool):
-        return "s", [float(value)]
-    if isinstance(value, (list, tuple)) and all(isinstance(v, _NUMBER) and not isinstance(v, bool) for v in value):
-        return "l", [float(v) for v in value]
-    return None
-
-
-class VerlDictGather:
-    """The gather behind :func:`allgather_dict_into_dict`; keep one per call site (it learns a capacity)."""
-
-    def __init__(self, group: Any = None) -> None:
-        self.group = group
-        self._gather = _collective.PackedGather(group)
-
-    def __call__(self, data: Mapping[str, Any]) -> dict[str, list[Any]]:
-        if not isinstance(data, Mapping):
-            raise TypeError(f"allgather_dict_into_dict expects a dict, got {type(data).__name__}")
-        layout: list[tuple[str, str, int]] = []
-        flat: list[float] = []
-        objects: dict[str, Any] = {}
-        for key, value in data.items():  # insertion order, as verl's result keeps it
-            numbers = _as_numbers(value)
-            if numbers is None:
-                layout.append((key, "o", 0))
-                objects[key] = value
-            else:
-                layout.append((key, numbers[0], len(numbers[1])))
-                flat.extend(numbers[1])
-        layouts, rows = self._gather.gather(tuple(layout), flat)
-        # Every rank sees every layout, so all take the pickled path together or none does.
-        gathered_objects: list[dict[str, Any]] = [objects]
-        if any(kind == "o" for lay in layouts for _, kind, _ in lay):  # type: ignore[attr-defined]
-            gathered_objects = _collective.all_gather_objects(objects, self.group)
-        out: dict[str, list[Any]] = {}
-        for rank, (rank_layout, row) in enumerate(zip(layouts, rows, strict=True)):
-            pos = 0
-            for key, kind, length in rank_layout:  # type: ignore[attr-defined]
-                item: Any
-                if kind == "o":
-                    item = gathered_objects[rank][key]
-                else:
-                    chunk = row[pos : pos + length].tolist()  # float64: integers exact up to 2**53
-                    pos += length
-                    item = chunk[0] if kind == "s" else chunk
-                out.setdefault(key, []).append(item)
-        return out
-
-
-_gathers: dict[int, VerlDictGather] = {}
-
-
-def allgather_dict_into_dict(data: Mapping[str, Any], group: Any = None) -> dict[str, list[Any]]:
-    """Drop-in for ``verl.utils.torch_functional.allgather_dict_into_dict``: a collective over ``group``.
-
-    Returns, per key, each rank's value in rank order (a scalar per rank, or that rank's list; numbers come back
-    as floats).
-    Numbers travel in one ``all_gather_into_tensor``; values that are not numbers (verl's ``Metric``
-    objects) make every rank add one pickled gather. Without a process group it returns ``[value]``.
-    """
-    gather = _gathers.get(id(group))
-    if gather is None:
-        gather = _gathers[id(group)] = VerlDictGather(group)
-    return gather(data)
