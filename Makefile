@@ -27,12 +27,16 @@ typecheck: install
 test: lint typecheck
 	$(VENV)/bin/pytest -q
 
+# The main job: 2-rank GRPO on the reference worker, about two minutes on 2 CPU cores.
 demo: install
-	$(PY) -m torch.distributed.run --nproc-per-node 2 --max-restarts 0 examples/quickstart.py --out runs/demo
+	$(VENV)/bin/rankmem train --nproc-per-node 2 --task grpo --engine ddp --steps 500 --out runs/demo
 
 bench: install
 	$(PY) bench/bench_probe.py
 	$(PY) bench/bench_gather.py
+	$(PY) bench/bench_leaks.py
+	$(PY) bench/bench_report.py
+	$(PY) bench/bench_overhead.py
 
 clean:
 	rm -rf $(VENV) runs .mypy_cache .ruff_cache .pytest_cache

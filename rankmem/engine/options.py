@@ -23,7 +23,7 @@ JOB_OPTIONS: list[tuple[str, dict[str, Any]]] = [
     ("--lr", dict(type=float, default=None, help="peak learning rate (default: 3e-3 sft, 5e-3 grpo)")),
     ("--batch-size", dict(type=int, default=32, help="sft: sequences per rank per step (default 32)")),
     ("--micro-batch-size", dict(type=int, default=16, help="rows per forward/backward (default 16)")),
-    ("--prompts-per-rank", dict(type=int, default=4, help="grpo: prompts per rank per step (default 4)")),
+    ("--prompts-per-rank", dict(type=int, default=8, help="grpo: prompts per rank per step (default 8)")),
     ("--group-size", dict(type=int, default=8, help="grpo: responses sampled per prompt (default 8)")),
     ("--peak-tflops", dict(type=float, default=None, help="peak TFLOP/s per device for MFU (default 989 cuda, 0.1 cpu)")),
     ("--pg-timeout-s", dict(type=float, default=120.0, help="process-group collective timeout (default 120 s)")),
