@@ -27,7 +27,11 @@ def read_log(out: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
 
 
 def train(out: Path, *args: str, nproc: int = 2) -> subprocess.CompletedProcess[str]:
-    proc = torchrun(ENTRY, nproc, ["--out", str(out), "--no-progress", *args], extra=["-m"], timeout=CLI_TIMEOUT_S)
+    argv = ["--out", str(out), "--no-progress", *args]
+    proc = torchrun(ENTRY, nproc, argv, extra=["-m"], timeout=CLI_TIMEOUT_S)
+    if proc.returncode != 0 and "Address already in use" in proc.stderr:
+        # free_port() can race with other suites on the machine for the rendezvous port: one retry.
+        proc = torchrun(ENTRY, nproc, argv, extra=["-m"], timeout=CLI_TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
