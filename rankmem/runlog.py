@@ -98,6 +98,7 @@ SUPPORTED_SCHEMAS = (1,)
 # ``"ranks"`` object (about a third of the line); anything else goes through a full json.loads.
 _STEP_PREFIX = '{"kind":"step","step":'
 _RANKS_MARK = ',"ranks":{'
+_CHUNK = 4096
 
 
 @dataclass
@@ -201,6 +202,9 @@ def read_run(path: str, *, metrics: bool = False) -> Run:
     times: list[float] = []
     # key -> (row indices, per-rank vectors): arrays are built once, at the end.
     cols: dict[str, tuple[list[int], list[list[float | None]]]] = {}
+    # Pending vectors become numpy blocks every _CHUNK rows: millions of live Python floats and lists
+    # would cost gigabytes and make the cyclic GC rescan them again and again.
+    blocks: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
     aggs: dict[str, tuple[list[int], list[float | None]]] = {}
     corrupt: list[int] = []
     truncated = False
@@ -209,6 +213,7 @@ def read_run(path: str, *, metrics: bool = False) -> Run:
         if not first.strip():
             raise RankmemError(f"{path} is empty: the run wrote no header (a run log starts at the first collect())")
         header = _parse_header(first, path)
+        world = int(header.get("world_size") or 0)
         lineno = 1
         for line in f:
             lineno += 1
@@ -238,6 +243,8 @@ def read_run(path: str, *, metrics: bool = False) -> Run:
                         truncated = True
                     continue
             row = len(steps)
+            if row and row % _CHUNK == 0:
+                _flush(cols, blocks, world)
             steps.append(parsed[0])
             times.append(parsed[1])
             for key, vec in parsed[2].items():
@@ -254,8 +261,12 @@ def read_run(path: str, *, metrics: bool = False) -> Run:
                     a[0].append(row)
                     a[1].append(value)
     n = len(steps)
-    world = int(header.get("world_size") or 0)
-    series = {key: _stack(rows, vecs, n, world) for key, (rows, vecs) in cols.items()}
+    _flush(cols, blocks, world)
+    series: dict[str, np.ndarray] = {}
+    for key, parts in blocks.items():
+        out = series[key] = np.full((n, world), np.nan)
+        for index, block in parts:
+            out[index] = block
     agg_arrays: dict[str, np.ndarray] | None = None
     if metrics:
         agg_arrays = {}
@@ -275,30 +286,34 @@ def read_run(path: str, *, metrics: bool = False) -> Run:
     )
 
 
+def _flush(
+    cols: dict[str, tuple[list[int], list[list[float | None]]]],
+    blocks: dict[str, list[tuple[np.ndarray, np.ndarray]]],
+    world: int,
+) -> None:
+    for key, (rows, vecs) in cols.items():
+        if rows:
+            blocks.setdefault(key, []).append(_block(rows, vecs, world))
+    cols.clear()
+
+
 def _num(v: Any) -> float:
     return float(v) if isinstance(v, (int, float)) else math.nan
 
 
-def _stack(rows: list[int], vecs: list[list[float | None]], n: int, world: int) -> np.ndarray:
-    """Per-rank vectors -> an ``(n, world)`` float64 array; ``None`` and missing rows become nan."""
-    out = np.full((n, world), np.nan)
+def _block(rows: list[int], vecs: list[list[float | None]], world: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-rank vectors -> (row indices, a ``(len(rows), world)`` float64 block); None becomes nan."""
     index = np.asarray(rows, dtype=np.intp)
-    block = None
     if set(map(len, vecs)) == {world}:
         try:
             # The common case, all floats: fromiter is ~5x faster than np.array on nested lists.
             flat = np.fromiter(itertools.chain.from_iterable(vecs), dtype=float, count=len(vecs) * world)
-            block = flat.reshape(len(vecs), world)
+            return index, flat.reshape(len(vecs), world)
         except (TypeError, ValueError):
-            try:
-                block = np.array(vecs, dtype=float)  # numpy turns None into nan under dtype=float
-            except (TypeError, ValueError):
-                block = None
-    if block is not None and block.ndim == 2 and block.shape[1] == world:
-        out[index] = block
-        return out
-    for i, vec in zip(rows, vecs, strict=True):  # ragged or odd values: keep what fits, row by row
+            pass
+    block = np.full((len(vecs), world), np.nan)
+    for i, vec in enumerate(vecs):  # None, ragged or odd values: keep what fits, row by row
         if isinstance(vec, list):
             for r, v in enumerate(vec[:world]):
-                out[i, r] = _num(v)
-    return out
+                block[i, r] = _num(v)
+    return index, block

@@ -108,3 +108,15 @@ def test_real_monitor_run_reads_back(tmp_path: Path) -> None:
     assert run.series["loss"][:, 0].tolist() == [1.0, 0.5, 1.0 / 3, 0.25]
     assert (run.series[RSS] > 0.001).all()
     assert run.phases() == ["update"]
+
+
+def test_chunked_arrays_match(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import rankmem.runlog as runlog
+
+    _two_rank(tmp_path, n=9)
+    whole = read_run(str(tmp_path))
+    monkeypatch.setattr(runlog, "_CHUNK", 2)  # flush to numpy blocks every 2 rows
+    chunked = read_run(str(tmp_path))
+    for key, matrix in whole.series.items():
+        np.testing.assert_array_equal(chunked.series[key], matrix)
+    assert chunked.series[RSS][8].tolist() == [4.0, 3.0]
