@@ -140,9 +140,9 @@ class PeakTracker:
                 v = per_rank[rank]
                 if v is not None and v > best_value:
                     best, best_value = key.split("/")[2], v
-        # A phase holds the step's peak when its own peak reaches it (within 1 KiB of rounding).
         if best == "-":
             return best  # a step without phases
+        # A phase holds the step's peak when its own peak reaches it (within 1 KiB of rounding).
         return best if best_value >= value - 2**-20 else "between phases"
 
     def lines(self) -> list[str]:
@@ -162,58 +162,18 @@ def headline(metrics: Mapping[str, float], task: str) -> str:
     return " | ".join(parts)
 
 
-@record  # torchrun's agent then shows the failing rank's traceback as the root cause
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_job_arguments(parser)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    torch.manual_seed(args.seed)  # the same initial weights on every rank
-    device = init_distributed(args.device, args.pg_timeout_s)
-    try:
-        model = GPT(GPTConfig(vocab_size=SFT_VOCAB if args.task == "sft" else GRPO_VOCAB))
-        lr = args.lr if args.lr is not None else (3e-3 if args.task == "sft" else 5e-3)
-        config = WorkerConfig(engine=args.engine, lr=lr, total_steps=args.steps,
-                              micro_batch_size=args.micro_batch_size, peak_tflops=args.peak_tflops)
-        run_config = {**vars(args), "lr": lr, "params": model.num_params(), "worker": asdict(config)}
-        monitor = rankmem.Monitor(out_dir=args.out, sinks=("jsonl",), run_config=run_config)
-        worker = TrainingWorker(model, config, device=device, monitor=monitor)
-        # Different sampling per rank, after the identical init.
-        torch.manual_seed(args.seed * 1000 + worker.rank + 1)
-        tracker = PeakTracker(monitor)
-        with Progress(monitor.is_logging_rank and not args.no_progress, args.steps, args.task) as progress:
-
-            def on_step(step: int, metrics: Mapping[str, float]) -> None:
-                if monitor.is_logging_rank:
-                    tracker.update(step, metrics)
-                    progress.advance(step, headline(metrics, args.task))
-
-            (run_sft if args.task == "sft" else run_grpo)(worker, args, on_step)
-        monitor.close()
-        if monitor.is_logging_rank:
-            print(f"rankmem train: {args.task}/{args.engine}, {worker.world_size} ranks, {args.steps} steps, "
-                  f"{model.num_params() / 1e6:.2f}M params, device {device.type}")
-            print("peak memory (max over ranks and steps):")
-            print("\n".join(tracker.lines()))
-            print(f"run log: {os.path.join(args.out, 'rankmem.jsonl')}", flush=True)
-    finally:
-        dist.destroy_process_group()
-    return 0
-
-
 class Progress:
-    """A rich progress bar on a terminal, plain lines (every tenth of the run) otherwise; inert when
-    ``enabled`` is false (every rank but the logging one)."""
+    """A rich progress bar on a terminal (unless ``bar`` is false), plain lines every tenth of the run
+    otherwise; inert when ``enabled`` is false (every rank but the logging one)."""
 
-    def __init__(self, enabled: bool, total: int, task: str) -> None:
-        self.enabled, self.total, self.task = enabled, total, task
+    def __init__(self, enabled: bool, total: int, task: str, bar: bool = True) -> None:
+        self.enabled, self.total, self.task, self.bar = enabled, total, task, bar
         self._bar: rich.progress.Progress | None = None
         self._id: rich.progress.TaskID | None = None
 
     def __enter__(self) -> Progress:
-        if self.enabled and sys.stdout.isatty():
-            import rich.progress as rp
-
+        if self.enabled and self.bar and sys.stdout.isatty():
+            rp = rich.progress
             self._bar = rp.Progress(rp.TextColumn(f"[bold]{self.task}"), rp.BarColumn(), rp.MofNCompleteColumn(),
                                     rp.TimeElapsedColumn(), rp.TextColumn("{task.description}"))
             self._bar.start()
@@ -231,6 +191,49 @@ class Progress:
     def __exit__(self, *exc: object) -> None:
         if self._bar is not None:
             self._bar.stop()
+
+
+@record  # torchrun's agent then shows the failing rank's traceback as the root cause
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_job_arguments(parser)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
+    device = init_distributed(args.device, args.pg_timeout_s)
+    monitor: rankmem.Monitor | None = None
+    try:
+        model = GPT(GPTConfig(vocab_size=SFT_VOCAB if args.task == "sft" else GRPO_VOCAB))
+        lr = args.lr if args.lr is not None else (3e-3 if args.task == "sft" else 5e-3)
+        config = WorkerConfig(engine=args.engine, lr=lr, total_steps=args.steps,
+                              micro_batch_size=args.micro_batch_size, peak_tflops=args.peak_tflops)
+        run_config = {**vars(args), "lr": lr, "params": model.num_params(), "worker": asdict(config)}
+        monitor = rankmem.Monitor(out_dir=args.out, sinks=("jsonl",), run_config=run_config)
+        worker = TrainingWorker(model, config, device=device, monitor=monitor)
+        # Different sampling per rank, after the identical init.
+        torch.manual_seed(args.seed * 1000 + worker.rank + 1)
+        tracker = PeakTracker(monitor)
+        logging_rank = monitor.is_logging_rank
+        with Progress(logging_rank, args.steps, args.task, bar=not args.no_progress) as progress:
+
+            def on_step(step: int, metrics: Mapping[str, float]) -> None:
+                if logging_rank:
+                    tracker.update(step, metrics)
+                    progress.advance(step, headline(metrics, args.task))
+
+            (run_sft if args.task == "sft" else run_grpo)(worker, args, on_step)
+        monitor.close()
+        if logging_rank:
+            print(f"rankmem train: {args.task}/{args.engine}, {worker.world_size} ranks, {args.steps} steps, "
+                  f"{model.num_params() / 1e6:.2f}M params, device {device.type}")
+            print("peak memory (max over ranks and steps):")
+            print("\n".join(tracker.lines()))
+            print(f"run log: {os.path.join(args.out, 'rankmem.jsonl')}", flush=True)
+    finally:
+        if monitor is not None:
+            monitor.close()  # safe twice; every line written so far is already flushed
+        dist.destroy_process_group()
+    return 0
 
 
 if __name__ == "__main__":
