@@ -12,6 +12,7 @@ import itertools
 import json
 import math
 import os
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import IO, Any
 
@@ -28,6 +29,29 @@ def _finite(x: Any) -> Any:
     if isinstance(x, float) and not math.isfinite(x):
         return None
     return x
+
+
+def _json_safe(obj: Any) -> Any:
+    """Non-finite floats anywhere in ``obj`` become None (JSON has no NaN)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
+def _rotate(path: str) -> str | None:
+    """Move an existing non-empty log aside (``rankmem.jsonl.1``, ``.2``, ...) so that a restarted job
+    with the same ``out_dir`` never truncates the records of the run before it."""
+    if not os.path.isfile(path) or os.path.getsize(path) == 0:
+        return None
+    n = 1
+    while os.path.exists(f"{path}.{n}"):
+        n += 1
+    os.replace(path, f"{path}.{n}")
+    return f"{path}.{n}"
 
 
 def header_to_json(header: RunHeader) -> dict[str, Any]:
@@ -71,13 +95,17 @@ class RunLogWriter:
     def open(self, header: RunHeader) -> None:
         parent = os.path.dirname(os.path.abspath(self.path))
         os.makedirs(parent, exist_ok=True)
+        rotated = _rotate(self.path)
         self._file = open(self.path, "w", encoding="utf-8")
-        self._write_line(header_to_json(header))
+        self._write_line(_json_safe(header_to_json(header)))
+        if rotated:
+            warnings.warn(f"rankmem: {self.path} existed (a restarted job?); kept it as {rotated}", RuntimeWarning, stacklevel=2)
 
     def _write_line(self, obj: dict[str, Any]) -> None:
         assert self._file is not None, "RunLogWriter.open() must come first"
         # One write() of the whole line, then flush: a reader never sees half a line but for a crash.
-        self._file.write(json.dumps(obj, allow_nan=False, separators=(",", ":")) + "\n")
+        # default=str: the caller's config may hold paths; they become strings, not a lost header.
+        self._file.write(json.dumps(obj, allow_nan=False, separators=(",", ":"), default=str) + "\n")
         self._file.flush()
 
     def write(self, record: StepRecord) -> None:
@@ -95,10 +123,13 @@ SUPPORTED_SCHEMAS = (1,)
 
 # A step line as RunLogWriter writes it: the aggregated metrics come before the per-rank vectors, which
 # close the line. The aggregates are a function of those vectors, so the fast path parses only the
-# ``"ranks"`` object (about a third of the line); anything else goes through a full json.loads.
+# ``"ranks"`` object (about half the line); anything else goes through a full json.loads.
 _STEP_PREFIX = '{"kind":"step","step":'
 _RANKS_MARK = ',"ranks":{'
-_CHUNK = 4096
+# Rows per numpy block. The pending values are kept as one flat list of floats per key set, and floats are
+# not tracked by the cyclic GC; 1024 rows x 28 keys x 8 ranks is ~5 MiB of them.
+_CHUNK = 1024
+_NUMBER_TYPES = {float, int, type(None)}
 
 
 @dataclass
@@ -170,9 +201,9 @@ def _parse_header(first: str, path: str) -> dict[str, Any]:
 
 def _fast_step(line: str) -> tuple[int, float, dict[str, Any]] | None:
     """(step, time, ranks) of a line in the writer's own layout, or None to take the slow path."""
-    if not line.startswith(_STEP_PREFIX):
+    if not line.startswith(_STEP_PREFIX) or not line.endswith("}\n"):
         return None
-    cut = line.rfind(_RANKS_MARK)
+    cut = line.find(_RANKS_MARK)  # a JSON string cannot hold it (its quotes would be escaped)
     if cut < 0:
         return None
     comma = line.find(",", len(_STEP_PREFIX))
@@ -181,13 +212,84 @@ def _fast_step(line: str) -> tuple[int, float, dict[str, Any]] | None:
     if not rest.startswith('"time":'):
         return None
     try:
-        ranks = json.loads(line[cut + 9 : -1]) if line.endswith("}") else None
+        ranks = json.loads(line[cut + len(_RANKS_MARK) - 1 : -2])
         step, time_ = int(head), float(rest[7:])
     except ValueError:
         return None
     if not isinstance(ranks, dict):
         return None
     return step, time_, ranks
+
+
+class _Columns:
+    """Per-rank vectors collected row by row into ``(steps, world)`` float64 arrays, one per key.
+
+    Rows whose vectors are all of length ``world`` go into one flat list of numbers per key set (in
+    practice one or a few key sets per run); every :data:`_CHUNK` rows those lists become numpy blocks.
+    Keeping plain floats rather than the parsed dicts and lists matters at scale: a 100k-step log would
+    otherwise hold ~100k lists alive between flushes, and the cyclic GC rescans live containers again and
+    again (about a quarter of the read time, measured with gc.disable). Anything else (ragged vectors,
+    non-list values) is kept row by row in ``_odd``.
+    """
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.rows = 0
+        self._pending: dict[tuple[str, ...], tuple[list[int], list[Any]]] = {}
+        self._blocks: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+        self._odd: dict[str, list[tuple[int, Any]]] = {}
+
+    def add(self, ranks: dict[str, Any]) -> None:
+        row = self.rows
+        self.rows += 1
+        vectors = ranks.values()
+        try:
+            regular = set(map(len, vectors)) == {self.world}
+        except TypeError:  # a number or null where a vector belongs
+            regular = False
+        if regular:
+            keys = tuple(ranks)
+            group = self._pending.get(keys)
+            if group is None:
+                group = self._pending[keys] = ([], [])
+            group[0].append(row)
+            group[1].extend(itertools.chain.from_iterable(vectors))
+            if len(group[0]) >= _CHUNK:
+                self._flush(keys)
+        else:
+            for key, vec in ranks.items():
+                self._odd.setdefault(key, []).append((row, vec))
+
+    def _flush(self, keys: tuple[str, ...]) -> None:
+        rows, flat = self._pending.pop(keys)
+        try:
+            values = np.fromiter(flat, dtype=float, count=len(flat))
+        except (TypeError, ValueError):
+            if set(map(type, flat)) <= _NUMBER_TYPES:
+                values = np.array(flat, dtype=float)  # nulls (None) become nan
+            else:  # strings, nested lists...: nan, as on the slow path (bools count as ints there too)
+                values = np.array([_num(v) for v in flat], dtype=float)
+        block = values.reshape(len(rows), len(keys), self.world)
+        index = np.asarray(rows, dtype=np.intp)
+        for i, key in enumerate(keys):
+            self._blocks.setdefault(key, []).append((index, block[:, i]))
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        for keys in list(self._pending):
+            self._flush(keys)
+        series: dict[str, np.ndarray] = {}
+        for key in [*self._blocks, *self._odd]:
+            series.setdefault(key, np.full((self.rows, self.world), np.nan))
+        for key, parts in self._blocks.items():
+            for index, block in parts:
+                series[key][index] = block
+        for key, cells in self._odd.items():
+            out = series[key]
+            for row, vec in cells:
+                if isinstance(vec, list):  # ragged: keep what fits, nan elsewhere
+                    for r, v in enumerate(vec[: self.world]):
+                        out[row, r] = _num(v)
+        return series
 
 
 def read_run(path: str, *, metrics: bool = False) -> Run:
@@ -200,12 +302,7 @@ def read_run(path: str, *, metrics: bool = False) -> Run:
     path = resolve_run_path(path)
     steps: list[int] = []
     times: list[float] = []
-    # key -> (row indices, per-rank vectors): arrays are built once, at the end.
-    cols: dict[str, tuple[list[int], list[list[float | None]]]] = {}
-    # Pending vectors become numpy blocks every _CHUNK rows: millions of live Python floats and lists
-    # would cost gigabytes and make the cyclic GC rescan them again and again.
-    blocks: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
-    aggs: dict[str, tuple[list[int], list[float | None]]] = {}
+    aggs: dict[str, tuple[list[int], list[Any]]] = {}
     corrupt: list[int] = []
     truncated = False
     with open(path, encoding="utf-8", errors="replace") as f:
@@ -214,59 +311,40 @@ def read_run(path: str, *, metrics: bool = False) -> Run:
             raise RankmemError(f"{path} is empty: the run wrote no header (a run log starts at the first collect())")
         header = _parse_header(first, path)
         world = int(header.get("world_size") or 0)
-        lineno = 1
-        for line in f:
-            lineno += 1
-            ended = line.endswith("\n")
-            line = line.rstrip("\r\n")
-            if not line:
-                continue
+        columns = _Columns(world)
+        for lineno, line in enumerate(f, start=2):
             parsed = None if metrics else _fast_step(line)
-            agg: Any = None
             if parsed is None:
+                if not line.rstrip("\r\n"):
+                    continue
                 try:
                     obj = json.loads(line)
                 except ValueError:
                     obj = None
-                if (
+                if not (
                     isinstance(obj, dict)
                     and obj.get("kind") == "step"
                     and isinstance(obj.get("ranks"), dict)
                     and isinstance(obj.get("step"), int)
                 ):
-                    parsed = (obj["step"], _num(obj.get("time")), obj["ranks"])
-                    agg = obj.get("metrics")
-                else:
-                    if ended:
+                    if line.endswith("\n"):
                         corrupt.append(lineno)
                     else:
                         truncated = True
                     continue
-            row = len(steps)
-            if row and row % _CHUNK == 0:
-                _flush(cols, blocks, world)
+                parsed = (obj["step"], _num(obj.get("time")), obj["ranks"])
+                agg = obj.get("metrics")
+                if isinstance(agg, dict):
+                    for key, value in agg.items():
+                        a = aggs.get(key)
+                        if a is None:
+                            a = aggs[key] = ([], [])
+                        a[0].append(columns.rows)
+                        a[1].append(value)
             steps.append(parsed[0])
             times.append(parsed[1])
-            for key, vec in parsed[2].items():
-                entry = cols.get(key)
-                if entry is None:
-                    entry = cols[key] = ([], [])
-                entry[0].append(row)
-                entry[1].append(vec)
-            if isinstance(agg, dict):
-                for key, value in agg.items():
-                    a = aggs.get(key)
-                    if a is None:
-                        a = aggs[key] = ([], [])
-                    a[0].append(row)
-                    a[1].append(value)
+            columns.add(parsed[2])
     n = len(steps)
-    _flush(cols, blocks, world)
-    series: dict[str, np.ndarray] = {}
-    for key, parts in blocks.items():
-        out = series[key] = np.full((n, world), np.nan)
-        for index, block in parts:
-            out[index] = block
     agg_arrays: dict[str, np.ndarray] | None = None
     if metrics:
         agg_arrays = {}
@@ -279,41 +357,12 @@ def read_run(path: str, *, metrics: bool = False) -> Run:
         header=header,
         steps=np.asarray(steps, dtype=np.int64),
         times=np.asarray(times, dtype=np.float64),
-        series=series,
+        series=columns.arrays(),
         corrupt_lines=corrupt,
         truncated=truncated,
         metrics=agg_arrays,
     )
 
 
-def _flush(
-    cols: dict[str, tuple[list[int], list[list[float | None]]]],
-    blocks: dict[str, list[tuple[np.ndarray, np.ndarray]]],
-    world: int,
-) -> None:
-    for key, (rows, vecs) in cols.items():
-        if rows:
-            blocks.setdefault(key, []).append(_block(rows, vecs, world))
-    cols.clear()
-
-
 def _num(v: Any) -> float:
     return float(v) if isinstance(v, (int, float)) else math.nan
-
-
-def _block(rows: list[int], vecs: list[list[float | None]], world: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per-rank vectors -> (row indices, a ``(len(rows), world)`` float64 block); None becomes nan."""
-    index = np.asarray(rows, dtype=np.intp)
-    if set(map(len, vecs)) == {world}:
-        try:
-            # The common case, all floats: fromiter is ~5x faster than np.array on nested lists.
-            flat = np.fromiter(itertools.chain.from_iterable(vecs), dtype=float, count=len(vecs) * world)
-            return index, flat.reshape(len(vecs), world)
-        except (TypeError, ValueError):
-            pass
-    block = np.full((len(vecs), world), np.nan)
-    for i, vec in enumerate(vecs):  # None, ragged or odd values: keep what fits, row by row
-        if isinstance(vec, list):
-            for r, v in enumerate(vec[:world]):
-                block[i, r] = _num(v)
-    return index, block

@@ -120,3 +120,54 @@ def test_chunked_arrays_match(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     for key, matrix in whole.series.items():
         np.testing.assert_array_equal(chunked.series[key], matrix)
     assert chunked.series[RSS][8].tolist() == [4.0, 3.0]
+
+
+def _write_steps(tmp_path: Path, ranks_per_step: list[dict[str, object]], world: int = 2) -> Path:
+    """A run log in the writer's layout with hand-written per-rank objects (keys may differ by step)."""
+    header = {"kind": "header", "schema": 1, "world_size": world}
+    lines = [json.dumps(header)]
+    for step, ranks in enumerate(ranks_per_step):
+        obj = {"kind": "step", "step": step, "time": 1.0 + step, "metrics": {}, "ranks": ranks}
+        lines.append(json.dumps(obj, separators=(",", ":")))
+    path = tmp_path / RUN_LOG_NAME
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("chunk", [1024, 2, 1])
+def test_keys_that_differ_by_step_nulls_and_odd_vectors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk: int
+) -> None:
+    import rankmem.runlog as runlog
+
+    monkeypatch.setattr(runlog, "_CHUNK", chunk)
+    path = _write_steps(
+        tmp_path,
+        [
+            {"a": [1.0, 2.0], "b": [3, None]},
+            {"a": [4.0, 5.0]},  # b absent
+            {"b": [6.0, 7.0], "a": [8.0, 9.0]},  # other key order
+            {"a": [10.0], "b": [11.0, 12.0, 13.0]},  # ragged: keep what fits
+            {"a": None, "b": ["x", True]},  # not a vector; not numbers
+            {"a": [None, None], "b": [14.0, 15.0], "c": [16.0, 17.0]},  # c only here
+        ],
+    )
+    run = read_run(str(path))
+    nan = math.nan
+    np.testing.assert_array_equal(run.series["a"], [[1, 2], [4, 5], [8, 9], [10, nan], [nan, nan], [nan, nan]])
+    np.testing.assert_array_equal(run.series["b"], [[3, nan], [nan, nan], [6, 7], [11, 12], [nan, 1], [14, 15]])
+    np.testing.assert_array_equal(run.series["c"], [[nan, nan]] * 5 + [[16, 17]])
+    assert run.steps.tolist() == [0, 1, 2, 3, 4, 5] and run.corrupt == 0
+    full = read_run(str(path), metrics=True)  # the slow path agrees
+    for key, matrix in run.series.items():
+        np.testing.assert_array_equal(full.series[key], matrix)
+
+
+def test_blank_lines_skipped_and_a_whole_last_line_without_newline_kept(tmp_path: Path) -> None:
+    path = _write_steps(tmp_path, [{"a": [1.0, 2.0]}, {"a": [3.0, 4.0]}])
+    text = path.read_text().rstrip("\n")
+    lines = text.split("\n")
+    path.write_text(lines[0] + "\n\n" + lines[1] + "\n" + lines[2])  # no newline after the last line
+    run = read_run(str(path))
+    assert run.series["a"].tolist() == [[1.0, 2.0], [3.0, 4.0]]
+    assert run.corrupt == 0 and not run.truncated
