@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import os
 import sys
 from collections.abc import Callable, Mapping
@@ -193,25 +194,17 @@ class Progress:
             self._bar.stop()
 
 
-@record  # torchrun's agent then shows the failing rank's traceback as the root cause
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_job_arguments(parser)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    torch.manual_seed(args.seed)  # the same initial weights on every rank
-    device = init_distributed(args.device, args.pg_timeout_s)
-    monitor: rankmem.Monitor | None = None
+def train(args: argparse.Namespace, device: torch.device) -> None:
+    """Build the model, worker and monitor, run the task, and on the logging rank print the summary."""
+    model = GPT(GPTConfig(vocab_size=SFT_VOCAB if args.task == "sft" else GRPO_VOCAB))
+    lr = args.lr if args.lr is not None else (3e-3 if args.task == "sft" else 5e-3)
+    config = WorkerConfig(engine=args.engine, lr=lr, total_steps=args.steps,
+                          micro_batch_size=args.micro_batch_size, peak_tflops=args.peak_tflops)
+    run_config = {**vars(args), "lr": lr, "params": model.num_params(), "worker": asdict(config)}
+    monitor = rankmem.Monitor(out_dir=args.out, sinks=("jsonl",), run_config=run_config)
     try:
-        model = GPT(GPTConfig(vocab_size=SFT_VOCAB if args.task == "sft" else GRPO_VOCAB))
-        lr = args.lr if args.lr is not None else (3e-3 if args.task == "sft" else 5e-3)
-        config = WorkerConfig(engine=args.engine, lr=lr, total_steps=args.steps,
-                              micro_batch_size=args.micro_batch_size, peak_tflops=args.peak_tflops)
-        run_config = {**vars(args), "lr": lr, "params": model.num_params(), "worker": asdict(config)}
-        monitor = rankmem.Monitor(out_dir=args.out, sinks=("jsonl",), run_config=run_config)
         worker = TrainingWorker(model, config, device=device, monitor=monitor)
-        # Different sampling per rank, after the identical init.
-        torch.manual_seed(args.seed * 1000 + worker.rank + 1)
+        torch.manual_seed(args.seed * 1000 + worker.rank + 1)  # different sampling per rank, same init
         tracker = PeakTracker(monitor)
         logging_rank = monitor.is_logging_rank
         with Progress(logging_rank, args.steps, args.task, bar=not args.no_progress) as progress:
@@ -222,16 +215,31 @@ def main(argv: list[str] | None = None) -> int:
                     progress.advance(step, headline(metrics, args.task))
 
             (run_sft if args.task == "sft" else run_grpo)(worker, args, on_step)
-        monitor.close()
-        if logging_rank:
-            print(f"rankmem train: {args.task}/{args.engine}, {worker.world_size} ranks, {args.steps} steps, "
-                  f"{model.num_params() / 1e6:.2f}M params, device {device.type}")
-            print("peak memory (max over ranks and steps):")
-            print("\n".join(tracker.lines()))
-            print(f"run log: {os.path.join(args.out, 'rankmem.jsonl')}", flush=True)
     finally:
-        if monitor is not None:
-            monitor.close()  # safe twice; every line written so far is already flushed
+        monitor.close()  # every line written so far is already flushed
+    if logging_rank:
+        print(f"rankmem train: {args.task}/{args.engine}, {worker.world_size} ranks, {args.steps} steps, "
+              f"{model.num_params() / 1e6:.2f}M params, device {device.type}")
+        print("peak memory (max over ranks and steps):")
+        print("\n".join(tracker.lines()))
+        print(f"run log: {os.path.join(args.out, 'rankmem.jsonl')}", flush=True)
+
+
+@record  # torchrun's agent then shows the failing rank's traceback as the root cause
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_job_arguments(parser)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
+    device = init_distributed(args.device, args.pg_timeout_s)
+    try:
+        train(args, device)
+        dist.barrier()  # leave together: no collective is in flight when the group goes
+    finally:
+        # FSDP2's DTensors and device mesh hold the process group; free them while the interpreter is
+        # whole, or gloo's threads can be torn down during interpreter exit (SIGABRT; pytorch#179291).
+        gc.collect()
         dist.destroy_process_group()
     return 0
 
