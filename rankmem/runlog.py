@@ -126,9 +126,10 @@ SUPPORTED_SCHEMAS = (1,)
 # ``"ranks"`` object (about half the line); anything else goes through a full json.loads.
 _STEP_PREFIX = '{"kind":"step","step":'
 _RANKS_MARK = ',"ranks":{'
-# Rows per numpy block. The pending values are kept as one flat list of floats per key set, and floats are
-# not tracked by the cyclic GC; 1024 rows x 28 keys x 8 ranks is ~5 MiB of them.
-_CHUNK = 1024
+# Rows per numpy block. Pending values wait as one flat list of floats per key set (floats are not tracked
+# by the cyclic GC); 256 rows x 28 keys x 8 ranks is ~1.8 MiB of them, small enough to stay in a core's L2
+# cache. Larger chunks (1024, 4096) measured no faster.
+_CHUNK = 256
 _NUMBER_TYPES = {float, int, type(None)}
 
 
