@@ -7,6 +7,7 @@ order. With no initialised process group (or a world of one) none of them commun
 from __future__ import annotations
 
 import math
+import weakref
 import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -126,8 +127,10 @@ class PackedGather:
         _all_gather_single(out, inp, self.group)
         rows = out.cpu().numpy().reshape(world, width)  # a device-to-host sync on NCCL
         sigs, lengths = rows[:, 0], rows[:, 1]
-        if (sigs == sigs[0]).all() and (lengths == lengths[0]).all() and n <= self.capacity:
-            return [schema] * world, list(rows[:, 2 : 2 + n])
+        # Equal layouts may still carry different numbers of values (per-rank list lengths inside
+        # the payload); all that must hold is that every rank's values fit.
+        if (sigs == sigs[0]).all() and lengths.max() <= self.capacity:
+            return [schema] * world, [rows[r, 2 : 2 + int(lengths[r])] for r in range(world)]
         self.fallbacks += 1
         gathered = all_gather_objects((schema, list(map(float, values))), self.group)
         self.capacity = int(lengths.max())
@@ -148,13 +151,16 @@ def _aggregate_names(keys: Sequence[str]) -> list[str]:
     return names
 
 
-def aggregate(keys: Sequence[str], matrix: np.ndarray) -> dict[str, float]:
+def aggregate(keys: Sequence[str], matrix: np.ndarray, nan_is_absent: bool = False) -> dict[str, float]:
     """``K/max``, ``K/min``, ``K/mean``, ``K/max_rank`` per column of a ranks x keys matrix.
 
-    NaN marks a rank without the value; it is left out. A key no rank has gives NaN (max_rank -1).
-    On the hot path (no NaN) this is four numpy reductions and one dict build from cached names.
+    When every rank sent the same keys (``nan_is_absent=False``) a NaN is the caller's own value (a
+    diverged loss): it propagates to max, min and mean, and ``max_rank`` names the first rank holding
+    it, so a bad rank cannot hide behind a healthy mean. After aligning ranks with different keys
+    (``nan_is_absent=True``) NaN marks a rank without the key and is left out; a key no rank has gives
+    NaN (max_rank -1). The hot path is four numpy reductions and one dict build from cached names.
     """
-    if matrix.size and not np.isnan(matrix).any():
+    if not nan_is_absent or (matrix.size and not np.isnan(matrix).any()):
         stats = np.stack([matrix.max(axis=0), matrix.min(axis=0), matrix.mean(axis=0), matrix.argmax(axis=0)])
     else:
         present = ~np.isnan(matrix)
@@ -198,7 +204,12 @@ def _as_numbers(value: Any) -> tuple[str, list[float]] | None:
 
 
 class VerlDictGather:
-    """The gather behind :func:`allgather_dict_into_dict`; keep one per call site (it learns a capacity)."""
+    """The gather behind :func:`allgather_dict_into_dict`; keep one per call site (it learns a capacity).
+
+    The layout checksum covers the keys and their kinds (scalar, list, object) only; list lengths
+    travel inside the payload, so per-rank micro-batch counts that differ (verl's dynamic batch size)
+    stay on the one-tensor fast path.
+    """
 
     def __init__(self, group: Any = None) -> None:
         self.group = group
@@ -207,30 +218,36 @@ class VerlDictGather:
     def __call__(self, data: Mapping[str, Any]) -> dict[str, list[Any]]:
         if not isinstance(data, Mapping):
             raise TypeError(f"allgather_dict_into_dict expects a dict, got {type(data).__name__}")
-        layout: list[tuple[str, str, int]] = []
-        flat: list[float] = []
+        layout: list[tuple[str, str]] = []
+        list_lengths: list[float] = []
+        values: list[float] = []
         objects: dict[str, Any] = {}
         for key, value in data.items():  # insertion order, as verl's result keeps it
             numbers = _as_numbers(value)
             if numbers is None:
-                layout.append((key, "o", 0))
+                layout.append((key, "o"))
                 objects[key] = value
             else:
-                layout.append((key, numbers[0], len(numbers[1])))
-                flat.extend(numbers[1])
-        layouts, rows = self._gather.gather(tuple(layout), flat)
+                layout.append((key, numbers[0]))
+                if numbers[0] == "l":
+                    list_lengths.append(len(numbers[1]))
+                values.extend(numbers[1])
+        layouts, rows = self._gather.gather(tuple(layout), list_lengths + values)
         # Every rank sees every layout, so all take the pickled path together or none does.
         gathered_objects: list[dict[str, Any]] = [objects]
-        if any(kind == "o" for lay in layouts for _, kind, _ in lay):  # type: ignore[attr-defined]
+        if any(kind == "o" for lay in layouts for _, kind in lay):
             gathered_objects = all_gather_objects(objects, self.group)
         out: dict[str, list[Any]] = {}
         for rank, (rank_layout, row) in enumerate(zip(layouts, rows, strict=True)):
-            pos = 0
-            for key, kind, length in rank_layout:  # type: ignore[attr-defined]
+            n_lists = sum(1 for _, kind in rank_layout if kind == "l")
+            lengths = iter(int(x) for x in row[:n_lists])
+            pos = n_lists
+            for key, kind in rank_layout:
                 item: Any
                 if kind == "o":
                     item = gathered_objects[rank][key]
                 else:
+                    length = 1 if kind == "s" else next(lengths)
                     chunk = row[pos : pos + length].tolist()  # float64: integers exact up to 2**53
                     pos += length
                     item = chunk[0] if kind == "s" else chunk
@@ -238,18 +255,25 @@ class VerlDictGather:
         return out
 
 
-_gathers: dict[int, VerlDictGather] = {}
+# One gather per process group, so that its learned capacity is shared by every call on that group
+# and dies with the group (a re-initialised world starts afresh on every rank alike).
+_gathers: weakref.WeakKeyDictionary[Any, VerlDictGather] = weakref.WeakKeyDictionary()
 
 
 def allgather_dict_into_dict(data: Mapping[str, Any], group: Any = None) -> dict[str, list[Any]]:
     """Drop-in for ``verl.utils.torch_functional.allgather_dict_into_dict``: a collective over ``group``.
 
-    Returns, per key, each rank's value in rank order (a scalar per rank, or that rank's list; numbers come back
-    as floats).
-    Numbers travel in one ``all_gather_into_tensor``; values that are not numbers (verl's ``Metric``
-    objects) make every rank add one pickled gather. Without a process group it returns ``[value]``.
+    Returns, per key, each rank's value in rank order (a scalar per rank, or that rank's list; numbers
+    come back as floats). Numbers travel in one ``all_gather_into_tensor``; values that are not numbers
+    (verl's ``Metric`` objects) make every rank add one pickled gather. Without a process group it
+    returns ``[value]``.
     """
-    gather = _gathers.get(id(group))
+    if not dist_active(group):
+        return VerlDictGather(group)(data)
+    import torch.distributed as dist
+
+    key = group if group is not None else dist.group.WORLD
+    gather = _gathers.get(key)
     if gather is None:
-        gather = _gathers[id(group)] = VerlDictGather(group)
+        gather = _gathers[key] = VerlDictGather(group)
     return gather(data)

@@ -8,11 +8,10 @@ those figures are ``None`` (unavailable), never 0.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 from rankmem._records import DeviceReading
-from rankmem.errors import RankmemError
+from rankmem.errors import RankmemError, WarnOnce
 
 BACKENDS = ("cuda", "npu", "xpu")
 
@@ -28,19 +27,34 @@ class DeviceBackend:
     def __init__(self, name: str, module: Any, index: int | None = None) -> None:
         self.name = name
         self.module = module
-        if index is None:
-            try:
-                index = int(module.current_device())
-            except Exception:
-                index = 0
-        self.index = index
+        # None follows the current device: a Monitor built before set_device(local_rank) still reads
+        # this rank's device, not device 0.
+        self._index = index
         self.peaks_resettable = hasattr(module, "reset_peak_memory_stats")
-        self._warned: set[str] = set()
+        self._warn_once = WarnOnce()
 
-    def _warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            warnings.warn(f"rankmem: {message}", RuntimeWarning, stacklevel=3)
+    @property
+    def index(self) -> int:
+        if self._index is not None:
+            return self._index
+        try:
+            return int(self.module.current_device())
+        except Exception:
+            return 0
+
+    @property
+    def torch_device(self) -> tuple[str, int]:
+        """``(device_type, index)`` for tensors of device-only collectives (NCCL, HCCL)."""
+        return self.name, self.index
+
+    def _ready(self) -> bool:
+        # Before the backend is initialised, mem_get_info() and the peak reset would create a context
+        # on the current device (device 0 before set_device): hundreds of MiB on the wrong GPU.
+        is_initialized = getattr(self.module, "is_initialized", None)
+        try:
+            return bool(is_initialized()) if is_initialized is not None else True
+        except Exception:
+            return False
 
     def device_name(self) -> str:
         try:
@@ -52,16 +66,16 @@ class DeviceBackend:
         if not hasattr(self.module, "memory_stats"):
             return {}
         try:
-            stats = self.module.memory_stats(self.index)
+            stats = self.module.memory_stats(self._index)
         except Exception:
             return {}
         return stats if isinstance(stats, dict) else {}
 
     def reset_peaks(self) -> None:
-        if not self.peaks_resettable:
+        if not self.peaks_resettable or not self._ready():
             return
         try:
-            self.module.reset_peak_memory_stats(self.index)
+            self.module.reset_peak_memory_stats(self._index)
         except Exception:  # AttributeError/RuntimeError on a build without the backend compiled in
             self.peaks_resettable = False
             self._warn_once("reset", f"{self.name}: cannot reset peak memory stats; device peaks are lifetime peaks")
@@ -69,9 +83,9 @@ class DeviceBackend:
     def read(self) -> DeviceReading:
         stats = self._stats()
         used = total = None
-        if hasattr(self.module, "mem_get_info"):
+        if hasattr(self.module, "mem_get_info") and self._ready():
             try:
-                free, total_ = self.module.mem_get_info(self.index)
+                free, total_ = self.module.mem_get_info(self._index)
                 total = int(total_)
                 used = total - int(free)
             except Exception:

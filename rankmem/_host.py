@@ -10,10 +10,10 @@ import glob
 import os
 import sys
 import time
-import warnings
 
 from rankmem import _procfs
 from rankmem._records import HostReading
+from rankmem.errors import WarnOnce
 
 _STATUS_BUF = 4096  # /proc/self/status is ~1.4 KB; VmHWM sits in its first half
 _MEMINFO_BUF = 8192
@@ -51,7 +51,7 @@ class LinuxHostProbe:
         self._children_refresh_s = children_refresh_s
         self._children_fds: dict[int, int] = {}
         self._children_at = -float("inf")
-        self._warned: set[str] = set()
+        self._warn_once = WarnOnce()
         self._open()
 
     def _open(self) -> None:
@@ -80,11 +80,6 @@ class LinuxHostProbe:
             self._cgroup_current = _open_ro(files.current)
             self._cgroup_limit = _open_ro(files.limit)
 
-    def _warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            warnings.warn(f"rankmem: {message}", RuntimeWarning, stacklevel=3)
-
     def check_fork(self) -> None:
         # Descriptors opened on /proc/PID follow the PID, not the caller: a forked child must reopen.
         if os.getpid() != self._pid:
@@ -100,6 +95,11 @@ class LinuxHostProbe:
     def peak_rss(self) -> int | None:
         """Max RSS since the last :meth:`reset_peak` (``VmHWM``)."""
         return self.rss_and_peak()[1]
+
+    @property
+    def peak_scope(self) -> str:
+        """``window`` when VmHWM resets at each window edge, ``lifetime`` where it cannot."""
+        return "lifetime" if self.peak_is_lifetime else "window"
 
     def rss_and_peak(self) -> tuple[int | None, int | None]:
         """Current RSS and the peak since the last reset from one read of ``status`` (``VmRSS``,
@@ -223,7 +223,7 @@ class LinuxHostProbe:
 
 
 class PsutilHostProbe:
-    """Off Linux: psutil. The peak is our own max over reads, or the OS lifetime peak where one exists."""
+    """Off Linux: psutil. The window peak is our own max of the RSS read at window edges ("sampled")."""
 
     def __init__(self, children: bool = True, children_refresh_s: float = 5.0) -> None:
         import psutil
@@ -235,6 +235,7 @@ class PsutilHostProbe:
         self._children: list[psutil.Process] = []
         self._children_at = -float("inf")
         self.peak_is_lifetime = True
+        self.peak_scope = "sampled"
         self._peak: int | None = None
 
     def rss(self) -> int | None:
@@ -244,11 +245,11 @@ class PsutilHostProbe:
             return None
 
     def peak_rss(self) -> int | None:
+        """Our own max of the RSS seen at window edges (``sampled``): psutil has no resettable
+        high-water mark, and Windows' ``peak_wset`` is a lifetime one."""
         rss = self.rss()
-        info = self._proc.memory_info()
-        os_peak = getattr(info, "peak_wset", None)  # Windows only; psutil has no peak elsewhere
-        candidates = [v for v in (rss, self._peak, os_peak) if v is not None]
-        self._peak = max(candidates) if candidates else None
+        if rss is not None:
+            self._peak = rss if self._peak is None else max(self._peak, rss)
         return self._peak
 
     def rss_and_peak(self) -> tuple[int | None, int | None]:

@@ -23,7 +23,6 @@ import math
 import os
 import socket
 import time
-import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -35,7 +34,7 @@ from rankmem._device import DeviceBackend, select_backend
 from rankmem._host import HostProbe, make_host_probe
 from rankmem._metrics import PHASE_NAME, PhaseBytes, WindowBytes, phase_metrics, verl_metrics, window_metrics
 from rankmem._records import DeviceReading, RankInfo, RunHeader, StepRecord
-from rankmem.errors import RankmemError
+from rankmem.errors import RankmemError, WarnOnce
 from rankmem.sinks import SINK_NAMES, SafeSink, Sink, make_sink
 
 
@@ -139,10 +138,11 @@ class Monitor:
         self.group = group
         self._host: HostProbe = make_host_probe(config.children, config.children_refresh_s)
         self._device: DeviceBackend | None = select_backend(config.device, device_module)
-        self._gather = _collective.PackedGather(
-            group, (self._device.name, self._device.index) if self._device is not None else None
-        )
-        self._warned: set[str] = set()
+        self._gather = _collective.PackedGather(group, self._device.torch_device if self._device is not None else None)
+        # Sinks are built (no I/O) on every rank, so a bad sink is the same error everywhere, here and
+        # not later inside a collective; only the logging rank opens and writes them.
+        self._sink_objects = [make_sink(spec, config.out_dir) for spec in config.sinks or ()]
+        self._warn_once = WarnOnce()
         self._open: list[_Window] = []
         self._lifetime = _Window(None, None)
         self._step_window: WindowBytes | None = None
@@ -155,7 +155,9 @@ class Monitor:
         self._last_record: StepRecord | None = None
         self._is_logging_rank = False  # known at the first collect
         self._leak_watch: Any = None
-        self._implicit = self._begin()
+        # Until the first step() the window is "everything since the last collect"; once step() is
+        # used, collects need no window of their own and this one is dropped.
+        self._implicit: _Window | None = self._begin()
 
     # ---- properties -------------------------------------------------------------------------------
     @property
@@ -176,8 +178,10 @@ class Monitor:
         return self._device.name if self._device else "none"
 
     @property
-    def peak_rss_is_lifetime(self) -> bool:
-        return bool(self._host.peak_is_lifetime)
+    def peak_rss_scope(self) -> str:
+        """``window`` (reset per window), ``lifetime`` (the kernel cannot reset it) or ``sampled``
+        (off Linux: the max of the values read at window edges)."""
+        return str(self._host.peak_scope)
 
     @property
     def header(self) -> RunHeader | None:
@@ -205,11 +209,6 @@ class Monitor:
             self._warn_once("leaks", f"online leak check failed and is off: {exc!r}")
 
     # ---- window edges -------------------------------------------------------------------------------
-    def _warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            warnings.warn(f"rankmem: {message}", RuntimeWarning, stacklevel=4)
-
     def _edge(self) -> tuple[int | None, DeviceReading | None]:
         """Read the peaks since the last edge into every open window, then reset them. Returns the
         current RSS and device reading."""
@@ -251,24 +250,7 @@ class Monitor:
         return rss, dev
 
     def _window_bytes(self, window: _Window, rss: int | None, dev: DeviceReading | None) -> WindowBytes:
-        host = self._host
-        try:
-            total, available = host.node()
-            cg_used, cg_limit = host.cgroup()
-            children = host.children_rss()
-        except Exception as exc:  # noqa: BLE001
-            self._warn_once("host", f"host probe failed: {exc!r}")
-            total = available = cg_used = cg_limit = children = None
-        w = WindowBytes(
-            rss=rss,
-            peak_rss=window.peak_rss,
-            children_rss=children,
-            node_used=None if total is None or available is None else total - available,
-            node_available=available,
-            cgroup_used=cg_used,
-            cgroup_limit=cg_limit,
-            lifetime_peak_rss=self._lifetime.peak_rss,
-        )
+        w = WindowBytes(rss=rss, peak_rss=window.peak_rss, lifetime_peak_rss=self._lifetime.peak_rss)
         if dev is not None:
             w.allocated, w.reserved = dev.allocated, dev.reserved
             w.peak_allocated, w.peak_reserved = window.peak_allocated, window.peak_reserved
@@ -278,6 +260,19 @@ class Monitor:
             w.lifetime_peak_reserved = self._lifetime.peak_reserved
         return w
 
+    def _add_host_now(self, w: WindowBytes) -> None:
+        """Node, cgroup and children figures, read once per collect (not at every step end)."""
+        host = self._host
+        try:
+            total, available = host.node()
+            w.cgroup_used, w.cgroup_limit = host.cgroup()
+            w.children_rss = host.children_rss()
+        except Exception as exc:  # noqa: BLE001 - telemetry never kills training
+            self._warn_once("host", f"host probe failed: {exc!r}")
+            return
+        w.node_available = available
+        w.node_used = None if total is None or available is None else total - available
+
     @contextlib.contextmanager
     def step(self, n: int | None = None) -> Iterator[None]:
         """A step window: peaks reset at entry, current values and the window's peaks read at exit.
@@ -285,6 +280,9 @@ class Monitor:
         Local to this rank (no collective); call :meth:`collect` after it on every rank, every step or
         every N steps (steps closed since the last collect merge: max peaks, summed events).
         """
+        if self._implicit is not None:
+            self._open.remove(self._implicit)
+            self._implicit = None
         window = self._begin()
         try:
             yield
@@ -326,9 +324,14 @@ class Monitor:
         Consumes the window: the next call starts a new one. :meth:`collect` calls this first.
         """
         if self._step_window is None:
-            # No step closed since the last collect: the window is everything since then.
-            rss, dev = self._end(self._implicit)
-            self._step_window = self._window_bytes(self._implicit, rss, dev)
+            # No step closed since the last collect: the window is everything since then (or, once
+            # step() is in use, just this instant).
+            window = self._implicit if self._implicit is not None else self._begin()
+            rss, dev = self._end(window)
+            self._step_window = self._window_bytes(window, rss, dev)
+            if self._implicit is not None:
+                self._implicit = self._begin()
+        self._add_host_now(self._step_window)
         out: dict[str, float] = {}
         window_metrics(self._step_window, out)
         for name, p in self._phases.items():
@@ -342,9 +345,6 @@ class Monitor:
                 out[str(key)] = number
         self._step_window = None
         self._phases = {}
-        if self._implicit in self._open:
-            self._open.remove(self._implicit)
-        self._implicit = self._begin()
         return out
 
     def collect(self, metrics: Mapping[str, Any] | None = None, step: int | None = None) -> dict[str, float]:
@@ -360,13 +360,17 @@ class Monitor:
         self._step_n = None
         self._collects += 1
         if self._header is None:
+            rank, world = _collective.rank_and_world(self.group)
+            if self.config.log_rank >= world:  # every rank knows the world size: all raise together
+                raise RankmemError(f"log_rank={self.config.log_rank} but the group has {world} rank(s): use 0..{world - 1}")
             self._header = self._make_header()
-            self._is_logging_rank = self.is_logging_rank
+            self._is_logging_rank = rank == self.config.log_rank
             if self._is_logging_rank:
                 self._open_sinks(self._header)
         keys = tuple(sorted(local))
         schemas, rows = self._gather.gather(keys, [local[k] for k in keys])
-        if all(s == keys for s in schemas):
+        aligned = not all(s == keys for s in schemas)
+        if not aligned:
             agg_keys: Sequence[str] = keys
             matrix = np.vstack(rows) if rows else np.zeros((0, 0))
         else:
@@ -376,7 +380,7 @@ class Monitor:
                 "keys:" + ",".join(differing),
                 f"ranks reported different keys {differing}; each is aggregated over the ranks that have it",
             )
-        aggregated = _collective.aggregate(agg_keys, matrix)
+        aggregated = _collective.aggregate(agg_keys, matrix, nan_is_absent=aligned)
         if self.config.verl_keys:
             aggregated.update(verl_metrics(aggregated))
         self._last = (int(step), time.time(), aggregated, agg_keys, matrix)
@@ -398,7 +402,7 @@ class Monitor:
             host=socket.gethostname(),
             pid=os.getpid(),
             device=self._device.device_name() if self._device else "none",
-            peak_rss_scope="lifetime" if self._host.peak_is_lifetime else "window",
+            peak_rss_scope=self._host.peak_scope,
         )
         infos = _collective.all_gather_objects(asdict(me), self.group)  # once per run
         config = {k: v for k, v in asdict(self.config).items() if k not in ("sinks", "run_config")}
@@ -407,8 +411,8 @@ class Monitor:
         return RunHeader(world_size=world, ranks=[RankInfo(**i) for i in infos], config=config, started=time.time())
 
     def _open_sinks(self, header: RunHeader) -> None:
-        for spec in self.config.sinks or ():
-            sink = SafeSink(make_sink(spec, self.config.out_dir))
+        for sink_object in self._sink_objects:
+            sink = SafeSink(sink_object)
             sink.open(header)
             self._sinks.append(sink)
 

@@ -84,7 +84,8 @@ class RankInfo:
     device: str
     """The backend (``cuda``/``npu``/``xpu``/``none``) and the device's name where known."""
     peak_rss_scope: str
-    """``"window"`` where the host peak resets per window, ``"lifetime"`` where it cannot."""
+    """``"window"`` where the host peak resets per window, ``"lifetime"`` where it cannot, ``"sampled"``
+    off Linux (the max of the RSS read at window edges)."""
 
 
 @dataclass(slots=True)

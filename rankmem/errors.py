@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 
 class RankmemError(ValueError):
     """A user error: bad configuration or input. The message says how to fix it."""
@@ -13,3 +15,15 @@ class MissingExtraError(RankmemError, ImportError):
     def __init__(self, feature: str, extra: str, package: str) -> None:
         super().__init__(f"{feature} needs {package}, which is not installed: pip install 'rankmem[{extra}]'")
         self.extra = extra
+
+
+class WarnOnce:
+    """Telemetry warns about a condition once, not every step: one ``RuntimeWarning`` per key."""
+
+    def __init__(self) -> None:
+        self._seen: set[str] = set()
+
+    def __call__(self, key: str, message: str, stacklevel: int = 3) -> None:
+        if key not in self._seen:
+            self._seen.add(key)
+            warnings.warn(f"rankmem: {message}", RuntimeWarning, stacklevel=stacklevel + 1)

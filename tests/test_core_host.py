@@ -153,21 +153,23 @@ def test_sample_is_lifetime_and_consistent() -> None:
 @linux_only
 def test_probe_reopens_after_fork() -> None:
     probe = LinuxHostProbe(children=False)
+    parent_rss = probe.rss()
     r, w = os.pipe()
     pid = os.fork()
-    if pid == 0:  # child: its own RSS, not the parent's descriptors
+    if pid == 0:  # child: the probe must now read the child, not the parent it was opened in
         try:
-            held = touch(64 * MIB)
+            held = touch(192 * MIB)
             probe.check_fork()
-            rss = probe.rss() or 0
-            os.write(w, str(rss).encode())
+            ours = probe.rss() or 0
+            truth = psutil.Process().memory_info().rss  # an outside reading of the child itself
+            os.write(w, f"{ours} {truth}".encode())
             del held
         finally:
             os._exit(0)
     os.close(w)
-    child_rss = int(os.read(r, 64) or b"0")
+    ours, truth = (int(x) for x in os.read(r, 64).split())
     os.waitpid(pid, 0)
-    parent_rss = probe.rss()
-    assert parent_rss is not None and child_rss > 0
-    assert child_rss != parent_rss
+    assert parent_rss is not None
+    assert abs(ours - truth) < 2 * MIB
+    assert abs(truth - parent_rss) > 32 * MIB  # so reading the parent instead would have failed
     probe.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -101,6 +102,13 @@ def test_wandb_sink_offline_run_on_disk(tmp_path: Path, monkeypatch: pytest.Monk
     # wandb-core (0.19+) writes files/wandb-summary.json only when online (wandb/wandb#9646), so read the
     # history from the run's own transaction log, which `wandb sync` uploads.
     (log,) = run_dir.glob("run-*.wandb")
+    # finish() can return before W&B's service process has written the last records: wait (bounded)
+    # for the run's closing "exit" record.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if any(r.WhichOneof("record_type") == "exit" for r in _wandb_records(log)):
+            break
+        time.sleep(0.2)
     history = [
         {(item.key or "/".join(item.nested_key)): json.loads(item.value_json) for item in r.history.item}
         for r in _wandb_records(log)
@@ -116,6 +124,7 @@ def test_wandb_sink_offline_run_on_disk(tmp_path: Path, monkeypatch: pytest.Monk
 class _Boom:
     def __init__(self) -> None:
         self.writes = 0
+        self.closes = 0
 
     def open(self, header: RunHeader) -> None:
         pass
@@ -125,7 +134,7 @@ class _Boom:
         raise OSError("disk full")
 
     def close(self) -> None:
-        raise AssertionError("a disabled sink is not closed")
+        self.closes += 1  # a disabled sink still holds its files: it is closed all the same
 
 
 def test_failing_sink_warns_once_and_is_disabled() -> None:
@@ -137,7 +146,7 @@ def test_failing_sink_warns_once_and_is_disabled() -> None:
         for r in _records():
             safe.write(r)
         safe.close()
-    assert boom.writes == 1 and safe.disabled
+    assert boom.writes == 1 and safe.disabled and boom.closes == 1
     assert [str(w.message) for w in caught] == [
         "rankmem: sink _Boom failed in write() and is disabled: OSError('disk full')"
     ]

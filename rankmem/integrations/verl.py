@@ -32,16 +32,13 @@ instead of pickling, and falls back to a pickled gather only for values that are
 from __future__ import annotations
 
 from rankmem._collective import VerlDictGather, allgather_dict_into_dict
+from rankmem._metrics import VERL_KEYS
 from rankmem._monitor import Monitor
 
 __all__ = ["VERL_NAMES", "VerlDictGather", "allgather_dict_into_dict", "metrics_for_gather", "verl_reduction"]
 
 # verl's key -> the per-rank rankmem key whose value it carries (GiB: verl divides by 1024**3 too).
-VERL_NAMES = {
-    "perf/max_memory_allocated_gb": "mem/device/peak_allocated_gib",
-    "perf/max_memory_reserved_gb": "mem/device/peak_reserved_gib",
-    "perf/cpu_memory_used_gb": "mem/host/rss_gib",
-}
+VERL_NAMES = {verl: ours.rsplit("/", 1)[0] for verl, ours in VERL_KEYS.items()}
 
 _STATS = ("max", "min", "mean")
 

@@ -84,4 +84,10 @@ class SafeSink:
         self._call("write", record)
 
     def close(self) -> None:
-        self._call("close")
+        # A sink disabled by a failed write still holds files or a tracker run: always try to close it.
+        try:
+            self.sink.close()
+        except Exception as exc:  # noqa: BLE001
+            if not self.disabled:
+                warnings.warn(f"rankmem: sink {type(self.sink).__name__} failed in close(): {exc!r}", RuntimeWarning, stacklevel=2)
+        self.disabled = True

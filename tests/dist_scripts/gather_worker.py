@@ -51,7 +51,7 @@ def main(out: str) -> None:
     result["mixed_warnings"] = [str(w.message) for w in caught]
     result["fallbacks_after_mixed"] = monitor._gather.fallbacks
 
-    # 4. a NaN on one rank is left out of that key's aggregate.
+    # 4. a NaN on one rank (a diverged loss) propagates and is named, not averaged away.
     nan_case = monitor.collect({"loss": math.nan if rank == 0 else float(rank)})
     result["nan_loss"] = {k: nan_case[k] for k in ("loss/max", "loss/min", "loss/mean", "loss/max_rank")}
 

@@ -1,0 +1,41 @@
+"""The run log writer: whatever the caller's config holds, and a restart, lose no records."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+import rankmem
+
+
+def _run(out: Path, **options: object) -> None:
+    monitor = rankmem.Monitor(out_dir=str(out), device="cpu", children=False, **options)  # type: ignore[arg-type]
+    for step in range(2):
+        monitor.collect({"loss": float(step)}, step=step)
+    monitor.close()
+
+
+def test_config_with_paths_and_nan_keeps_the_header(tmp_path: Path) -> None:
+    _run(tmp_path, run_config={"data": Path("/data/x"), "lr": math.nan})
+    lines = (tmp_path / "rankmem.jsonl").read_text().splitlines()
+    header = json.loads(lines[0])
+    assert header["config"]["run"] == {"data": "/data/x", "lr": None}
+    assert [json.loads(line)["step"] for line in lines[1:]] == [0, 1]
+
+
+def test_a_restart_into_the_same_out_dir_keeps_the_earlier_log(tmp_path: Path) -> None:
+    _run(tmp_path)
+    first = (tmp_path / "rankmem.jsonl").read_text()
+    with pytest.warns(RuntimeWarning, match=r"existed \(a restarted job\?\); kept it as .*rankmem.jsonl.1"):
+        _run(tmp_path)
+    assert (tmp_path / "rankmem.jsonl.1").read_text() == first
+    assert (tmp_path / "rankmem.jsonl").read_text().count("\n") == 3
+
+
+def test_log_rank_outside_the_group_is_a_clear_error() -> None:
+    monitor = rankmem.Monitor(log_rank=1, device="cpu", children=False)
+    with pytest.raises(rankmem.RankmemError, match=r"log_rank=1 but the group has 1 rank\(s\): use 0..0"):
+        monitor.collect()
