@@ -29,7 +29,7 @@ test: lint typecheck
 
 # The main job: 2-rank GRPO on the reference worker, about two minutes on 2 CPU cores.
 demo: install
-	$(VENV)/bin/rankmem train --nproc-per-node 2 --task grpo --engine ddp --steps 600 --out runs/demo
+	$(VENV)/bin/rankmem train --nproc-per-node 2 --out runs/demo
 
 bench: install
 	$(PY) bench/bench_probe.py

@@ -10,6 +10,7 @@ growth and the leak verdicts of :mod:`rankmem.leaks`. Everything is computed on 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -106,21 +107,34 @@ def memory_keys(run: Run) -> list[str]:
     return sorted(k for k in run.series if k.startswith("mem/") and not k.startswith("mem/phase/"))
 
 
-def _phase_of(run: Run, key: str, row: int, rank: int, value: float) -> str | None:
+def phase_of_peak(key: str, value: float, rank_values: Mapping[str, float | None]) -> str | None:
+    """The phase that set one rank's step peak ``value`` of ``key``: the ``P`` whose
+    ``mem/phase/P/<PHASE_SUFFIX[key]>`` equals it; ``OUTSIDE_PHASES`` when phases were measured but
+    none holds it; None when ``key`` has no phase counterpart or ``rank_values`` (that rank's values on
+    that step by key, None or NaN where absent; other keys ignored) has no phase keys. The one rule
+    for ``rankmem report`` and ``rankmem train``'s summary, so both name the same phase."""
     suffix = PHASE_SUFFIX.get(key)
-    phases = run.phases()
-    if suffix is None or not phases:
+    if suffix is None:
         return None
+    measured = False
     best: tuple[float, str] | None = None
-    for p in phases:
-        col = run.series.get(f"mem/phase/{p}/{suffix}")
-        if col is None:
+    for k, v in rank_values.items():
+        if not k.startswith("mem/phase/"):
             continue
-        v = float(col[row, rank])
+        measured = True
         # The step peak is the max of its phases' peaks and the gaps: bit-equal when a phase set it.
-        if math.isfinite(v) and math.isclose(v, value, rel_tol=1e-9, abs_tol=1e-12) and (best is None or v > best[0]):
-            best = (v, p)
+        if (k.endswith("/" + suffix) and v is not None and math.isfinite(v)
+                and math.isclose(v, value, rel_tol=1e-9, abs_tol=1e-12) and (best is None or v > best[0])):
+            best = (v, k[len("mem/phase/") : -len(suffix) - 1])
+    if not measured:
+        return None
     return best[1] if best else OUTSIDE_PHASES
+
+
+def _phase_of(run: Run, key: str, row: int, rank: int, value: float) -> str | None:
+    if key not in PHASE_SUFFIX:
+        return None
+    return phase_of_peak(key, value, {k: float(m[row, rank]) for k, m in run.series.items() if k.startswith("mem/phase/")})
 
 
 def key_report(run: Run, key: str) -> KeyReport | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 
 import pytest
@@ -9,8 +10,10 @@ import torch
 
 from rankmem.engine.data import ArithmeticSFT, CountingTask, group_normalised_advantages
 from rankmem.engine.model import GPT, GPTConfig
+from rankmem.engine.options import add_job_arguments, resolve_job_options
 from rankmem.engine.worker import WorkerConfig, _lr_lambda, make_pg_loss, sft_loss
 from rankmem.errors import RankmemError
+from rankmem.report import OUTSIDE_PHASES, phase_of_peak
 
 
 def test_sft_data_follows_its_rule_and_differs_per_rank() -> None:
@@ -37,6 +40,9 @@ def test_counting_reward_is_exact() -> None:
 def test_group_advantages_are_zero_mean_unit_std_per_group() -> None:
     adv = group_normalised_advantages(torch.tensor([0.0, 1.0, 0.5, 0.5, 2.0, 4.0]), group_size=2)
     assert adv.tolist() == pytest.approx([-0.7071, 0.7071, 0.0, 0.0, -0.7071, 0.7071], abs=1e-3)
+    with pytest.raises(RankmemError) as info:  # was NaN advantages, so every optimizer step was skipped
+        group_normalised_advantages(torch.tensor([0.0, 1.0]), group_size=1)
+    assert str(info.value) == "group_size must be >= 2, got 1: one response per prompt has no group standard deviation"
 
 
 def test_pg_loss_pushes_towards_positive_advantage() -> None:
@@ -79,3 +85,54 @@ def test_worker_config_errors(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(RankmemError) as info:
         WorkerConfig(**kwargs)  # type: ignore[arg-type]
     assert str(info.value) == message
+
+
+def _job(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_job_arguments(parser)
+    args = parser.parse_args(argv)
+    resolve_job_options(args)
+    return args
+
+
+def test_job_defaults_follow_the_task() -> None:
+    grpo, sft, mine = _job(), _job("--task", "sft"), _job("--steps", "7", "--lr", "0.01")
+    assert (grpo.task, grpo.steps, grpo.lr) == ("grpo", 400, 5e-3)  # `make demo`: about two minutes on 2 cores
+    assert (sft.steps, sft.lr) == (40, 3e-3)
+    assert (mine.steps, mine.lr) == (7, 0.01)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--steps", "0"], "--steps must be >= 1, got 0"),
+        (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+        (["--micro-batch-size", "0"], "--micro-batch-size must be >= 1, got 0"),
+        (["--prompts-per-rank", "0"], "--prompts-per-rank must be >= 1, got 0"),
+        (["--group-size", "1"], "--group-size must be >= 2, got 1: GRPO's advantage is a response's reward against "
+                                "its group's mean and standard deviation, which one response per prompt does not have"),
+        (["--lr", "0"], "--lr must be > 0, got 0.0"),
+        (["--peak-tflops", "nan"], "--peak-tflops must be > 0, got nan"),
+        (["--pg-timeout-s", "-1"], "--pg-timeout-s must be > 0, got -1.0"),
+        (["--fail-at-step", "2", "--fail-rank", "-1"], "--fail-rank must be >= 0, got -1"),
+    ],
+)
+def test_job_option_errors(argv: list[str], message: str) -> None:
+    with pytest.raises(RankmemError) as info:
+        _job(*argv)
+    assert str(info.value) == message
+
+
+def test_phase_of_peak_names_the_phase_that_equals_the_step_peak() -> None:
+    rank_values: dict[str, float | None] = {
+        "mem/host/peak_rss_gib": 2.0,
+        "mem/phase/rollout/peak_rss_gib": 1.5,
+        "mem/phase/update/peak_rss_gib": 2.0,
+        "mem/phase/log_prob/peak_rss_gib": None,  # a phase this rank skipped
+        "mem/phase/update/peak_allocated_gib": 2.5,  # another key's phase peak
+    }
+    assert phase_of_peak("mem/host/peak_rss_gib", 2.0, rank_values) == "update"
+    assert phase_of_peak("mem/host/peak_rss_gib", 2.0 + 2**-20, rank_values) == OUTSIDE_PHASES  # 1 KiB above
+    assert phase_of_peak("mem/device/peak_allocated_gib", 2.5, rank_values) == "update"
+    assert phase_of_peak("mem/host/peak_rss_gib", 2.0, {"mem/host/peak_rss_gib": 2.0}) is None  # no phases
+    assert phase_of_peak("mem/host/rss_gib", 2.0, rank_values) is None  # no phase counterpart

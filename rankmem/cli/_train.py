@@ -2,7 +2,7 @@
 
 One node::
 
-    rankmem train --nproc-per-node 2 --task grpo --engine ddp --steps 40 --out runs/demo
+    rankmem train --nproc-per-node 2 --task grpo --engine ddp --out runs/demo
 
 Several nodes: run the same line on every node, with ``--nnodes N --node-rank I --rdzv-endpoint
 HOST:PORT`` (HOST is reachable from every node, e.g. node 0's address). The job is
@@ -19,7 +19,7 @@ import signal
 import subprocess
 import sys
 
-from rankmem.engine.options import add_job_arguments, job_argv
+from rankmem.engine.options import add_job_arguments, job_argv, resolve_job_options
 from rankmem.errors import MissingExtraError, RankmemError
 
 ENTRY = "rankmem.engine.train"
@@ -38,13 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def torchrun_command(args: argparse.Namespace) -> list[str]:
-    """The full torchrun command line for ``args``."""
+    """The full torchrun command line for ``args`` (its job options resolved and checked in place)."""
     if args.nproc_per_node < 1:
         raise RankmemError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
-    if args.steps < 1:
-        raise RankmemError(f"--steps must be >= 1, got {args.steps}")
-    if args.fail_at_step is not None and not 0 <= args.fail_rank:
-        raise RankmemError(f"--fail-rank must be >= 0, got {args.fail_rank}")
+    resolve_job_options(args)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc_per_node),
            "--max-restarts", "0"]
     if str(args.nnodes) == "1" and args.rdzv_endpoint is None:

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rankmem.errors import RankmemError
+
 Batch = dict[str, torch.Tensor]
 """A batch: ``input_ids`` (B, T) int64 and ``loss_mask`` (B, T - 1) over the predicted tokens, plus
 task fields (``advantages`` (B,), ``old_log_probs`` (B, T - 1))."""
@@ -74,7 +76,10 @@ class CountingTask:
 
 
 def group_normalised_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
-    """GRPO's advantage: each reward minus its group's mean, over the group's standard deviation."""
+    """GRPO's advantage: each reward minus its group's mean, over the group's standard deviation. A
+    group whose rewards agree gets 0; a group of one has no deviation, so ``group_size`` must be >= 2."""
+    if group_size < 2:
+        raise RankmemError(f"group_size must be >= 2, got {group_size}: one response per prompt has no group standard deviation")
     r = rewards.view(-1, group_size)
     adv = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + eps)
     return adv.reshape(-1)

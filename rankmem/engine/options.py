@@ -8,23 +8,37 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from rankmem.errors import RankmemError
+
 TASKS = ("sft", "grpo")
 ENGINES = ("ddp", "fsdp")
+
+# Options whose default depends on the task (None in the parser until resolve_job_options). GRPO's
+# steps are ``make demo``'s: about two minutes on 2 CPU cores, well past the reward's plateau.
+TASK_DEFAULTS: dict[str, dict[str, Any]] = {
+    "sft": {"steps": 40, "lr": 3e-3},
+    "grpo": {"steps": 400, "lr": 5e-3},
+}
+
+
+def _per_task(dest: str) -> str:
+    return ", ".join(f"{defaults[dest]:g} {task}" for task, defaults in TASK_DEFAULTS.items())
+
 
 # (flag, argparse keyword arguments); help=SUPPRESS marks the hidden fault-injection options.
 JOB_OPTIONS: list[tuple[str, dict[str, Any]]] = [
     ("--task", dict(choices=TASKS, default="grpo", help="sft: next-token training; grpo: toy RL (default)")),
     ("--engine", dict(choices=ENGINES, default="ddp", help="data-parallel engine (default ddp)")),
-    ("--steps", dict(type=int, default=40, help="optimizer steps (default 40)")),
+    ("--steps", dict(type=int, default=None, help=f"optimizer steps (default: {_per_task('steps')})")),
     ("--out", dict(default="runs/train", help="run directory; the run log is OUT/rankmem.jsonl")),
     ("--device", dict(choices=("auto", "cpu", "cuda"), default="auto",
                       help="auto: cuda (NCCL) when available, else cpu (gloo)")),
     ("--seed", dict(type=int, default=0, help="seed of the model init and the generated data")),
-    ("--lr", dict(type=float, default=None, help="peak learning rate (default: 3e-3 sft, 5e-3 grpo)")),
+    ("--lr", dict(type=float, default=None, help=f"peak learning rate (default: {_per_task('lr')})")),
     ("--batch-size", dict(type=int, default=32, help="sft: sequences per rank per step (default 32)")),
     ("--micro-batch-size", dict(type=int, default=16, help="rows per forward/backward (default 16)")),
     ("--prompts-per-rank", dict(type=int, default=8, help="grpo: prompts per rank per step (default 8)")),
-    ("--group-size", dict(type=int, default=8, help="grpo: responses sampled per prompt (default 8)")),
+    ("--group-size", dict(type=int, default=8, help="grpo: responses sampled per prompt, >= 2 (default 8)")),
     ("--peak-tflops", dict(type=float, default=None, help="peak TFLOP/s per device for MFU (default 989 cuda, 0.1 cpu)")),
     ("--pg-timeout-s", dict(type=float, default=120.0, help="process-group collective timeout (default 120 s)")),
     ("--no-progress", dict(action="store_true", help="plain log lines instead of a progress bar")),
@@ -49,3 +63,32 @@ def job_argv(args: argparse.Namespace) -> list[str]:
         elif value is not None:
             argv += [flag, str(value)]
     return argv
+
+
+# Lower bounds of the integer options (by dest), and why where the bound is not plain.
+_AT_LEAST = {"steps": 1, "batch_size": 1, "micro_batch_size": 1, "prompts_per_rank": 1, "group_size": 2}
+_WHY = {"group_size": ": GRPO's advantage is a response's reward against its group's mean and standard "
+                      "deviation, which one response per prompt does not have"}
+_POSITIVE = ("lr", "peak_tflops", "pg_timeout_s")
+
+
+def resolve_job_options(args: argparse.Namespace) -> None:
+    """Fill in the task's defaults and check every job option, in place; a bad one raises RankmemError
+    naming the flag. ``rankmem train`` calls it before launching and the entry script before joining the
+    process group, so a bad option is one line, not a traceback from every rank."""
+    for dest, value in TASK_DEFAULTS[args.task].items():
+        if getattr(args, dest) is None:
+            setattr(args, dest, value)
+    for dest, minimum in _AT_LEAST.items():
+        if getattr(args, dest) < minimum:
+            raise RankmemError(f"{_flag(dest)} must be >= {minimum}, got {getattr(args, dest)}{_WHY.get(dest, '')}")
+    for dest in _POSITIVE:
+        value = getattr(args, dest)
+        if value is not None and not value > 0:  # `not >` also rejects NaN
+            raise RankmemError(f"{_flag(dest)} must be > 0, got {value}")
+    if args.fail_at_step is not None and args.fail_rank < 0:
+        raise RankmemError(f"--fail-rank must be >= 0, got {args.fail_rank}")
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")

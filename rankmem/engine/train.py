@@ -2,7 +2,7 @@
 
 Run (one node, two ranks)::
 
-    python -m torch.distributed.run --nproc-per-node 2 -m rankmem.engine.train --task grpo --steps 40 --out runs/demo
+    python -m torch.distributed.run --nproc-per-node 2 -m rankmem.engine.train --task grpo --out runs/demo
 
 Several nodes: the same line on each node with ``--nnodes N --node-rank I --rdzv-backend c10d
 --rdzv-endpoint HOST:PORT``. ``rankmem train`` builds these lines for you.
@@ -27,12 +27,12 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 import rankmem
-from rankmem._records import StepRecord
 from rankmem.engine.data import ArithmeticSFT, CountingTask, group_normalised_advantages
 from rankmem.engine.model import GPT, GPTConfig
-from rankmem.engine.options import add_job_arguments
+from rankmem.engine.options import add_job_arguments, resolve_job_options
 from rankmem.engine.worker import TrainingWorker, WorkerConfig, make_pg_loss, sft_loss
 from rankmem.errors import RankmemError
+from rankmem.report import phase_of_peak
 
 StepCallback = Callable[[int, Mapping[str, float]], None]
 
@@ -97,14 +97,9 @@ def maybe_fail(args: argparse.Namespace, step: int, rank: int) -> None:
 
 
 # ---- the logging rank's view: progress and summary ----------------------------------------------------
-# step key -> the per-phase key that tells in which phase the step's peak happened
-PEAK_KEYS = {
-    "mem/host/peak_rss_gib": "peak_rss_gib",
-    "mem/host/children_rss_gib": None,
-    "mem/device/peak_allocated_gib": "peak_allocated_gib",
-    "mem/device/peak_reserved_gib": "peak_reserved_gib",
-    "mem/device/used_gib": None,
-}
+# The memory keys whose run peak the summary names; the phase comes from the rule `rankmem report` uses.
+PEAK_KEYS = ("mem/host/peak_rss_gib", "mem/host/children_rss_gib", "mem/device/peak_allocated_gib",
+             "mem/device/peak_reserved_gib", "mem/device/used_gib")
 
 
 @dataclass
@@ -123,28 +118,14 @@ class PeakTracker:
         self.peaks: dict[str, Peak] = {}
 
     def update(self, step: int, metrics: Mapping[str, float]) -> None:
-        record = self.monitor.last_record
-        for key, phase_suffix in PEAK_KEYS.items():
+        for key in PEAK_KEYS:
             value = metrics.get(key + "/max")
             if value is None or (key in self.peaks and self.peaks[key].value >= value):
                 continue
             rank = int(metrics[key + "/max_rank"])
-            self.peaks[key] = Peak(value, step, rank, self._phase_of(record, phase_suffix, rank, value))
-
-    @staticmethod
-    def _phase_of(record: StepRecord | None, suffix: str | None, rank: int, value: float) -> str:
-        if record is None or suffix is None:
-            return "-"
-        best, best_value = "-", -1.0
-        for key, per_rank in record.ranks.items():
-            if key.startswith("mem/phase/") and key.endswith("/" + suffix):
-                v = per_rank[rank]
-                if v is not None and v > best_value:
-                    best, best_value = key.split("/")[2], v
-        if best == "-":
-            return best  # a step without phases
-        # A phase holds the step's peak when its own peak reaches it (within 1 KiB of rounding).
-        return best if best_value >= value - 2**-20 else "between phases"
+            record = self.monitor.last_record  # built on first use: only on a new peak, not every step
+            rank_values = {k: v[rank] for k, v in record.ranks.items()} if record is not None else {}
+            self.peaks[key] = Peak(value, step, rank, phase_of_peak(key, value, rank_values) or "-")
 
     def lines(self) -> list[str]:
         out = []
@@ -195,12 +176,12 @@ class Progress:
 
 
 def train(args: argparse.Namespace, device: torch.device) -> None:
-    """Build the model, worker and monitor, run the task, and on the logging rank print the summary."""
+    """Build the model, worker and monitor, run the task, and on the logging rank print the summary.
+    ``args`` as :func:`resolve_job_options` leaves them (task defaults filled in)."""
     model = GPT(GPTConfig(vocab_size=SFT_VOCAB if args.task == "sft" else GRPO_VOCAB))
-    lr = args.lr if args.lr is not None else (3e-3 if args.task == "sft" else 5e-3)
-    config = WorkerConfig(engine=args.engine, lr=lr, total_steps=args.steps,
+    config = WorkerConfig(engine=args.engine, lr=args.lr, total_steps=args.steps,
                           micro_batch_size=args.micro_batch_size, peak_tflops=args.peak_tflops)
-    run_config = {**vars(args), "lr": lr, "params": model.num_params(), "worker": asdict(config)}
+    run_config = {**vars(args), "params": model.num_params(), "worker": asdict(config)}
     monitor = rankmem.Monitor(out_dir=args.out, sinks=("jsonl",), run_config=run_config)
     try:
         worker = TrainingWorker(model, config, device=device, monitor=monitor)
@@ -230,6 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_job_arguments(parser)
     args = parser.parse_args(argv)
+    try:
+        resolve_job_options(args)
+    except RankmemError as exc:
+        parser.error(str(exc))  # exit 2 with the one line, before any rank joins the group
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     device = init_distributed(args.device, args.pg_timeout_s)

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import rankmem
+from rankmem._collective import aggregate
 from rankmem.engine.data import Batch
 from rankmem.engine.model import GPT
 from rankmem.errors import RankmemError
@@ -304,12 +305,9 @@ class TrainingWorker:
         if self.monitor is not None:
             return self.monitor.collect(local)
         gathered = rankmem.allgather_dict_into_dict(local)
-        result: dict[str, float] = {}
-        for key, values in gathered.items():
-            v = np.asarray(values, dtype=np.float64)
-            result.update({f"{key}/max": float(v.max()), f"{key}/min": float(v.min()),
-                           f"{key}/mean": float(v.mean()), f"{key}/max_rank": float(v.argmax())})
-        return result
+        keys = list(gathered)
+        # Every rank sends the same keys, so a NaN is a rank's own value (a diverged loss): it propagates.
+        return aggregate(keys, np.array([gathered[k] for k in keys], dtype=np.float64).T)
 
     def finish_step(self, out: TrainOutput, extra: Mapping[str, Any] | None = None) -> dict[str, float]:
         """Gather the step's metrics (a collective): call it on every rank after the step window closes."""
