@@ -8,6 +8,10 @@ innovations, ~10 MiB stationary sd), and 1% one-step spikes of 200-500 MiB (chec
 rollouts). Leaks add a constant rate from step 0. Nulls: flat, warm-up then flat, a sawtooth (a
 cache that fills and is freed every 100 steps), and one permanent +100 MiB jump in the second half
 (a cache that grows once: arguably not a leak, and reported separately because it is flagged).
+
+Then the online check's cost on the logging rank, where every other rank waits for it at the next
+collective: a full LeakWatch (2000 buffered collects, the 3 baseline keys among 28) per collect over
+one round of tests, and all series tested at once.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import time
 
 import numpy as np
 
-from rankmem.leaks import LeakConfig, trend
+from rankmem.leaks import LEAK_KEYS, LeakConfig, LeakWatch, trend
 
 MIB = 1 / 1024
 RATES = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
@@ -49,6 +53,22 @@ def null(kind: str, n: int, rng: np.random.Generator) -> np.ndarray:
     return y
 
 
+def online_cost(world: int, rng: np.random.Generator) -> tuple[float, float, float]:
+    """(median, max) ms per collect over one round of ``check_every`` collects, and ms per full check()."""
+    watch = LeakWatch()
+    keys = sorted([*LEAK_KEYS, *(f"mem/other/k{i}_gib" for i in range(25))])
+    feeds = []
+    for step in range(watch.capacity + watch.check_every):
+        matrix = 12.0 + rng.normal(0, 16, (world, len(keys))) * MIB
+        t0 = time.perf_counter()
+        watch.feed_matrix(step, keys, matrix)
+        feeds.append(time.perf_counter() - t0)
+    round_ = np.array(feeds[-watch.check_every :]) * 1e3
+    t0 = time.perf_counter()
+    watch.check()
+    return float(np.median(round_)), float(round_.max()), (time.perf_counter() - t0) * 1e3
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--trials", type=int, default=100)
@@ -78,6 +98,10 @@ def main() -> None:
         cells = [rate_of(lambda n, k=kind: null(k, n, rng), n) for n in LENGTHS]
         print(f"{kind:<22}" + "".join(f"{f'flagged {c:.0%}':>16}" for c in cells))
     print(f"time per rank series: median {np.median(timings) * 1e3:.2f} ms, max {np.max(timings) * 1e3:.2f} ms")
+    for world in (8, 64):
+        median, worst, full = online_cost(world, rng)
+        print(f"online, world {world}: per collect median {median:.2f} ms, max {worst:.2f} ms; "
+              f"all {len(LEAK_KEYS) * world} series at once {full:.0f} ms")
 
 
 if __name__ == "__main__":

@@ -197,13 +197,15 @@ class Monitor:
             self._last_record = StepRecord(step=step, time=when, metrics=metrics, ranks=_columns(keys, matrix))
         return self._last_record
 
-    def _check_leaks(self, record: StepRecord) -> None:
+    def _check_leaks(self, step: int, keys: Sequence[str], matrix: np.ndarray) -> None:
         try:  # leak checking is advice: nothing in it may reach the training loop
             if self._leak_watch is None:
                 from rankmem.leaks import LeakWatch
 
                 self._leak_watch = LeakWatch()
-            self._leak_watch.feed(record)
+            # The gathered matrix, not a StepRecord: the watch reads 3 columns, and building every
+            # key's per-rank lists each collect would be wasted where no sink needs them.
+            self._leak_watch.feed_matrix(step, keys, matrix)
         except Exception as exc:  # noqa: BLE001
             self.config.leak_check = False
             self._warn_once("leaks", f"online leak check failed and is off: {exc!r}")
@@ -385,11 +387,11 @@ class Monitor:
             aggregated.update(verl_metrics(aggregated))
         self._last = (int(step), time.time(), aggregated, agg_keys, matrix)
         self._last_record = None
-        if self._is_logging_rank and (self._sinks or self.config.leak_check):
+        if self._is_logging_rank and self.config.leak_check:
+            self._check_leaks(int(step), agg_keys, matrix)
+        if self._is_logging_rank and self._sinks:
             record = self.last_record
             assert record is not None
-            if self.config.leak_check:
-                self._check_leaks(record)
             for sink in self._sinks:
                 sink.write(record)
         return aggregated

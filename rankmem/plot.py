@@ -35,13 +35,16 @@ def plot_run(run: Run, output: str, keys: Sequence[str] | None = None, size: tup
     """Write a PNG of ``keys`` (default :data:`DEFAULT_KEYS` present in the run); returns the keys drawn."""
     if importlib.util.find_spec("matplotlib") is None:
         raise MissingExtraError("rankmem plot", "plot", "matplotlib")
+    if run.steps.size == 0:  # first: a log without steps has no keys either, and no key is the wrong hint
+        raise RankmemError(
+            f"{run.path} has no logged steps to plot: the run stopped, or its jsonl sink failed, before its first "
+            "collect() was written; see the job's output for why, and plot a run log that has steps"
+        )
     chosen = list(keys) if keys else default_keys(run)
     missing = [k for k in chosen if k not in run.series]
     if missing or not chosen:
         available = ", ".join(k for k in sorted(run.series) if not k.startswith("mem/phase/"))
         raise RankmemError(f"no such key(s) in the run log: {', '.join(missing) or '(none chosen)'}; choose from: {available}")
-    if run.steps.size == 0:
-        raise RankmemError(f"{run.path} has no logged steps to plot")
     width, height = size or (1200, 360 * len(chosen))
 
     import matplotlib

@@ -149,3 +149,84 @@ def test_monitor_feeds_its_leak_watch(tmp_path: Path) -> None:
     monitor.close()
     messages = [str(w.message) for w in caught if "possible memory leak" in str(w.message)]
     assert len(messages) == 1 and "rank 0 mem/host/rss_gib" in messages[0]
+
+
+ALLOC = "mem/device/allocated_gib"
+
+
+def test_ranks_judged_together_equal_ranks_judged_alone(tmp_path: Path) -> None:
+    n, world = 700, 6
+    rss = _noisy(n, world, seed=8)
+    rss[:, 1] += np.arange(n) * 1.5 * MIB_IN_GIB
+    rss[::7, 4] = np.nan  # a rank with gaps has its own window: judged alone
+    rss[:, 5] = np.nan  # a rank that never reported this key: no trend
+    write_run(tmp_path, {RSS: rss})
+    run = read_run(str(tmp_path))
+    alone = [trend(run.steps, run.series[RSS][:, r], RSS, r) for r in range(world)]
+    assert detect_leaks(run, keys=[RSS]) == [t for t in alone if t is not None]
+    assert [t.rank for t in alone if t is not None] == [0, 1, 2, 3, 4]
+    assert [t.rank for t in alone if t is not None and t.leak] == [1]
+
+
+def test_leak_watch_spreads_each_round_of_tests_over_check_every_feeds(monkeypatch: pytest.MonkeyPatch) -> None:
+    import rankmem.leaks as leaks
+
+    tested: list[list[tuple[str, int]]] = []
+    real = leaks._trends
+
+    def counting(steps: np.ndarray, columns: np.ndarray, key: str, ranks: list[int], config: LeakConfig) -> list[leaks.Trend]:
+        tested[-1].extend((key, r) for r in ranks)
+        return real(steps, columns, key, ranks, config)
+
+    monkeypatch.setattr(leaks, "_trends", counting)
+    world, keys = 64, sorted([RSS, ALLOC, "mem/host/children_rss_gib", "loss"])
+    watch = LeakWatch(check_every=50, warmup=200)
+    rng = np.random.default_rng(6)
+    for step in range(300):
+        tested.append([])
+        watch.feed_matrix(step, keys, 10.0 + rng.normal(0, 0.01, (world, len(keys))))
+    assert tested[:199] == [[]] * 199  # the warm-up is never judged
+    first_round = [s for feed in tested[199:249] for s in feed]
+    # 3 keys x 64 ranks, each once per 50 feeds, at most ceil(192 / 50) = 4 on any one feed.
+    assert sorted(first_round) == sorted((k, r) for k in leaks.LEAK_KEYS for r in range(world))
+    assert [len(feed) for feed in tested[199:206]] == [4, 4, 4, 4, 4, 4, 3]
+    assert max(len(feed) for feed in tested[199:]) == 4
+    assert sum(len(feed) for feed in tested[249:299]) == 192
+    assert watch.flagged == {}
+
+
+def test_feed_matrix_reads_the_gathered_columns_as_feed_reads_a_record() -> None:
+    by_record, by_matrix = LeakWatch(check_every=10, warmup=60), LeakWatch(check_every=10, warmup=60)
+    rng = np.random.default_rng(9)
+    keys = ["loss", RSS, ALLOC]  # the monitor's layout: every key, sorted or not, one row per rank
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(150):
+            matrix = np.column_stack([
+                rng.normal(0, 1, 4),
+                10.0 + rng.normal(0, 4, 4) * MIB_IN_GIB,
+                5.0 + rng.normal(0, 4, 4) * MIB_IN_GIB + np.array([0, 0, 0, 3.0]) * step * MIB_IN_GIB,
+            ])
+            matrix[2, 1] = np.nan  # rank 2 lacks RSS at every step (nan = absent, as union_matrix pads)
+            ranks: dict[str, list[float | None]] = {
+                k: [None if np.isnan(v) else float(v) for v in matrix[:, i]] for i, k in enumerate(keys)
+            }
+            by_record.feed(StepRecord(step=step, time=0.0, metrics={}, ranks=ranks))
+            by_matrix.feed_matrix(step, keys, matrix)
+    assert list(by_matrix.flagged) == [(ALLOC, 3)]
+    assert by_matrix.flagged == by_record.flagged
+    assert by_matrix.flagged[(ALLOC, 3)].slope_mib == pytest.approx(3.0, abs=0.2)
+    assert by_matrix.check() == [] and by_record.check() == []  # warned once only
+    assert sum("possible memory leak on rank 3 mem/device/allocated_gib" in str(w.message) for w in caught) == 2
+
+
+def test_monitor_without_sinks_builds_no_per_rank_lists() -> None:
+    monitor = rankmem.Monitor(device="cpu", children=False)  # leak_check on, no sinks
+    for step in range(3):
+        with monitor.step(step):
+            pass
+        monitor.collect({"loss": 1.5})
+    assert monitor._last_record is None  # the leak watch read the gathered matrix instead
+    record = monitor.last_record  # still built on demand
+    assert record is not None and record.step == 2 and record.ranks["loss"] == [1.5]
+    monitor.close()

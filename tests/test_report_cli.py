@@ -185,3 +185,27 @@ def test_python_dash_m_rankmem_report_subprocess(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=120, cwd=REPO)
     assert (done.returncode, done.stdout) == (2, "")
     assert done.stderr.startswith("rankmem leaks: error: no run log at ") and "Traceback" not in done.stderr
+
+
+NO_STEPS = {
+    "report": "has no logged steps: the run stopped, or its jsonl sink failed, before its first collect() was "
+              "written; see the job's output for why, and run rankmem report on a run log that has steps",
+    "leaks": "has no logged steps: the run stopped, or its jsonl sink failed, before its first collect() was "
+             "written; see the job's output for why, and run rankmem leaks on a run log that has steps",
+    "plot": "has no logged steps to plot: the run stopped, or its jsonl sink failed, before its first collect() was "
+            "written; see the job's output for why, and plot a run log that has steps",
+}
+
+
+@pytest.mark.parametrize("command", ["report", "leaks", "plot"])
+def test_header_only_log_says_it_has_no_steps(tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str) -> None:
+    if command == "plot":
+        pytest.importorskip("matplotlib")  # without it, plot names the missing extra first
+    path = write_run(tmp_path, {"mem/host/rss_gib": np.zeros((0, WORLD))})  # the header line only
+    flags = [["-o", str(tmp_path / "x.png")]] if command == "plot" else [[], ["--json"]]
+    for extra in flags:
+        assert main([command, str(tmp_path), *extra]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == ""
+        assert captured.err.splitlines() == [f"rankmem {command}: error: {path} {NO_STEPS[command]}"]
+    assert not (tmp_path / "x.png").exists()

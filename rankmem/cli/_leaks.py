@@ -9,7 +9,9 @@ import argparse
 import json
 from dataclasses import asdict
 
+from rankmem.errors import RankmemError
 from rankmem.leaks import LEAK_KEYS, LeakConfig
+from rankmem.runlog import Run
 
 
 def add_leak_options(parser: argparse.ArgumentParser) -> None:
@@ -28,6 +30,15 @@ def leak_config(args: argparse.Namespace) -> LeakConfig:
     return LeakConfig(window=args.window, last=args.last, min_growth_mib=args.min_growth, alpha=args.alpha)
 
 
+def require_steps(run: Run, command: str) -> None:
+    """A run log with a header but no step lines is a user error for ``report`` and ``leaks`` alike."""
+    if run.steps.size == 0:
+        raise RankmemError(
+            f"{run.path} has no logged steps: the run stopped, or its jsonl sink failed, before its first "
+            f"collect() was written; see the job's output for why, and run rankmem {command} on a run log that has steps"
+        )
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run", metavar="RUN", help="a run directory (holding rankmem.jsonl) or the .jsonl file")
     parser.add_argument("--keys", nargs="+", default=list(LEAK_KEYS), metavar="KEY",
@@ -38,11 +49,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rankmem.errors import RankmemError
     from rankmem.leaks import detect_leaks
     from rankmem.runlog import read_run
 
     the_run = read_run(args.run)
+    require_steps(the_run, "leaks")
     unknown = [k for k in args.keys if k not in the_run.series]
     if unknown and len(unknown) == len(args.keys):
         raise RankmemError(f"none of {unknown} is in the run log; it has: {', '.join(sorted(the_run.series))}")

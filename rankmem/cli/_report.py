@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from rankmem.cli._leaks import add_leak_options, leak_config
+from rankmem.cli._leaks import add_leak_options, leak_config, require_steps
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,7 +18,9 @@ def run(args: argparse.Namespace) -> int:
     from rankmem.report import build_report, render
     from rankmem.runlog import read_run
 
-    report = build_report(read_run(args.run), leak_config(args))
+    the_run = read_run(args.run)
+    require_steps(the_run, "report")
+    report = build_report(the_run, leak_config(args))
     if args.json:
         print(json.dumps(report.to_json(), indent=1, sort_keys=True))
     else:

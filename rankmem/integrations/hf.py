@@ -19,11 +19,11 @@ Ordering: the Trainer runs its ``report_to`` trackers' callbacks before the ones
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 from rankmem._monitor import Monitor
 from rankmem.errors import MissingExtraError
+from rankmem.integrations._window import StepWindow
 
 try:
     from transformers import TrainerCallback
@@ -35,7 +35,7 @@ __all__ = ["RankmemCallback", "attach"]
 STEP_PHASE = "train_step"
 
 
-class RankmemCallback(TrainerCallback):  # type: ignore[misc]
+class RankmemCallback(StepWindow, TrainerCallback):  # type: ignore[misc]
     """Adds rankmem's cross-rank memory aggregates to the Trainer's logs.
 
     ``monitor``: a :class:`rankmem.Monitor` you built (on every rank); by default one is built at
@@ -45,36 +45,18 @@ class RankmemCallback(TrainerCallback):  # type: ignore[misc]
     """
 
     def __init__(self, monitor: Monitor | None = None, *, step_phase: str | None = STEP_PHASE, **monitor_options: Any):
-        self.monitor = monitor
-        self.step_phase = step_phase
-        self._options: dict[str, Any] = {"sinks": (), "verl_keys": False, **monitor_options}
-        self._owns_monitor = monitor is None
-        self._step: contextlib.ExitStack | None = None
+        self._setup_window(monitor, step_phase, monitor_options)
         self.last_metrics: dict[str, float] = {}
         """The aggregates added at the last ``on_log``, on every rank."""
-
-    def _monitor(self) -> Monitor:
-        if self.monitor is None:
-            self.monitor = Monitor(**self._options)
-        return self.monitor
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._monitor()
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.step_phase is None:
-            return
-        self._close_step()
-        self._step = contextlib.ExitStack()
-        self._step.enter_context(self._monitor().phase(self.step_phase))
+        self._open_step()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._close_step()
-
-    def _close_step(self) -> None:
-        if self._step is not None:
-            step, self._step = self._step, None
-            step.close()
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         # A collective: every process reaches on_log at the same points (see the module docstring).
@@ -89,8 +71,7 @@ class RankmemCallback(TrainerCallback):  # type: ignore[misc]
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._close_step()
-        if self._owns_monitor and self.monitor is not None:
-            self.monitor.close()
+        self._close_monitor()
 
 
 def attach(trainer: Any, callback: RankmemCallback | None = None, **options: Any) -> RankmemCallback:

@@ -13,11 +13,11 @@ with ``log_metrics`` (not ``self.log``, which would reduce the already-reduced v
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 from rankmem._monitor import Monitor
 from rankmem.errors import MissingExtraError
+from rankmem.integrations._window import StepWindow
 
 try:
     from lightning.pytorch.callbacks import Callback
@@ -29,7 +29,7 @@ __all__ = ["RankmemCallback"]
 STEP_PHASE = "train_step"
 
 
-class RankmemCallback(Callback):  # type: ignore[misc]
+class RankmemCallback(StepWindow, Callback):  # type: ignore[misc]
     """Logs rankmem's cross-rank memory aggregates through the Trainer's loggers.
 
     ``monitor``: a :class:`rankmem.Monitor` you built on every rank; by default one is built at
@@ -48,30 +48,17 @@ class RankmemCallback(Callback):  # type: ignore[misc]
     ) -> None:
         if every_n_steps is not None and every_n_steps < 1:
             raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
-        self.monitor = monitor
+        self._setup_window(monitor, step_phase, monitor_options)
         self.every_n_steps = every_n_steps
-        self.step_phase = step_phase
-        self._options: dict[str, Any] = {"sinks": (), "verl_keys": False, **monitor_options}
-        self._owns_monitor = monitor is None
-        self._step: contextlib.ExitStack | None = None
         self._batches = 0
         self.last_metrics: dict[str, float] = {}
         """The aggregates of the last collect, on every rank."""
-
-    def _monitor(self) -> Monitor:
-        if self.monitor is None:
-            self.monitor = Monitor(**self._options)
-        return self.monitor
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self._monitor()
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        if self.step_phase is None:
-            return
-        self._close_step()
-        self._step = contextlib.ExitStack()
-        self._step.enter_context(self._monitor().phase(self.step_phase))
+        self._open_step()
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._close_step()
@@ -79,11 +66,6 @@ class RankmemCallback(Callback):  # type: ignore[misc]
         every = self.every_n_steps or int(getattr(trainer, "log_every_n_steps", 50) or 50)
         if self._batches % every == 0:
             self._collect(trainer)
-
-    def _close_step(self) -> None:
-        if self._step is not None:
-            step, self._step = self._step, None
-            step.close()
 
     def _collect(self, trainer: Any) -> None:
         step = int(trainer.global_step)
@@ -97,5 +79,4 @@ class RankmemCallback(Callback):  # type: ignore[misc]
         self._close_step()
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        if self._owns_monitor and self.monitor is not None:
-            self.monitor.close()
+        self._close_monitor()

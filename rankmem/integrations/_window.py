@@ -1,0 +1,52 @@
+"""What the Hugging Face and Lightning callbacks share: a monitor built on first use, and the phase
+window held open between a framework's step-begin and step-end hooks."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from rankmem._monitor import Monitor
+
+
+class StepWindow:
+    """Mixin for a framework callback; call :meth:`_setup_window` from its ``__init__``.
+
+    A framework reports a step as two hook calls, not a ``with`` block, so the phase is entered at the
+    first and held in an ``ExitStack`` until the second.
+    """
+
+    monitor: Monitor | None
+    step_phase: str | None
+
+    def _setup_window(self, monitor: Monitor | None, step_phase: str | None, options: dict[str, Any]) -> None:
+        self.monitor = monitor
+        self.step_phase = step_phase
+        # Trackers are the framework's job: no sinks and no verl keys unless the caller asks.
+        self._options: dict[str, Any] = {"sinks": (), "verl_keys": False, **options}
+        self._owns_monitor = monitor is None
+        self._step: contextlib.ExitStack | None = None
+
+    def _monitor(self) -> Monitor:
+        """The monitor, built on first use: after the framework has initialised the process group."""
+        if self.monitor is None:
+            self.monitor = Monitor(**self._options)
+        return self.monitor
+
+    def _open_step(self) -> None:
+        """Enter the step's phase, first closing one left open by a step that never reported its end."""
+        if self.step_phase is None:
+            return
+        self._close_step()
+        self._step = contextlib.ExitStack()
+        self._step.enter_context(self._monitor().phase(self.step_phase))
+
+    def _close_step(self) -> None:
+        if self._step is not None:
+            step, self._step = self._step, None
+            step.close()
+
+    def _close_monitor(self) -> None:
+        """Close the monitor if this callback built it; one passed in belongs to the caller."""
+        if self._owns_monitor and self.monitor is not None:
+            self.monitor.close()
