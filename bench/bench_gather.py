@@ -2,7 +2,7 @@
 
     python bench/bench_gather.py            # launches torchrun for each world size and prints a table
 
-Each worker times, interleaved in rounds: a bare ``all_gather_into_tensor`` of the same float64
+Each worker times, interleaved in rounds (the median round is reported): a bare ``all_gather_into_tensor`` of the same float64
 vector rankmem sends; rankmem's gather + aggregate (``PackedGather`` and ``aggregate``, what
 ``Monitor.collect`` adds on top of probing); and ``all_gather_object`` of the same dict. Targets:
 within 1.5x of the bare all-gather, at least 2x faster than ``all_gather_object``.
@@ -20,8 +20,8 @@ import time
 from collections.abc import Callable
 
 KEYS = 64  # ~20 memory keys, 3 phases x 5, and a dozen of the caller's scalars
-ITERS = 300
-ROUNDS = 5
+ITERS = 200
+ROUNDS = 15  # interleaved; the median round of each case is reported (2 processes on 2 cores jitter)
 
 
 def worker() -> None:
@@ -56,17 +56,17 @@ def worker() -> None:
         dist.all_gather_object(got, data)
 
     cases: dict[str, Callable[[], None]] = {"bare": bare, "rankmem": ours, "object": objects}
-    best = {k: float("inf") for k in cases}
+    rounds: dict[str, list[float]] = {k: [] for k in cases}
     for _ in range(ROUNDS):
         for name, fn in cases.items():
             dist.barrier()
             start = time.perf_counter()
             for _ in range(ITERS):
                 fn()
-            best[name] = min(best[name], (time.perf_counter() - start) / ITERS * 1e6)
-    # Every rank waits on the slowest; report the max over ranks of each rank's best.
-    worst = [0.0] * len(best)
-    t = torch.tensor(list(best.values()), dtype=torch.float64)
+            rounds[name].append((time.perf_counter() - start) / ITERS * 1e6)
+    median = {k: sorted(v)[len(v) // 2] for k, v in rounds.items()}
+    # Every rank waits on the slowest; report the max over ranks of each rank's median.
+    t = torch.tensor(list(median.values()), dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     worst = t.tolist()
     if rank == 0:
