@@ -37,6 +37,7 @@ bench: install
 	$(PY) bench/bench_leaks.py
 	$(PY) bench/bench_report.py
 	$(PY) bench/bench_overhead.py
+	$(PY) bench/bench_hf_overhead.py
 
 clean:
 	rm -rf $(VENV) runs .mypy_cache .ruff_cache .pytest_cache
