@@ -196,18 +196,7 @@ class LinuxHostProbe:
 
     def read(self) -> HostReading:
         self.check_fork()
-        total, available = self.node()
-        cg_used, cg_limit = self.cgroup()
-        return HostReading(
-            rss=self.rss(),
-            peak_rss=self.peak_rss(),
-            peak_rss_is_lifetime=self.peak_is_lifetime,
-            children_rss=self.children_rss(),
-            node_total=total,
-            node_available=available,
-            cgroup_used=cg_used,
-            cgroup_limit=cg_limit,
-        )
+        return read_host(self)
 
     def close(self) -> None:
         fds = [self._statm, self._status, self._meminfo, self._clear_refs, self._cgroup_current, self._cgroup_limit]
@@ -284,17 +273,7 @@ class PsutilHostProbe:
         return None, None  # cgroups are Linux-only
 
     def read(self) -> HostReading:
-        total, available = self.node()
-        return HostReading(
-            rss=self.rss(),
-            peak_rss=self.peak_rss(),
-            peak_rss_is_lifetime=True,
-            children_rss=self.children_rss(),
-            node_total=total,
-            node_available=available,
-            cgroup_used=None,
-            cgroup_limit=None,
-        )
+        return read_host(self)
 
     def check_fork(self) -> None:
         pass  # psutil.Process() follows no descriptors
@@ -304,6 +283,22 @@ class PsutilHostProbe:
 
 
 HostProbe = LinuxHostProbe | PsutilHostProbe
+
+
+def read_host(probe: HostProbe) -> HostReading:
+    """Every host figure of ``probe`` at one instant."""
+    total, available = probe.node()
+    cg_used, cg_limit = probe.cgroup()
+    return HostReading(
+        rss=probe.rss(),
+        peak_rss=probe.peak_rss(),
+        peak_rss_is_lifetime=probe.peak_is_lifetime,
+        children_rss=probe.children_rss(),
+        node_total=total,
+        node_available=available,
+        cgroup_used=cg_used,
+        cgroup_limit=cg_limit,
+    )
 
 
 def make_host_probe(children: bool = True, children_refresh_s: float = 5.0) -> HostProbe:

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from rankmem.leaks import LeakConfig, Trend, detect_leaks
-from rankmem.runlog import Run
+from rankmem.runlog import Run, json_safe
 
 # Keys whose danger is a low value: their worst is the minimum.
 LOW_IS_BAD = ("mem/device/headroom_gib", "mem/node/available_gib")
@@ -87,19 +87,8 @@ class Report:
         out["leaks"] = [asdict(t) for t in self.leaks]
         if self.host_growth is not None:
             out["host_growth"]["growth"] = self.host_growth.growth
-        cleaned: dict[str, Any] = _clean(out)
+        cleaned: dict[str, Any] = json_safe(out)
         return cleaned
-
-
-def _clean(obj: Any) -> Any:
-    """NaN and infinities become None: the JSON output must parse everywhere."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _clean(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_clean(v) for v in obj]
-    return obj
 
 
 def memory_keys(run: Run) -> list[str]:

@@ -31,14 +31,14 @@ def _finite(x: Any) -> Any:
     return x
 
 
-def _json_safe(obj: Any) -> Any:
+def json_safe(obj: Any) -> Any:
     """Non-finite floats anywhere in ``obj`` become None (JSON has no NaN)."""
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else None
     if isinstance(obj, dict):
-        return {k: _json_safe(v) for k, v in obj.items()}
+        return {k: json_safe(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_json_safe(v) for v in obj]
+        return [json_safe(v) for v in obj]
     return obj
 
 
@@ -97,7 +97,7 @@ class RunLogWriter:
         os.makedirs(parent, exist_ok=True)
         rotated = _rotate(self.path)
         self._file = open(self.path, "w", encoding="utf-8")
-        self._write_line(_json_safe(header_to_json(header)))
+        self._write_line(json_safe(header_to_json(header)))
         if rotated:
             warnings.warn(f"rankmem: {self.path} existed (a restarted job?); kept it as {rotated}", RuntimeWarning, stacklevel=2)
 
