@@ -31,7 +31,7 @@ def driver_reduce(metrics: dict) -> dict:
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
 rank = dist.get_rank()
 monitor = rankmem.Monitor(sinks=())  # on every rank of the data-parallel group
-held = torch.ones((rank + 1) * 32 * 2**20 // 4)  # rank r holds (r + 1) * 32 MiB more
+held = torch.ones((rank + 1) * 128 * 2**20 // 4)  # rank r holds (r + 1) * 128 MiB
 gathered = postprocess_output(monitor, {"actor/pg_loss": [0.5 + rank, 0.25]})
 reduced = driver_reduce(gathered)
 if rank == 0:

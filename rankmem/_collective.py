@@ -7,12 +7,15 @@ order. With no initialised process group (or a world of one) none of them commun
 from __future__ import annotations
 
 import math
+import os
 import weakref
 import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+
+from rankmem.errors import warn
 
 _SIG_MASK = (1 << 52) - 1  # a float64 holds integers up to 2**53 exactly
 
@@ -50,6 +53,21 @@ def all_gather_objects(obj: Any, group: Any = None) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def _check_local_device(torch: Any) -> None:
+    """NCCL gathers on the current device: ranks that never called ``set_device`` all sit on cuda:0,
+    and NCCL then fails ("Duplicate GPU") or hangs. Say so before the first gather."""
+    local = os.environ.get("LOCAL_RANK")
+    count = torch.cuda.device_count()
+    if local is None or count < 2:
+        return
+    current = torch.cuda.current_device()
+    if current != int(local) % count:
+        warn(
+            f"rankmem: LOCAL_RANK={local} but the current CUDA device is cuda:{current}: call "
+            "torch.cuda.set_device(local_rank) before the first collect(), or NCCL gathers may fail or hang"
+        )
 
 
 def _all_gather_single(out: Any, inp: Any, group: Any) -> None:
@@ -113,6 +131,8 @@ class PackedGather:
                 self._device = torch.device("cuda", torch.cuda.current_device())
             else:
                 self._device = torch.device("cpu")
+            if self._device.type == "cuda":
+                _check_local_device(torch)
         return True
 
     def _buffers(self, width: int) -> None:

@@ -155,6 +155,7 @@ class Monitor:
         self._last_record: StepRecord | None = None
         self._is_logging_rank = False  # known at the first collect
         self._leak_watch: Any = None
+        self._closed = False
         # Until the first step() the window is "everything since the last collect"; once step() is
         # used, collects need no window of their own and this one is dropped.
         self._implicit: _Window | None = self._begin()
@@ -285,6 +286,7 @@ class Monitor:
         if self._implicit is not None:
             self._open.remove(self._implicit)
             self._implicit = None
+        self._check_open()
         window = self._begin()
         try:
             yield
@@ -306,6 +308,7 @@ class Monitor:
         """
         if not isinstance(name, str) or not PHASE_NAME.match(name):
             raise RankmemError(f"phase name must match [A-Za-z0-9_.-]+ (it becomes part of metric keys); got {name!r}")
+        self._check_open()
         window = self._begin()
         try:
             yield
@@ -325,6 +328,7 @@ class Monitor:
 
         Consumes the window: the next call starts a new one. :meth:`collect` calls this first.
         """
+        self._check_open()
         if self._step_window is None:
             # No step closed since the last collect: the window is everything since then (or, once
             # step() is in use, just this instant).
@@ -371,8 +375,8 @@ class Monitor:
                 self._open_sinks(self._header)
         keys = tuple(sorted(local))
         schemas, rows = self._gather.gather(keys, [local[k] for k in keys])
-        aligned = not all(s == keys for s in schemas)
-        if not aligned:
+        mixed = not all(s == keys for s in schemas)  # ranks sent different keys
+        if not mixed:
             agg_keys: Sequence[str] = keys
             matrix = np.vstack(rows) if rows else np.zeros((0, 0))
         else:
@@ -382,7 +386,7 @@ class Monitor:
                 "keys:" + ",".join(differing),
                 f"ranks reported different keys {differing}; each is aggregated over the ranks that have it",
             )
-        aggregated = _collective.aggregate(agg_keys, matrix, nan_is_absent=aligned)
+        aggregated = _collective.aggregate(agg_keys, matrix, nan_is_absent=mixed)
         if self.config.verl_keys:
             aggregated.update(verl_metrics(aggregated))
         self._last = (int(step), time.time(), aggregated, agg_keys, matrix)
@@ -418,8 +422,14 @@ class Monitor:
             sink.open(header)
             self._sinks.append(sink)
 
+    def _check_open(self) -> None:
+        if self._closed:
+            # Its descriptors are closed: every figure would read as unavailable, silently.
+            raise RankmemError("this Monitor is closed: build a new one (on every rank) to go on measuring")
+
     def close(self) -> None:
         """Close the sinks and the probe's descriptors. Local; safe to call twice."""
+        self._closed = True
         for sink in self._sinks:
             sink.close()
         self._sinks = []

@@ -17,6 +17,16 @@ class MissingExtraError(RankmemError, ImportError):
         self.extra = extra
 
 
+def warn(message: str, stacklevel: int = 2) -> None:
+    """A ``RuntimeWarning`` that can never raise: under ``-W error`` (or pytest's
+    ``filterwarnings = error``) a warning becomes an exception, and telemetry must not kill training,
+    nor leave the logging rank dead while the others wait in the next collective."""
+    try:
+        warnings.warn(message, RuntimeWarning, stacklevel=stacklevel + 1)
+    except Exception:  # noqa: BLE001
+        pass
+
+
 class WarnOnce:
     """Telemetry warns about a condition once, not every step: one ``RuntimeWarning`` per key."""
 
@@ -26,4 +36,4 @@ class WarnOnce:
     def __call__(self, key: str, message: str, stacklevel: int = 3) -> None:
         if key not in self._seen:
             self._seen.add(key)
-            warnings.warn(f"rankmem: {message}", RuntimeWarning, stacklevel=stacklevel + 1)
+            warn(f"rankmem: {message}", stacklevel=stacklevel + 1)

@@ -28,14 +28,13 @@ from __future__ import annotations
 
 import math
 import statistics
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from rankmem._records import StepRecord
-from rankmem.errors import RankmemError
+from rankmem.errors import RankmemError, warn
 from rankmem.runlog import Run
 
 __all__ = ["LEAK_KEYS", "LeakConfig", "LeakWatch", "Trend", "detect_leaks", "mann_kendall", "theil_sen", "trend"]
@@ -413,5 +412,5 @@ class LeakWatch:
                 if t.leak:
                     self.flagged[(key, t.rank)] = t
                     new.append(t)
-                    warnings.warn(f"rankmem: possible memory leak on {t.describe()}", RuntimeWarning, stacklevel=3)
+                    warn(f"rankmem: possible memory leak on {t.describe()}", stacklevel=3)
         return new

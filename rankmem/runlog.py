@@ -12,14 +12,13 @@ import itertools
 import json
 import math
 import os
-import warnings
 from dataclasses import asdict, dataclass, field
 from typing import IO, Any
 
 import numpy as np
 
 from rankmem._records import RunHeader, StepRecord
-from rankmem.errors import RankmemError
+from rankmem.errors import RankmemError, warn
 
 SCHEMA = 1
 RUN_LOG_NAME = "rankmem.jsonl"
@@ -99,7 +98,7 @@ class RunLogWriter:
         self._file = open(self.path, "w", encoding="utf-8")
         self._write_line(json_safe(header_to_json(header)))
         if rotated:
-            warnings.warn(f"rankmem: {self.path} existed (a restarted job?); kept it as {rotated}", RuntimeWarning, stacklevel=2)
+            warn(f"rankmem: {self.path} existed (a restarted job?); kept it as {rotated}")
 
     def _write_line(self, obj: dict[str, Any]) -> None:
         assert self._file is not None, "RunLogWriter.open() must come first"

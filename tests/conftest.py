@@ -31,7 +31,27 @@ def torchrun(
     env: dict[str, str] | None = None,
     cwd: str | Path | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """Launch ``script`` under a real torchrun on loopback; returns the completed process."""
+    """Launch ``script`` under a real torchrun on loopback; returns the completed process.
+
+    ``free_port()`` can race with another process on the machine for the rendezvous port: a launch that
+    fails with "Address already in use" is retried once on a new port.
+    """
+    proc = _torchrun_once(script, nproc, args, extra=extra, timeout=timeout, env=env, cwd=cwd)
+    if proc.returncode != 0 and "Address already in use" in proc.stderr:
+        proc = _torchrun_once(script, nproc, args, extra=extra, timeout=timeout, env=env, cwd=cwd)
+    return proc
+
+
+def _torchrun_once(
+    script: str | Path,
+    nproc: int,
+    args: Sequence[str],
+    *,
+    extra: Sequence[str],
+    timeout: float,
+    env: dict[str, str] | None,
+    cwd: str | Path | None,
+) -> subprocess.CompletedProcess[str]:
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
         "--nproc-per-node", str(nproc), "--max-restarts", "0",

@@ -90,3 +90,32 @@ def test_single_process_collect_needs_no_process_group() -> None:
     assert monitor.last_record is not None and monitor.last_record.step == 7
     assert monitor.last_record.ranks["loss"] == [4.0]
     assert monitor._gather.fallbacks == 0  # no collective at all
+
+
+def test_warnings_as_errors_cannot_make_telemetry_raise() -> None:
+    class Broken:
+        def open(self, header: object) -> None:
+            pass
+
+        def write(self, record: object) -> None:
+            raise OSError("disk full")
+
+        def close(self) -> None:
+            raise OSError("still full")
+
+    monitor = rankmem.Monitor(sinks=(Broken(),), device="cpu", children=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # as under `python -W error` or pytest's filterwarnings=error
+        out = monitor.collect({"loss": 1.0, "texts": ["not a scalar"]})
+        monitor.close()
+    assert out["loss/max"] == 1.0 and "texts/max" not in out
+
+
+def test_a_closed_monitor_says_so() -> None:
+    monitor = rankmem.Monitor(sinks=(), device="cpu", children=False)
+    monitor.close()
+    with pytest.raises(rankmem.RankmemError, match="this Monitor is closed: build a new one"):
+        monitor.collect()
+    with pytest.raises(rankmem.RankmemError, match="this Monitor is closed"):
+        with monitor.step(0):
+            pass

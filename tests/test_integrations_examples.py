@@ -23,6 +23,6 @@ def test_verl_example_runs_on_two_ranks(run_torchrun: Any) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
     values = dict(line.split(": ") for line in proc.stdout.strip().splitlines())
     rss_max, rss_min = float(values["mem/host/rss_gib/max"]), float(values["mem/host/rss_gib/min"])
-    assert rss_max - rss_min > 0.02  # rank 1 holds 32 MiB more
+    assert abs((rss_max - rss_min) - 0.125) < 1 / 32  # rank 1 holds 128 MiB more, within 32 MiB
     assert rss_min <= float(values["perf/cpu_memory_used_gb"]) <= rss_max
     assert float(values["actor/pg_loss"]) == 0.625  # mean of [0.5, 0.25, 1.5, 0.25]

@@ -61,6 +61,13 @@ def test_trainer_single_process(tmp_path: Path) -> None:
     assert abs(cb.last_metrics["mem/host/rss_gib/max"] - statm) < 1 / 16
     assert isinstance(cb, RankmemCallback)
 
+    # evaluate() after train(): the callback closed its monitor at train end and builds a fresh one,
+    # so the eval log still carries live figures.
+    trainer.evaluate(eval_dataset=data[:8])
+    evals = [e for e in trainer.state.log_history if "eval_loss" in e]
+    assert len(evals) == 1
+    assert abs(evals[0]["mem/host/rss_gib/max"] - _statm_rss_gib()) < 1 / 16
+
 
 def test_trainer_two_processes_gloo(tmp_path: Path, run_torchrun: Any) -> None:
     proc = run_torchrun(REPO / "examples/hf_example.py", 2, ["--out", str(tmp_path)], timeout=180)

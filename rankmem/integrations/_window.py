@@ -50,3 +50,5 @@ class StepWindow:
         """Close the monitor if this callback built it; one passed in belongs to the caller."""
         if self._owns_monitor and self.monitor is not None:
             self.monitor.close()
+            # A later evaluate()/fit() on the same callback builds a fresh monitor on every rank.
+            self.monitor = None

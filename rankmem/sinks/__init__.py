@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import warnings
 from typing import Any, Protocol, runtime_checkable
 
 from rankmem._records import RunHeader, StepRecord
-from rankmem.errors import MissingExtraError, RankmemError
+from rankmem.errors import MissingExtraError, RankmemError, warn
 
 __all__ = ["Sink", "SINK_NAMES", "make_sink", "SafeSink"]
 
@@ -71,11 +70,7 @@ class SafeSink:
             getattr(self.sink, method)(*args)
         except Exception as exc:  # noqa: BLE001 - any sink failure must stay out of the training loop
             self.disabled = True
-            warnings.warn(
-                f"rankmem: sink {type(self.sink).__name__} failed in {method}() and is disabled: {exc!r}",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+            warn(f"rankmem: sink {type(self.sink).__name__} failed in {method}() and is disabled: {exc!r}", stacklevel=3)
 
     def open(self, header: RunHeader) -> None:
         self._call("open", header)
@@ -89,5 +84,5 @@ class SafeSink:
             self.sink.close()
         except Exception as exc:  # noqa: BLE001
             if not self.disabled:
-                warnings.warn(f"rankmem: sink {type(self.sink).__name__} failed in close(): {exc!r}", RuntimeWarning, stacklevel=2)
+                warn(f"rankmem: sink {type(self.sink).__name__} failed in close(): {exc!r}")
         self.disabled = True
