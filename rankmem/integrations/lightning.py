@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from rankmem._monitor import Monitor
-from rankmem.errors import MissingExtraError
+from rankmem.errors import MissingExtraError, RankmemError
 from rankmem.integrations._window import StepWindow
 
 try:
@@ -35,7 +35,8 @@ class RankmemCallback(StepWindow, Callback):  # type: ignore[misc]
     ``monitor``: a :class:`rankmem.Monitor` you built on every rank; by default one is built at
     ``setup``, after the strategy has initialised the process group, from ``monitor_options``
     (default: no sinks). ``every_n_steps``: batches between collects (default: the Trainer's
-    ``log_every_n_steps``). ``step_phase``: the phase name per batch, or ``None`` to skip it.
+    ``log_every_n_steps``; with ``accumulate_grad_batches > 1`` that counts batches, not the optimizer
+    steps Lightning's own logging counts, so pass ``every_n_steps`` to line the two up). ``step_phase``: the phase name per batch, or ``None`` to skip it.
     """
 
     def __init__(
@@ -47,7 +48,7 @@ class RankmemCallback(StepWindow, Callback):  # type: ignore[misc]
         **monitor_options: Any,
     ) -> None:
         if every_n_steps is not None and every_n_steps < 1:
-            raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
+            raise RankmemError(f"every_n_steps must be >= 1, got {every_n_steps}")
         self._setup_window(monitor, step_phase, monitor_options)
         self.every_n_steps = every_n_steps
         self._batches = 0
