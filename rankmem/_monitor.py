@@ -360,7 +360,14 @@ class Monitor:
         ``K/max``, ``K/min``, ``K/mean`` and ``K/max_rank`` for every per-rank key ``K`` (memory and
         the caller's scalars), plus verl's ``perf/*`` memory keys. The logging rank also writes sinks.
         """
-        local = self.local_metrics(metrics)
+        try:
+            local = self.local_metrics(metrics)
+        except RankmemError:
+            raise  # a user error (a closed monitor) that every rank meets alike
+        except Exception as exc:  # noqa: BLE001 - a telemetry bug must not leave the other ranks waiting
+            self._warn_once("local", f"measuring this rank failed, it sends only the caller's metrics: {exc!r}")
+            self._step_window, self._phases = None, {}
+            local = {str(k): f for k, v in (metrics or {}).items() if (f := _to_float(v)) is not None}
         if step is None:
             step = self._step_n if self._step_n is not None else self._collects
         self._step_n = None

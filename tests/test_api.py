@@ -119,3 +119,32 @@ def test_a_closed_monitor_says_so() -> None:
     with pytest.raises(rankmem.RankmemError, match="this Monitor is closed"):
         with monitor.step(0):
             pass
+
+
+def test_a_failing_probe_still_takes_part_in_collect() -> None:
+    monitor = rankmem.Monitor(sinks=(), device="cpu", children=False)
+
+    def broken() -> None:
+        raise OSError("/proc vanished")
+
+    monitor._host.node = broken  # type: ignore[method-assign,assignment]
+    monitor._host.rss_and_peak = broken  # type: ignore[method-assign,assignment]
+    with pytest.warns(RuntimeWarning, match="memory probe failed"):
+        out = monitor.collect({"loss": 2.0})
+    assert out["loss/max"] == 2.0  # the caller's metrics still travel; memory is absent, not 0
+    assert not any(k.startswith("mem/host/rss") for k in out)
+
+
+def test_a_bug_while_measuring_still_sends_the_callers_metrics(monkeypatch: pytest.MonkeyPatch) -> None:
+    import rankmem._monitor as monitor_module
+
+    def broken(*args: object) -> None:
+        raise KeyError("a telemetry bug")
+
+    monitor = rankmem.Monitor(sinks=(), device="cpu", children=False)
+    monkeypatch.setattr(monitor_module, "window_metrics", broken)
+    with pytest.warns(RuntimeWarning, match="measuring this rank failed, it sends only the caller's metrics"):
+        out = monitor.collect({"loss": 3.0})
+    assert out["loss/max"] == 3.0 and not any(k.startswith("mem/") for k in out)
+    monkeypatch.undo()
+    assert "mem/host/rss_gib/max" in monitor.collect({"loss": 3.0})  # the next step measures again
