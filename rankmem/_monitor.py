@@ -283,10 +283,10 @@ class Monitor:
         Local to this rank (no collective); call :meth:`collect` after it on every rank, every step or
         every N steps (steps closed since the last collect merge: max peaks, summed events).
         """
+        self._check_open()
         if self._implicit is not None:
             self._open.remove(self._implicit)
             self._implicit = None
-        self._check_open()
         window = self._begin()
         try:
             yield
