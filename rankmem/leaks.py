@@ -319,7 +319,7 @@ class LeakWatch:
         self,
         config: LeakConfig | None = None,
         keys: Sequence[str] = LEAK_KEYS,
-        check_every: int = 50,
+        check_every: int = 250,
         capacity: int = 2000,
         warmup: int = 200,
     ) -> None:

@@ -108,7 +108,16 @@ class RunLogWriter:
         self._file.flush()
 
     def write(self, record: StepRecord) -> None:
-        self._write_line(record_to_json(record))
+        assert self._file is not None, "RunLogWriter.open() must come first"
+        # Hot path: encode as is, and only when the text holds a non-finite token (NaN, Infinity,
+        # which JSON lacks) rebuild the record with nulls. Checking every value in Python first cost
+        # more than the encoding itself.
+        raw = {"kind": "step", "step": record.step, "time": record.time, "metrics": record.metrics, "ranks": record.ranks}
+        line = json.dumps(raw, separators=(",", ":"))
+        if "NaN" in line or "Infinity" in line:
+            line = json.dumps(record_to_json(record), allow_nan=False, separators=(",", ":"))
+        self._file.write(line + "\n")
+        self._file.flush()
 
     def close(self) -> None:
         if self._file is not None:
