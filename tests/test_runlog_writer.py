@@ -39,3 +39,14 @@ def test_log_rank_outside_the_group_is_a_clear_error() -> None:
     monitor = rankmem.Monitor(log_rank=1, device="cpu", children=False)
     with pytest.raises(rankmem.RankmemError, match=r"log_rank=1 but the group has 1 rank\(s\): use 0..0"):
         monitor.collect()
+
+
+def test_a_nan_metric_is_written_as_null(tmp_path: Path) -> None:
+    monitor = rankmem.Monitor(out_dir=str(tmp_path), device="cpu", children=False)
+    monitor.collect({"loss": math.nan, "lr": 0.5}, step=0)
+    monitor.close()
+    line = (tmp_path / "rankmem.jsonl").read_text().splitlines()[1]
+    assert "NaN" not in line
+    step = json.loads(line)
+    assert step["metrics"]["loss/max"] is None and step["metrics"]["lr/max"] == 0.5
+    assert step["ranks"]["loss"] == [None] and step["ranks"]["lr"] == [0.5]
