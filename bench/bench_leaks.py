@@ -7,7 +7,8 @@ Each series is one rank's host RSS in GiB over N logged steps: a 12 GiB base, a 
 innovations, ~10 MiB stationary sd), and 1% one-step spikes of 200-500 MiB (checkpoint saves,
 rollouts). Leaks add a constant rate from step 0. Nulls: flat, warm-up then flat, a sawtooth (a
 cache that fills and is freed every 100 steps), and one permanent +100 MiB jump in the second half
-(a cache that grows once: arguably not a leak, and reported separately because it is flagged).
+(a cache that grows once: not a leak, and reported separately because only the level-shift check
+stops it being flagged).
 
 Then the online check's cost on the logging rank, where every other rank waits for it at the next
 collective: a full LeakWatch (2000 buffered collects, the 3 baseline keys among 28) per collect over

@@ -12,7 +12,11 @@ flagged, and ask three things:
   allocator caches) is not worth an alarm.
 - **No give-back**: a leak never returns memory, a cache that fills and empties does. The largest
   persistent fall in the window (after a 9-step running median that drops one-step spikes) must stay
-  under half the growth, so a sawtooth is not flagged. A one-time permanent jump still is.
+  under half the growth, so a sawtooth is not flagged.
+- **Not one level shift**: a one-time permanent jump (a cache allocated once) rises and never falls.
+  When two flat levels around the best single change point fit the window much better than the line,
+  and the part after the change grows at no rate that matters, the series is not flagged and
+  :attr:`Trend.reason` says so. Only would-be leaks pay for this check.
 
 Long windows are first reduced to at most ``max_points`` block medians, which keeps the O(n²) pairwise
 work at ~32k pairs per series and damps the short-range autocorrelation that makes Mann–Kendall
@@ -100,6 +104,9 @@ class Trend:
     drawdown_mib: float
     """Largest persistent fall inside the window (after a 9-step running median), MiB."""
     leak: bool
+    reason: str = ""
+    """Why a growing series was not flagged, when that was the level-shift check ("level shift of
+    +N MiB at step S"); empty otherwise. The other fields say why for the other checks."""
 
     @property
     def confidence(self) -> float:
@@ -241,12 +248,21 @@ def _trend_columns(x: np.ndarray, y: np.ndarray, key: str, ranks: Sequence[int],
     else:
         smooth = y
     drawdown = (np.maximum.accumulate(smooth, axis=0) - smooth).max(axis=0)
+    grows = (slope > 0) & (np.asarray(p) < config.alpha) & (growth >= config.min_growth_mib) & (drawdown <= 0.5 * growth)
+    reasons = [""] * len(ranks)
+    if grows.any():
+        # Only the series that would be flagged pay for the level-shift check.
+        cand = np.flatnonzero(grows)
+        xs = x[4:-4] if y.shape[0] >= 9 else x
+        for col, why in zip(cand, _level_shifts(xs, smooth[:, cand], slope[cand], xb, yb[:, cand], config), strict=True):
+            if why:
+                grows[col] = False
+                reasons[col] = why
     out: list[Trend | None] = []
     for c, rank in enumerate(ranks):
         if math.isnan(slope[c]):
             out.append(None)
             continue
-        leak = slope[c] > 0 and p[c] < config.alpha and growth[c] >= config.min_growth_mib and drawdown[c] <= 0.5 * growth[c]
         out.append(Trend(
             key=key,
             rank=rank,
@@ -259,8 +275,69 @@ def _trend_columns(x: np.ndarray, y: np.ndarray, key: str, ranks: Sequence[int],
             p_value=p[c],
             growth_mib=float(growth[c]),
             drawdown_mib=float(drawdown[c]),
-            leak=bool(leak),
+            leak=bool(grows[c]),
+            reason=reasons[c],
         ))
+    return out
+
+
+# Level-shift check, tuned on bench/bench_leaks.py's series. The two-level model's median absolute
+# residual over the line's is about 0.2-0.7 for a +100 MiB jump and 0.8-2.7 for a 0.25 MiB/step leak
+# (10th-90th percentiles): below 0.7 the jump explains the series better.
+_SHIFT_RATIO = 0.7
+_SHIFT_MIN_SIDE = 0.1
+"""Each level spans at least this fraction of the window: a split near an end fits a spike or the
+warm-up's tail, not a shift."""
+_SHIFT_KEEP_RATE = 0.3
+"""A post-shift rate at least this fraction of the window's slope is still a leak's growth."""
+
+
+def _level_shifts(xs: np.ndarray, smooth: np.ndarray, slope: np.ndarray, xb: np.ndarray, yb: np.ndarray,
+                  config: LeakConfig) -> list[str]:
+    """For each column of ``smooth`` (points x series, the running-median series at steps ``xs``), a
+    reason string when its growth is one level shift rather than a steady climb, else "".
+
+    A permanent jump (a cache allocated once) passes the slope, Mann-Kendall and give-back checks: the
+    series rises and never falls. What tells it from a leak is its shape: two flat levels fit it better
+    than a line does, and after the jump nothing grows. We fit the best single change point (two means,
+    chosen by least squares through cumulative sums: O(n) per series) and compare the median absolute
+    residual of the two medians' model with that of the Theil-Sen line. Then the part after the change
+    point must show no trend of its own (Mann-Kendall on the block medians), so a leak that starts
+    mid-window, or a jump followed by a leak, is still flagged."""
+    n, width = smooth.shape
+    out = [""] * width
+    span = float(xb[-1] - xb[0])
+    side = max(3, int(n * _SHIFT_MIN_SIDE))
+    if n < 2 * side + 1:
+        return out
+    c = np.cumsum(smooth, axis=0)
+    k = np.arange(side, n - side + 1)  # split before index k: left is [:k]
+    left = c[k - 1] / k[:, None]
+    right = (c[-1] - c[k - 1]) / (n - k)[:, None]
+    score = (k * (n - k) / n)[:, None] * (right - left) ** 2
+    best = k[np.argmax(score, axis=0)]
+    idx = np.arange(n)[:, None]
+    before = idx < best
+    lo_level = np.nanmedian(np.where(before, smooth, np.nan), axis=0)
+    hi_level = np.nanmedian(np.where(before, np.nan, smooth), axis=0)
+    step_res = np.median(np.abs(smooth - np.where(before, lo_level, hi_level)), axis=0)
+    line = smooth - slope * xs[:, None]
+    line_res = np.median(np.abs(line - np.median(line, axis=0)), axis=0)
+    for col in range(width):
+        if not (hi_level[col] > lo_level[col] and step_res[col] < _SHIFT_RATIO * line_res[col]):
+            continue
+        at = xs[best[col]]
+        keep = xb >= at
+        after = yb[keep, col]
+        if after.size >= 3 and mann_kendall(after)[2] < config.alpha:
+            # Slow wander after a jump often tests significant too (the points are autocorrelated),
+            # so the rate must also matter: a third of the window's slope (a slow leak whose noise
+            # looks step-like keeps growing at about its own rate), or enough to reach the minimum
+            # growth over the window (a slow leak after a big jump).
+            rate = theil_sen(xb[keep], after)[0]
+            if rate >= _SHIFT_KEEP_RATE * slope[col] or rate * span >= config.min_growth_mib:
+                continue
+        out[col] = f"level shift of {hi_level[col] - lo_level[col]:+.1f} MiB at step {int(at)}"
     return out
 
 

@@ -97,6 +97,38 @@ def test_sawtooth_cache_is_not_a_leak() -> None:
     assert t.drawdown_mib > 150 and not t.leak
 
 
+def test_one_level_shift_is_not_a_leak_while_a_leak_on_another_rank_is(tmp_path: Path) -> None:
+    n = 800
+    rss = _noisy(n, 4, seed=21)
+    rss[550:, 1] += 150 * MIB_IN_GIB  # rank 1: a cache allocated once in the window, then flat
+    rss[:, 2] += np.arange(n) * 0.5 * MIB_IN_GIB  # rank 2: a real leak, 0.5 MiB/step
+    rss[600:, 3] += 150 * MIB_IN_GIB + np.arange(n - 600) * 1.0 * MIB_IN_GIB  # rank 3: a jump, then a leak
+    write_run(tmp_path, {RSS: rss})
+    trends = detect_leaks(read_run(str(tmp_path)), keys=[RSS])  # the ranks are judged in one pass
+    assert [t.rank for t in trends if t.leak] == [2, 3]
+    shift = trends[1]
+    # Without the level-shift check the jump would be flagged: it grows, significantly, never falls.
+    assert shift.growth_mib >= 64 and shift.p_value < 0.01 and shift.drawdown_mib < 0.5 * shift.growth_mib
+    assert shift.reason.startswith("level shift of +1") and "at step 5" in shift.reason
+    assert trends[2].reason == trends[3].reason == ""
+    alone = [trend(np.arange(n), rss[:, r], RSS, r) for r in range(4)]
+    assert alone == trends
+
+
+def test_leak_watch_does_not_warn_for_a_level_shift() -> None:
+    n = 600
+    values = _noisy(n, 2, seed=22)
+    values[420:, 0] += 120 * MIB_IN_GIB
+    values[:, 1] += np.arange(n) * 1.0 * MIB_IN_GIB
+    watch = LeakWatch(check_every=1, warmup=300, capacity=n)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(n):
+            watch.feed_matrix(step, [RSS], values[step][:, None])
+        watch.check()
+    assert list(watch.flagged) == [(RSS, 1)]
+
+
 def test_small_drift_below_min_growth_is_not_a_leak() -> None:
     n = 400
     values = 10.0 + np.arange(n) * 0.1 * MIB_IN_GIB  # perfectly clean, but only 20 MiB over the window
