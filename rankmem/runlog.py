@@ -24,12 +24,6 @@ SCHEMA = 1
 RUN_LOG_NAME = "rankmem.jsonl"
 
 
-def _finite(x: Any) -> Any:
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    return x
-
-
 def json_safe(obj: Any) -> Any:
     """Non-finite floats anywhere in ``obj`` become None (JSON has no NaN)."""
     if isinstance(obj, float):
@@ -74,16 +68,6 @@ def header_to_json(header: RunHeader) -> dict[str, Any]:
     }
 
 
-def record_to_json(record: StepRecord) -> dict[str, Any]:
-    return {
-        "kind": "step",
-        "step": record.step,
-        "time": record.time,
-        "metrics": {k: _finite(v) for k, v in record.metrics.items()},
-        "ranks": {k: [_finite(v) for v in vs] for k, vs in record.ranks.items()},
-    }
-
-
 class RunLogWriter:
     """Appends whole, flushed lines to ``path``; the header is written once, by :meth:`open`."""
 
@@ -115,7 +99,7 @@ class RunLogWriter:
         raw = {"kind": "step", "step": record.step, "time": record.time, "metrics": record.metrics, "ranks": record.ranks}
         line = json.dumps(raw, separators=(",", ":"))
         if "NaN" in line or "Infinity" in line:
-            line = json.dumps(record_to_json(record), allow_nan=False, separators=(",", ":"))
+            line = json.dumps(json_safe(raw), allow_nan=False, separators=(",", ":"))
         self._file.write(line + "\n")
         self._file.flush()
 
