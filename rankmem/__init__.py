@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from rankmem._collective import allgather_dict_into_dict
 from rankmem._monitor import Monitor, MonitorConfig
-from rankmem._records import DeviceReading, HostReading, MemorySample
-from rankmem._sample import sample
+from rankmem._records import DeviceReading, HostReading
+from rankmem._sample import MemorySample, sample
 from rankmem.errors import MissingExtraError, RankmemError
 
 __version__ = "0.1.0"

@@ -30,10 +30,10 @@ from typing import Any
 import numpy as np
 
 from rankmem import _collective
+from rankmem._catalogue import PHASE_NAME, phase_metrics, verl_metrics, window_metrics
 from rankmem._device import DeviceBackend, select_backend
 from rankmem._host import HostProbe, make_host_probe
-from rankmem._metrics import PHASE_NAME, PhaseBytes, WindowBytes, phase_metrics, verl_metrics, window_metrics
-from rankmem._records import DeviceReading, RankInfo, RunHeader, StepRecord
+from rankmem._records import DeviceReading, PhaseBytes, RankInfo, RunHeader, StepRecord, WindowBytes
 from rankmem.errors import RankmemError, WarnOnce
 from rankmem.sinks import SINK_NAMES, SafeSink, Sink, make_sink
 

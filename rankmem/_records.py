@@ -56,21 +56,77 @@ class DeviceReading:
     """Cumulative count of out-of-memory errors raised by the allocator."""
 
 
-@dataclass(frozen=True, slots=True)
-class MemorySample:
-    """A one-off local reading, as returned by :func:`rankmem.sample`."""
+@dataclass(slots=True)
+class WindowBytes:
+    """One rank's figures for one window (a step, or what ran since the last collect), in bytes.
 
-    host: HostReading
-    device: DeviceReading | None
-    """``None`` when no device backend is in use (CPU-only)."""
-    device_name: str
-    """``"cuda"``, ``"npu"``, ``"xpu"`` or ``"none"``."""
+    Built by :meth:`of` from readings (for :func:`rankmem.sample` and for each window's end); the
+    windows then put their own peaks, deltas and lifetime maxima in.
+    """
 
-    def to_metrics(self) -> dict[str, float]:
-        """The reading as rankmem metric keys (GiB values), unavailable figures left out."""
-        from rankmem._metrics import sample_metrics
+    rss: int | None = None
+    peak_rss: int | None = None
+    children_rss: int | None = None
+    node_used: int | None = None
+    node_available: int | None = None
+    cgroup_used: int | None = None
+    cgroup_limit: int | None = None
+    allocated: int | None = None
+    reserved: int | None = None
+    peak_allocated: int | None = None
+    peak_reserved: int | None = None
+    used: int | None = None
+    total: int | None = None
+    alloc_retries: int | None = None
+    ooms: int | None = None
+    lifetime_peak_rss: int | None = None
+    lifetime_peak_reserved: int | None = None
 
-        return sample_metrics(self)
+    @classmethod
+    def of(cls, host: HostReading | None, device: DeviceReading | None) -> WindowBytes:
+        """The figures of ``host`` and ``device`` as read at one instant (peaks as the readings hold
+        them, counters left out: a window's events are deltas, which only the windows know)."""
+        w = cls()
+        if host is not None:
+            w.rss, w.peak_rss, w.children_rss = host.rss, host.peak_rss, host.children_rss
+            w.add_node(host)
+        if device is not None:
+            w.allocated, w.reserved = device.allocated, device.reserved
+            w.peak_allocated, w.peak_reserved = device.peak_allocated, device.peak_reserved
+            w.used, w.total = device.used, device.total
+        return w
+
+    def add_node(self, host: HostReading) -> None:
+        """The node, cgroup and children figures of a slow host read."""
+        self.node_used, self.node_available = host.node_used, host.node_available
+        self.cgroup_used, self.cgroup_limit = host.cgroup_used, host.cgroup_limit
+        self.children_rss = host.children_rss
+
+    @property
+    def other(self) -> int | None:
+        """``used - reserved``, clamped at 0: device memory outside this process's allocator."""
+        if self.used is None or self.reserved is None:
+            return None
+        return max(self.used - self.reserved, 0)
+
+    @property
+    def headroom(self) -> int | None:
+        """``total - (peak_reserved + other)``: how close the window came to running out."""
+        other = self.other
+        if self.total is None or self.peak_reserved is None or other is None:
+            return None
+        return self.total - (self.peak_reserved + other)
+
+
+@dataclass(slots=True)
+class PhaseBytes:
+    """One phase inside a step; a phase run twice in a step keeps the max peaks and summed deltas."""
+
+    peak_rss: int | None = None
+    peak_allocated: int | None = None
+    peak_reserved: int | None = None
+    rss_delta: int | None = None
+    allocated_delta: int | None = None
 
 
 @dataclass(slots=True)
@@ -107,6 +163,6 @@ class StepRecord:
     time: float
     """Unix time of the collect."""
     metrics: dict[str, float]
-    """Aggregated keys (``K/max``, ``K/min``, ``K/mean``, ``K/max_rank``) and verl-compatible keys."""
+    """Aggregated keys (``K/max``, ``K/min``, ``K/mean``, ``K/max_rank``, ``K/min_rank``) and verl-compatible keys."""
     ranks: dict[str, list[float | None]]
     """Per-rank values of every per-rank key ``K``, indexed by rank; ``None`` where a rank lacks it."""

@@ -2,12 +2,30 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
+from rankmem._catalogue import window_metrics
 from rankmem._device import select_backend
 from rankmem._host import make_host_probe
-from rankmem._records import MemorySample
+from rankmem._records import DeviceReading, HostReading, WindowBytes
+
+
+@dataclass(frozen=True, slots=True)
+class MemorySample:
+    """A one-off local reading, as returned by :func:`rankmem.sample`."""
+
+    host: HostReading
+    device: DeviceReading | None
+    """``None`` when no device backend is in use (CPU-only)."""
+    device_name: str
+    """``"cuda"``, ``"npu"``, ``"xpu"`` or ``"none"``."""
+
+    def to_metrics(self) -> dict[str, float]:
+        """The reading as rankmem metric keys (GiB values), unavailable figures left out."""
+        out: dict[str, float] = {}
+        window_metrics(WindowBytes.of(self.host, self.device), out)
+        return out
 
 
 def sample(device: str = "auto", device_module: Any = None, children: bool = True) -> MemorySample:
