@@ -1,0 +1,31 @@
+"""The one scalar coercion every path uses: the caller's metrics, verl's gather, the run-log reader."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+def to_float(value: Any) -> float | None:
+    """``value`` as a float, or None when it is not a scalar number.
+
+    Python and numpy numbers, bools (as 0/1) and 0-d tensors (``.item()``; on a GPU tensor that is a
+    device sync, which the caller chose by passing one) are scalars; NaN and inf pass through (a
+    diverged loss must reach the aggregate); strings, None, lists and multi-element arrays are not.
+    """
+    if isinstance(value, (bool, int, float)):
+        return float(value)
+    item = getattr(value, "item", None)
+    if item is None:
+        return None
+    try:
+        number = item()
+    except (TypeError, ValueError, RuntimeError):  # a multi-element array or tensor
+        return None
+    return float(number) if isinstance(number, (bool, int, float)) else None
+
+
+def to_float_or_nan(value: Any) -> float:
+    """:func:`to_float`, with NaN for anything that is not a number (a run log's ``null``)."""
+    number = to_float(value)
+    return math.nan if number is None else number
