@@ -11,11 +11,15 @@ import os
 import weakref
 import zlib
 from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 
-from rankmem.errors import warn
+from rankmem._catalogue import AGGREGATES
+from rankmem._records import RankInfo
+from rankmem._scalars import to_float
+from rankmem.errors import WarnOnce, warn
 
 _SIG_MASK = (1 << 52) - 1  # a float64 holds integers up to 2**53 exactly
 
@@ -175,7 +179,7 @@ class PackedGather:
         return [g[0] for g in gathered], [np.asarray(g[1], dtype=np.float64) for g in gathered]
 
 
-_SUFFIXES = ("/max", "/min", "/mean", "/max_rank")
+_SUFFIXES = tuple("/" + a for a in AGGREGATES)
 _names_cache: dict[tuple[str, ...], list[str]] = {}
 
 
@@ -190,32 +194,33 @@ def _aggregate_names(keys: Sequence[str]) -> list[str]:
 
 
 def aggregate(keys: Sequence[str], matrix: np.ndarray, nan_is_absent: bool = False) -> dict[str, float]:
-    """``K/max``, ``K/min``, ``K/mean``, ``K/max_rank`` per column of a ranks x keys matrix.
+    """``K/max``, ``K/min``, ``K/mean``, ``K/max_rank``, ``K/min_rank`` per column of a ranks x keys matrix.
 
     When every rank sent the same keys (``nan_is_absent=False``) a NaN is the caller's own value (a
-    diverged loss): it propagates to max, min and mean, and ``max_rank`` names the first rank holding
-    it, so a bad rank cannot hide behind a healthy mean. After aligning ranks with different keys
+    diverged loss): it propagates to max, min and mean, and both ranks name the first rank holding it,
+    so a bad rank cannot hide behind a healthy mean. After aligning ranks with different keys
     (``nan_is_absent=True``) NaN marks a rank without the key and is left out; a key no rank has gives
-    NaN (max_rank -1). The hot path is four numpy reductions and one dict build from cached names.
+    NaN (ranks -1). The hot path is five numpy reductions and one dict build from cached names.
     """
-    # One (keys x 4) block filled in place, so that ravel() needs no copy before tolist().
-    stats = np.empty((matrix.shape[1], 4))
+    # One (keys x 5) block filled in place, so that ravel() needs no copy before tolist().
+    stats = np.empty((matrix.shape[1], len(_SUFFIXES)))
     if not nan_is_absent or (matrix.size and not np.isnan(matrix).any()):
         matrix.max(axis=0, out=stats[:, 0])
         matrix.min(axis=0, out=stats[:, 1])
         matrix.sum(axis=0, out=stats[:, 2])
         stats[:, 2] /= max(matrix.shape[0], 1)
         stats[:, 3] = matrix.argmax(axis=0)
+        stats[:, 4] = matrix.argmin(axis=0)
     else:
         present = ~np.isnan(matrix)
         counts = present.sum(axis=0)
         sums = np.where(present, matrix, 0.0).sum(axis=0)
         with np.errstate(invalid="ignore", divide="ignore"):
             stats[:, 2] = np.where(counts > 0, sums / np.maximum(counts, 1), math.nan)
-        argmax = np.where(present, matrix, -math.inf).argmax(axis=0)
         stats[:, 0] = np.fmax.reduce(matrix, axis=0)
         stats[:, 1] = np.fmin.reduce(matrix, axis=0)
-        stats[:, 3] = np.where(counts > 0, argmax, -1)
+        stats[:, 3] = np.where(counts > 0, np.where(present, matrix, -math.inf).argmax(axis=0), -1)
+        stats[:, 4] = np.where(counts > 0, np.where(present, matrix, math.inf).argmin(axis=0), -1)
     return dict(zip(_aggregate_names(keys), stats.ravel().tolist(), strict=True))
 
 
@@ -230,6 +235,54 @@ def union_matrix(schemas: Sequence[Sequence[str]], rows: Sequence[np.ndarray]) -
     return keys, matrix
 
 
+@dataclass(slots=True)
+class Gathered:
+    """Every rank's values of one collect, the same on every rank."""
+
+    keys: Sequence[str]
+    """Sorted per-rank keys (the union over ranks when they disagreed)."""
+    matrix: np.ndarray
+    """ranks x keys, float64; NaN where a rank lacked a key (only when ``mixed``) or sent NaN."""
+    aggregated: dict[str, float]
+    """``K/max``, ``K/min``, ``K/mean``, ``K/max_rank``, ``K/min_rank`` for every key."""
+    mixed: bool
+    """True when ranks sent different keys (each key aggregated over the ranks that have it)."""
+
+    def columns(self) -> dict[str, list[float | None]]:
+        """Per key, each rank's value (``None`` where absent): the run log's per-rank part."""
+        cols = self.matrix.T.tolist()
+        return {k: [None if math.isnan(v) else v for v in col] for k, col in zip(self.keys, cols, strict=True)}
+
+
+class Exchange:
+    """The one collective of a collect: pack, gather, detect mixed keys, fall back, aggregate.
+
+    :meth:`gather_aggregate` is a collective over ``group``: every rank calls it, on the same steps.
+    With no process group (or a world of one) nothing is communicated.
+    """
+
+    def __init__(self, group: Any = None, device_type: str | None = None) -> None:
+        self.packed = PackedGather(group)  # TODO: device_type once PackedGather resolves the device itself
+        self._warn_once = WarnOnce()
+
+    def gather_aggregate(self, values: Mapping[str, float]) -> Gathered:
+        keys = tuple(sorted(values))
+        schemas, rows = self.packed.gather(keys, [values[k] for k in keys])
+        if all(s == keys for s in schemas):
+            matrix = np.vstack(rows) if rows else np.zeros((0, 0))
+            return Gathered(keys, matrix, aggregate(keys, matrix), mixed=False)
+        union, matrix = union_matrix(schemas, rows)
+        differing = sorted(set(union) - set.intersection(*(set(s) for s in schemas)))
+        self._warn_once("keys:" + ",".join(differing),
+                        f"ranks reported different keys {differing}; each is aggregated over the ranks that have it")
+        return Gathered(union, matrix, aggregate(union, matrix, nan_is_absent=True), mixed=True)
+
+
+def gather_rank_infos(me: RankInfo, group: Any = None) -> list[RankInfo]:
+    """Who every rank is, once per run (pickled: two collectives, not worth a packed layout)."""
+    return [RankInfo(**info) for info in all_gather_objects(asdict(me), group)]
+
+
 _NUMBER = (int, float)
 
 
@@ -237,8 +290,8 @@ def _as_numbers(value: Any) -> tuple[str, list[float]] | None:
     """``("s", [v])`` for a scalar, ``("l", [...])`` for a flat list of numbers, None otherwise."""
     if hasattr(value, "tolist") and not isinstance(value, (list, tuple)):
         value = value.tolist()  # tensors and numpy values; a 0-d one gives a scalar
-    if isinstance(value, _NUMBER) and not isinstance(value, bool):
-        return "s", [float(value)]
+    if not isinstance(value, (bool, list, tuple)) and (number := to_float(value)) is not None:
+        return "s", [number]  # a bool is verl's object, not a number: it keeps its type
     if isinstance(value, (list, tuple)) and all(isinstance(v, _NUMBER) and not isinstance(v, bool) for v in value):
         return "l", [float(v) for v in value]
     return None

@@ -10,6 +10,7 @@ import glob
 import os
 import sys
 import time
+from typing import Protocol
 
 from rankmem import _procfs
 from rankmem._records import HostReading
@@ -110,6 +111,13 @@ class LinuxHostProbe:
         rss, hwm = _procfs.parse_status_rss_hwm(data)
         return (rss if rss is not None else self.rss()), hwm
 
+    def edge(self) -> tuple[int | None, int | None]:
+        """The window-edge read: current RSS and the peak since the last edge, then the peak reset."""
+        self.check_fork()
+        rss, peak = self.rss_and_peak()
+        self.reset_peak()
+        return rss, peak
+
     def reset_peak(self) -> None:
         if self._clear_refs is not None:
             try:
@@ -195,6 +203,7 @@ class LinuxHostProbe:
         return (None if data is None else _procfs.parse_int(data)), limit
 
     def read(self) -> HostReading:
+        """The slow read, once per collect: every figure, node, cgroup and children included."""
         self.check_fork()
         return read_host(self)
 
@@ -247,6 +256,13 @@ class PsutilHostProbe:
     def reset_peak(self) -> None:
         self._peak = None
 
+    def edge(self) -> tuple[int | None, int | None]:
+        rss = self.rss()
+        if rss is not None:
+            self._peak = rss if self._peak is None else max(self._peak, rss)
+        peak, self._peak = self._peak, None
+        return rss, peak
+
     def children_rss(self) -> int | None:
         if not self._children_enabled:
             return None
@@ -282,10 +298,38 @@ class PsutilHostProbe:
         self._children = []
 
 
-HostProbe = LinuxHostProbe | PsutilHostProbe
+class HostProbe(Protocol):
+    """What the windows need from a host probe; tests and other platforms pass their own through
+    ``Monitor(host_probe=...)``."""
+
+    @property
+    def peak_scope(self) -> str:
+        """``window``, ``lifetime`` (the kernel cannot reset the peak) or ``sampled`` (edge reads only)."""
+        ...
+
+    def edge(self) -> tuple[int | None, int | None]:
+        """At a window edge (a few microseconds): current RSS and the peak since the previous edge,
+        then reset that peak."""
+        ...
+
+    def read(self) -> HostReading:
+        """Once per collect: every host figure now (node, cgroup and children included)."""
+        ...
+
+    def close(self) -> None: ...
 
 
-def read_host(probe: HostProbe) -> HostReading:
+class _PeakSource(Protocol):
+    peak_is_lifetime: bool
+
+    def rss(self) -> int | None: ...
+    def peak_rss(self) -> int | None: ...
+    def children_rss(self) -> int | None: ...
+    def node(self) -> tuple[int | None, int | None]: ...
+    def cgroup(self) -> tuple[int | None, int | None]: ...
+
+
+def read_host(probe: _PeakSource) -> HostReading:
     """Every host figure of ``probe`` at one instant."""
     total, available = probe.node()
     cg_used, cg_limit = probe.cgroup()

@@ -80,7 +80,7 @@ def test_failing_sink_warns_once_and_training_goes_on(tmp_path: object) -> None:
     out = monitor.collect({"loss": 3.0})
     assert out["loss/max"] == 3.0
     assert Broken.writes == 1  # disabled after the first failure
-    assert all(isinstance(s, SafeSink) for s in monitor._sinks)
+    assert all(isinstance(s, SafeSink) for s in monitor._publisher._sinks)
 
 
 def test_single_process_collect_needs_no_process_group() -> None:
@@ -89,7 +89,7 @@ def test_single_process_collect_needs_no_process_group() -> None:
     assert out["loss/max_rank"] == 0 and out["loss/min"] == 4.0
     assert monitor.last_record is not None and monitor.last_record.step == 7
     assert monitor.last_record.ranks["loss"] == [4.0]
-    assert monitor._gather.fallbacks == 0  # no collective at all
+    assert monitor.fallbacks == 0  # no collective at all
 
 
 def test_warnings_as_errors_cannot_make_telemetry_raise() -> None:
@@ -122,14 +122,22 @@ def test_a_closed_monitor_says_so() -> None:
 
 
 def test_a_failing_probe_still_takes_part_in_collect() -> None:
-    monitor = rankmem.Monitor(sinks=(), device="cpu", children=False)
+    class VanishedProc:
+        """A host probe (passed in through the public API) whose every read fails."""
 
-    def broken() -> None:
-        raise OSError("/proc vanished")
+        peak_scope = "window"
 
-    monitor._host.node = broken  # type: ignore[method-assign,assignment]
-    monitor._host.rss_and_peak = broken  # type: ignore[method-assign,assignment]
+        def edge(self) -> tuple[int | None, int | None]:
+            raise OSError("/proc vanished")
+
+        def read(self) -> rankmem.HostReading:
+            raise OSError("/proc vanished")
+
+        def close(self) -> None:
+            pass
+
     with pytest.warns(RuntimeWarning, match="memory probe failed"):
+        monitor = rankmem.Monitor(sinks=(), device="cpu", host_probe=VanishedProc())
         out = monitor.collect({"loss": 2.0})
     assert out["loss/max"] == 2.0  # the caller's metrics still travel; memory is absent, not 0
     assert not any(k.startswith("mem/host/rss") for k in out)

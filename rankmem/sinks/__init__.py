@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from rankmem._records import RunHeader, StepRecord
 from rankmem.errors import MissingExtraError, RankmemError, warn
 
-__all__ = ["Sink", "SINK_NAMES", "make_sink", "SafeSink"]
+__all__ = ["Sink", "SINK_NAMES", "check_sink_specs", "make_sink", "SafeSink"]
 
 
 @runtime_checkable
@@ -37,16 +38,25 @@ _REGISTRY: dict[str, tuple[str, str, str | None, str | None]] = {
     "mlflow": ("rankmem.sinks._mlflow", "MlflowSink", "mlflow", "mlflow"),
 }
 SINK_NAMES = tuple(_REGISTRY)
+_NEEDS_DIR = ("jsonl", "file", "tensorboard")
+
+
+def check_sink_specs(specs: Sequence[str | Sink], out_dir: str | None) -> None:
+    """Every check of sink names and their directory, in one place (the Monitor's config calls it)."""
+    for spec in specs:
+        if isinstance(spec, str) and spec not in _REGISTRY:
+            raise RankmemError(f"unknown sink {spec!r}: choose from {', '.join(SINK_NAMES)}")
+        if not isinstance(spec, (str, Sink)):
+            raise RankmemError(f"a sink must be one of {', '.join(SINK_NAMES)} or have open/write/close; got {spec!r}")
+    if out_dir is None and any(s in _NEEDS_DIR for s in specs if isinstance(s, str)):
+        raise RankmemError("the jsonl/file/tensorboard sinks write to a directory: set out_dir='runs/NAME'")
 
 
 def make_sink(spec: str | Sink, out_dir: str | None = None, **options: Any) -> Sink:
     """Build a sink from its name (``out_dir`` is where file-backed sinks write), or pass one through."""
+    check_sink_specs([spec], out_dir)
     if not isinstance(spec, str):
-        if not isinstance(spec, Sink):
-            raise RankmemError(f"a sink must be one of {', '.join(SINK_NAMES)} or have open/write/close; got {spec!r}")
         return spec
-    if spec not in _REGISTRY:
-        raise RankmemError(f"unknown sink {spec!r}: choose from {', '.join(SINK_NAMES)}")
     module_name, cls_name, extra, package = _REGISTRY[spec]
     if package is not None and importlib.util.find_spec(package) is None:
         raise MissingExtraError(f"the {spec} sink", extra or spec, package)

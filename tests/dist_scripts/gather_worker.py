@@ -33,14 +33,14 @@ def main(out: str) -> None:
             del spike
     first = monitor.collect({"tokens": 100 * (rank + 1), "loss": rank + 0.5})
     result["first"] = first
-    result["fallbacks_after_first"] = monitor._gather.fallbacks
+    result["fallbacks_after_first"] = monitor.fallbacks
 
     # 2. the same keys again: the fast path (no pickled gather).
     with monitor.step(1):
         pass
     second = monitor.collect({"tokens": 100 * (rank + 1), "loss": rank + 0.5})
     result["second_tokens_max"] = second["tokens/max"]
-    result["fallbacks_after_second"] = monitor._gather.fallbacks
+    result["fallbacks_after_second"] = monitor.fallbacks
 
     # 3. rank 1 adds a key the others lack: no hang, the same result everywhere, one warning.
     extra = {"extra": 7.0} if rank == 1 else {}
@@ -49,7 +49,7 @@ def main(out: str) -> None:
         mixed = monitor.collect({"tokens": 1.0, **extra})
     result["mixed"] = mixed
     result["mixed_warnings"] = [str(w.message) for w in caught]
-    result["fallbacks_after_mixed"] = monitor._gather.fallbacks
+    result["fallbacks_after_mixed"] = monitor.fallbacks
 
     # 4. a NaN on one rank (a diverged loss) propagates and is named, not averaged away.
     nan_case = monitor.collect({"loss": math.nan if rank == 0 else float(rank)})
