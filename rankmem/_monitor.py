@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -116,6 +117,8 @@ class Monitor:
         self._last_record: StepRecord | None = None
         self._collects = 0
         self._closed = False
+        self._pid = os.getpid()
+        self._collecting = threading.Lock()
 
     @property
     def rank(self) -> int:
@@ -196,7 +199,21 @@ class Monitor:
         ``K/max``, ``K/min``, ``K/mean``, ``K/max_rank`` and ``K/min_rank`` for every per-rank key
         ``K`` (memory and the caller's scalars), plus verl's ``perf/*`` keys. The logging rank writes.
         """
-        self._check_open()
+        self._check_call()
+        if not self._collecting.acquire(blocking=False):
+            raise RankmemError("collect() is already running in another thread: call it from one thread per rank "
+                               "(two collectives at once on one process group corrupt it)")
+        try:
+            return self._collect(metrics, step)
+        finally:
+            self._collecting.release()
+
+    def _collect(self, metrics: Mapping[str, Any] | None, step: int | None) -> dict[str, float]:
+        if metrics is not None and not isinstance(metrics, Mapping):
+            # Raising here on one rank would leave the others waiting in the collective.
+            self._guard.warn_once("metrics-type", f"collect() takes a dict of metrics, got {type(metrics).__name__}; "
+                                  "its values are left out")
+            metrics = None
         # A telemetry bug must not leave the other ranks waiting: this rank then sends the caller's keys.
         local = self._guard.call("local", "measuring this rank failed, it sends only the caller's metrics",
                                  self.local_metrics, metrics, default=None)
@@ -230,6 +247,16 @@ class Monitor:
         self._header = RunHeader(world_size=world, ranks=ranks, config=self.config.to_header(), started=time.time())
         if rank == self.config.log_rank:
             self._publisher.open(self._header)
+
+    def _check_call(self) -> None:
+        """Misuse that would corrupt or hang the collective, raised before any communication."""
+        self._check_open()
+        if os.getpid() != self._pid and _collective.dist_active(self.group):
+            raise RankmemError("collect() in a forked child: the child shares its parent's process group and would "
+                               "corrupt it; measure in the child with rankmem.sample() instead")
+        if self.rank < 0:
+            raise RankmemError("this rank is not a member of the Monitor's group: call collect() on the group's "
+                               "ranks only, or build the Monitor with group=None")
 
     def _check_open(self) -> None:
         if self._closed:

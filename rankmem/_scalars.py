@@ -14,7 +14,10 @@ def to_float(value: Any) -> float | None:
     diverged loss must reach the aggregate); strings, None, lists and multi-element arrays are not.
     """
     if isinstance(value, (bool, int, float)):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an int beyond float64's range (10**400) is no usable figure
+            return None
     item = getattr(value, "item", None)
     if item is None:
         return None
@@ -22,7 +25,7 @@ def to_float(value: Any) -> float | None:
         number = item()
     except (TypeError, ValueError, RuntimeError):  # a multi-element array or tensor
         return None
-    return float(number) if isinstance(number, (bool, int, float)) else None
+    return to_float(number) if isinstance(number, (bool, int, float)) else None
 
 
 def to_float_or_nan(value: Any) -> float:

@@ -12,6 +12,7 @@ heartbeat) or fails (an out-of-memory event) is the business of the :class:`Wind
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -142,10 +143,12 @@ class Windows:
     @contextlib.contextmanager
     def step(self, n: int | None = None) -> Iterator[None]:
         """A step window. Steps closed before the next :meth:`take` merge (max peaks, summed events)."""
+        if n is not None:
+            n = _step_number(n)  # at entry: a bad number must not replace the step body's own exception
         if self._implicit is not None:
             self._open.remove(self._implicit)
             self._implicit = None
-        self._step = None if n is None else int(n)
+        self._step = n
         window = self._begin()
         error: BaseException | None = None
         try:
@@ -160,7 +163,7 @@ class Windows:
             closed = self._bytes(window, rss, dev)
             self._closed = closed if self._closed is None else _merge(self._closed, closed)
             if n is not None:
-                self.step_n = int(n)
+                self.step_n = n
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -207,6 +210,13 @@ class Windows:
     def discard(self) -> None:
         """Drop what was measured since the last take (after a failure while measuring)."""
         self._closed, self._phases = None, {}
+
+
+def _step_number(n: object) -> int:
+    try:
+        return operator.index(n)  # type: ignore[arg-type]
+    except TypeError:
+        raise RankmemError(f"a step number must be an integer, got {n!r}") from None
 
 
 def _max(a: int | None, b: int | None) -> int | None:
