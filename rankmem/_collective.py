@@ -193,18 +193,21 @@ def _aggregate_names(keys: Sequence[str]) -> list[str]:
     return names
 
 
-def aggregate(keys: Sequence[str], matrix: np.ndarray, nan_is_absent: bool = False) -> dict[str, float]:
+def aggregate(keys: Sequence[str], matrix: np.ndarray, nan_is_absent: bool = False,
+              absent: np.ndarray | None = None) -> dict[str, float]:
     """``K/max``, ``K/min``, ``K/mean``, ``K/max_rank``, ``K/min_rank`` per column of a ranks x keys matrix.
 
-    When every rank sent the same keys (``nan_is_absent=False``) a NaN is the caller's own value (a
-    diverged loss): it propagates to max, min and mean, and both ranks name the first rank holding it,
-    so a bad rank cannot hide behind a healthy mean. After aligning ranks with different keys
-    (``nan_is_absent=True``) NaN marks a rank without the key and is left out; a key no rank has gives
-    NaN (ranks -1). The hot path is five numpy reductions and one dict build from cached names.
+    A NaN the caller sent (a diverged loss) propagates to max, min and mean, and both ranks name the
+    first rank holding it, so a bad rank cannot hide behind a healthy mean. ``absent`` (a boolean
+    matrix) marks ranks without a key: they are left out; a key no rank has gives NaN (ranks -1).
+    ``nan_is_absent=True`` takes every NaN as absent (a run log's ``null``). The hot path, every rank
+    with every key, is five numpy reductions and one dict build from cached names.
     """
+    if nan_is_absent:
+        absent = np.isnan(matrix)
     # One (keys x 5) block filled in place, so that ravel() needs no copy before tolist().
     stats = np.empty((matrix.shape[1], len(_SUFFIXES)))
-    if not nan_is_absent or (matrix.size and not np.isnan(matrix).any()):
+    if absent is None or not absent.any():
         matrix.max(axis=0, out=stats[:, 0])
         matrix.min(axis=0, out=stats[:, 1])
         matrix.sum(axis=0, out=stats[:, 2])
@@ -212,23 +215,37 @@ def aggregate(keys: Sequence[str], matrix: np.ndarray, nan_is_absent: bool = Fal
         stats[:, 3] = matrix.argmax(axis=0)
         stats[:, 4] = matrix.argmin(axis=0)
     else:
-        present = ~np.isnan(matrix)
+        present = ~absent
         counts = present.sum(axis=0)
-        sums = np.where(present, matrix, 0.0).sum(axis=0)
+        none = counts == 0
+        high = np.where(present, matrix, -math.inf)
+        low = np.where(present, matrix, math.inf)
         with np.errstate(invalid="ignore", divide="ignore"):
-            stats[:, 2] = np.where(counts > 0, sums / np.maximum(counts, 1), math.nan)
-        stats[:, 0] = np.fmax.reduce(matrix, axis=0)
-        stats[:, 1] = np.fmin.reduce(matrix, axis=0)
-        stats[:, 3] = np.where(counts > 0, np.where(present, matrix, -math.inf).argmax(axis=0), -1)
-        stats[:, 4] = np.where(counts > 0, np.where(present, matrix, math.inf).argmin(axis=0), -1)
+            stats[:, 2] = np.where(present, matrix, 0.0).sum(axis=0) / np.maximum(counts, 1)
+        stats[:, 0] = high.max(axis=0)
+        stats[:, 1] = low.min(axis=0)
+        stats[:, 3] = high.argmax(axis=0)
+        stats[:, 4] = low.argmin(axis=0)
+        stats[none, :3] = math.nan
+        stats[none, 3:] = -1
     return dict(zip(_aggregate_names(keys), stats.ravel().tolist(), strict=True))
 
 
+# A rank without a key sends this NaN: its payload tells "absent" from a NaN the caller sent. Gathers
+# copy bytes (gloo, NCCL, pickled floats), so the payload survives.
+ABSENT_BITS = np.uint64(0x7FF8_0000_DEAD_0001)
+ABSENT = float(np.array([ABSENT_BITS]).view(np.float64)[0])
+
+
+def absent_mask(matrix: np.ndarray) -> np.ndarray:
+    return np.asarray(matrix.view(np.uint64) == ABSENT_BITS)
+
+
 def union_matrix(schemas: Sequence[Sequence[str]], rows: Sequence[np.ndarray]) -> tuple[list[str], np.ndarray]:
-    """Align per-rank ``(keys, values)`` on the sorted union of keys, NaN where a rank lacks one."""
+    """Align per-rank ``(keys, values)`` on the sorted union of keys, :data:`ABSENT` where a rank lacks one."""
     keys = sorted(set().union(*schemas))
     col = {k: j for j, k in enumerate(keys)}
-    matrix = np.full((len(rows), len(keys)), math.nan)
+    matrix = np.full((len(rows), len(keys)), ABSENT)
     for r, (schema, row) in enumerate(zip(schemas, rows, strict=True)):
         for k, v in zip(schema, row, strict=True):
             matrix[r, col[k]] = v
@@ -259,23 +276,67 @@ class Exchange:
 
     :meth:`gather_aggregate` is a collective over ``group``: every rank calls it, on the same steps.
     With no process group (or a world of one) nothing is communicated.
+
+    Ranks that disagree on keys take one pickled gather together; from then on every rank packs the
+    agreed union of keys (:data:`ABSENT` where it lacks one), so keys that come and go per rank stay on
+    the one-tensor path and only a key never seen before costs a pickled gather. The union is capped at
+    :data:`MAX_LAYOUT` keys (beyond it, it restarts from the current step's keys), and the mixed-keys
+    warning is given for at most :data:`MAX_KEY_WARNINGS` different key sets.
     """
+
+    MAX_LAYOUT = 4096
+    MAX_KEY_WARNINGS = 8
 
     def __init__(self, group: Any = None, device_type: str | None = None) -> None:
         self.packed = PackedGather(group)  # TODO: device_type once PackedGather resolves the device itself
+        self._layout: tuple[str, ...] = ()
+        self._layout_set: frozenset[str] = frozenset()
+        self._warned: set[tuple[str, ...]] = set()
         self._warn_once = WarnOnce()
 
     def gather_aggregate(self, values: Mapping[str, float]) -> Gathered:
-        keys = tuple(sorted(values))
-        schemas, rows = self.packed.gather(keys, [values[k] for k in keys])
-        if all(s == keys for s in schemas):
+        if self._layout_set and self._layout_set.issuperset(values):
+            schema = self._layout
+            row = [values.get(k, ABSENT) for k in schema]
+        else:
+            schema = tuple(sorted(values))
+            row = [values[k] for k in schema]
+        schemas, rows = self.packed.gather(schema, row)
+        if all(s == schema for s in schemas):
+            keys: Sequence[str] = schema
             matrix = np.vstack(rows) if rows else np.zeros((0, 0))
+        else:
+            keys, matrix = union_matrix(schemas, rows)
+            if len(keys) > self.MAX_LAYOUT:  # keys that never repeat: do not carry them forever
+                self._layout, self._layout_set = (), frozenset()
+            else:
+                self._layout, self._layout_set = tuple(keys), frozenset(keys)
+                # Every rank packs the whole union from now on: make room for it in the same step.
+                self.packed.capacity = max(self.packed.capacity, len(keys))
+        absent = absent_mask(matrix) if self._layout else None
+        if absent is None or not absent.any():
             return Gathered(keys, matrix, aggregate(keys, matrix), mixed=False)
-        union, matrix = union_matrix(schemas, rows)
-        differing = sorted(set(union) - set.intersection(*(set(s) for s in schemas)))
+        kept = np.asarray(~absent.all(axis=0))  # keys of the agreed layout that no rank has this time
+        if not kept.all():
+            keys = [k for k, keep in zip(keys, list(kept), strict=True) if keep]
+            matrix, absent = matrix[:, kept], absent[:, kept]
+        self._warn_mixed(keys, absent)
+        gathered = Gathered(keys, matrix, aggregate(keys, matrix, absent=absent), mixed=True)
+        gathered.matrix[absent] = math.nan  # downstream (run log, leak watch) reads NaN as absent
+        return gathered
+
+    def _warn_mixed(self, keys: Sequence[str], absent: np.ndarray) -> None:
+        some_absent = np.asarray(absent.any(axis=0))
+        differing = tuple(k for k, some in zip(keys, list(some_absent), strict=True) if some)
+        if differing in self._warned or len(self._warned) > self.MAX_KEY_WARNINGS:
+            return
+        self._warned.add(differing)
+        if len(self._warned) > self.MAX_KEY_WARNINGS:
+            self._warn_once("keys-many", f"ranks keep reporting different key sets; "
+                            f"no more than {self.MAX_KEY_WARNINGS} are reported")
+            return
         self._warn_once("keys:" + ",".join(differing),
-                        f"ranks reported different keys {differing}; each is aggregated over the ranks that have it")
-        return Gathered(union, matrix, aggregate(union, matrix, nan_is_absent=True), mixed=True)
+                        f"ranks reported different keys {list(differing)}; each is aggregated over the ranks that have it")
 
 
 def gather_rank_infos(me: RankInfo, group: Any = None) -> list[RankInfo]:

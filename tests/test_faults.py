@@ -28,6 +28,22 @@ def test_misuse_across_real_ranks_never_hangs(tmp_path: Path) -> None:
     assert r0["after"] == r1["after"] == 1.0
 
 
+def test_keys_that_change_every_step_cost_no_pickled_gather_per_step(tmp_path: Path) -> None:
+    proc = torchrun(REPO / "tests/dist_scripts/faults_worker.py", 2, [str(tmp_path)], timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert r0["alternating"] == r1["alternating"]
+    # Two new key sets (A, then B) are learned by pickled gathers; the other ten steps take the tensor path.
+    assert r0["alternating_fallbacks"] == r1["alternating_fallbacks"] == 2
+    assert r0["alternating_warnings"] <= 2 and r1["alternating_warnings"] <= 2
+    for step, out in enumerate(r0["alternating"][:11]):
+        key = "A" if step % 2 == 0 else "B"
+        assert out[f"{key}/max"] == float(step) and out[f"{key}/max_rank"] == 1.0
+        assert out[("B" if key == "A" else "A") + "/max"] is None  # a key no rank has this step is not reported
+        assert out["loss/max_rank"] == 0.0
+    assert r0["alternating"][11]["loss/max_rank"] == 0.0  # rank 0's NaN is its value, not "absent"
+
+
 def test_a_bad_step_number_is_refused_at_entry_not_at_exit() -> None:
     monitor = rankmem.Monitor(sinks=(), device="cpu", children=False)
     entered = False

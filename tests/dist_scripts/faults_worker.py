@@ -53,6 +53,19 @@ def main(out: str) -> None:
         result["subgroup"] = "collected"
     except rankmem.RankmemError as exc:
         result["subgroup"] = str(exc)
+    # 8. rank 1's keys change every step (A on even steps, B on odd): after the union is learned, no
+    # pickled gather per step and a bounded number of warnings; rank 0's NaN still propagates.
+    before = monitor.fallbacks
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        alternating = []
+        for step in range(12):
+            extra = {("A" if step % 2 == 0 else "B"): float(step)} if rank == 1 else {}
+            got = monitor.collect({"loss": float("nan") if (rank == 0 and step == 11) else 1.0, **extra})
+            alternating.append({k: got.get(k) for k in ("A/max", "A/max_rank", "B/max", "B/max_rank", "loss/max_rank")})
+    result["alternating"] = alternating
+    result["alternating_fallbacks"] = monitor.fallbacks - before
+    result["alternating_warnings"] = len(caught)
     # The parent's group still works after all of the above.
     result["after"] = monitor.collect({"z": float(rank)})["z/max"]
     with open(f"{out}/rank{rank}.json", "w") as f:
