@@ -1,4 +1,5 @@
-"""Build multi-rank run logs with known values, through the real writer (no torchrun needed)."""
+"""Build multi-rank run logs with known values, through the real writer (no torchrun needed), and the
+noisy memory series the leak tests feed them."""
 
 from __future__ import annotations
 
@@ -40,3 +41,18 @@ def write_run(
         writer.write(StepRecord(step=int(steps[i]), time=1.7e9 + i, metrics=aggregate(keys, matrix), ranks=ranks))
     writer.close()
     return path
+
+
+MIB_IN_GIB = 1 / 1024
+
+
+def noisy(n: int, world: int, seed: int) -> np.ndarray:
+    """A 20 GiB baseline with 15 MiB white noise, a slow 10 MiB AR(1) wander and a few 300 MiB spikes."""
+    rng = np.random.default_rng(seed)
+    out = 20.0 + rng.normal(0, 15, (n, world)) * MIB_IN_GIB
+    wander = np.zeros((n, world))
+    for i in range(1, n):
+        wander[i] = 0.95 * wander[i - 1] + rng.normal(0, 3, world)
+    out += wander * MIB_IN_GIB
+    spikes = rng.random((n, world)) < 0.01
+    return out + spikes * 300 * MIB_IN_GIB
