@@ -1,15 +1,18 @@
-"""Leak detection over a run log: per rank and key, judged together or alone alike."""
+"""Leak detection over a run log: per rank and key, judged together or alone alike; ``rankmem leaks``."""
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from rankmem.cli import main
 from rankmem.leaks import detect_leaks, trend
 from rankmem.runlog import read_run
-from tests.runlog_helpers import MIB_IN_GIB, noisy, write_run
+from tests.runlog_helpers import KNOWN_LEAK_LINE, MIB_IN_GIB, known_run, noisy, write_run
 
 RSS = "mem/host/rss_gib"
 
@@ -62,3 +65,26 @@ def test_ranks_judged_together_equal_ranks_judged_alone(tmp_path: Path) -> None:
     assert detect_leaks(run, keys=[RSS]) == [t for t in alone if t is not None]
     assert [t.rank for t in alone if t is not None] == [0, 1, 2, 3, 4]
     assert [t.rank for t in alone if t is not None and t.leak] == [1]
+
+
+def test_leaks_flags_the_leaking_rank_only(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    known_run(tmp_path, leak_rank=3)
+    assert main(["leaks", str(tmp_path)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2
+    assert re.fullmatch(KNOWN_LEAK_LINE.format(rank=3), lines[0]), lines[0]
+    assert lines[1] == "leak found on rank 3"
+    assert main(["leaks", str(tmp_path), "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert [(t["key"], t["rank"]) for t in out["leaks"]] == [("mem/host/rss_gib", 3)]
+    assert out["leaks"][0]["slope_mib"] == pytest.approx(8.0, abs=0.5)
+    assert main(["leaks", str(tmp_path), "--last", "2"]) == 2
+    assert capsys.readouterr().err == "rankmem leaks: error: leak window 'last' must be at least 3 steps, got 2\n"
+
+
+def test_leaks_clean_run_exits_0(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    known_run(tmp_path)
+    assert main(["leaks", str(tmp_path), "-v"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines[:4]] == [f"ok   rank {r} mem/host/rss_gib" for r in range(4)]
+    assert lines[-1] == "no leak found (4 rank series checked)"
