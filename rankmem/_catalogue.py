@@ -24,7 +24,8 @@ Worse = Literal["high", "low"]
 AGGREGATES = ("max", "min", "mean", "max_rank", "min_rank")
 """What every per-rank key ``K`` becomes after aggregation: ``K/max``, ... ``K/min_rank``."""
 
-PHASE_PREFIX = "mem/phase/"
+MEMORY_PREFIX = "mem/"
+PHASE_PREFIX = MEMORY_PREFIX + "phase/"
 PHASE_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 OUTSIDE_PHASES = "(outside phases)"
 
@@ -111,6 +112,15 @@ def spec(key: str) -> KeySpec | None:
     return found
 
 
+def key_of(field: str) -> str:
+    """The per-rank key made from :class:`~rankmem._records.WindowBytes` field ``field``: code that means
+    one quantity (the report's headroom line, ``rankmem train``'s progress line) names it by its field."""
+    for entry in CATALOGUE:
+        if entry.field == field:
+            return entry.key
+    raise KeyError(f"no catalogue key is made from WindowBytes.{field}")
+
+
 def worse(key: str) -> Worse:
     """``low`` where a low value is the danger (headroom, available memory); ``high`` otherwise."""
     found = SPECS.get(key)
@@ -124,7 +134,7 @@ def worst_stat(key: str) -> str:
 
 def is_memory_key(key: str) -> bool:
     """A step-level memory key (phase keys and the caller's scalars aside)."""
-    return key.startswith("mem/") and not key.startswith(PHASE_PREFIX)
+    return key.startswith(MEMORY_PREFIX) and not key.startswith(PHASE_PREFIX)
 
 
 def phase_key(phase: str, suffix: str) -> str:

@@ -14,17 +14,16 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from rankmem._catalogue import PHASE_PREFIX, PHASE_SUFFIX, PLOT_KEYS, phase_key, worse
 from rankmem.errors import MissingExtraError, RankmemError
-from rankmem.report import LOW_IS_BAD, PHASE_SUFFIX
 from rankmem.runlog import Run
 
-DEFAULT_KEYS = ("mem/host/rss_gib", "mem/host/peak_rss_gib", "mem/device/peak_reserved_gib")
 _MARKERS = "o^sDv<>Px*"
 _DPI = 100
 
 
 def default_keys(run: Run) -> list[str]:
-    return [k for k in DEFAULT_KEYS if k in run.series]
+    return [k for k in PLOT_KEYS if k in run.series]
 
 
 def _label(key: str) -> str:
@@ -32,7 +31,7 @@ def _label(key: str) -> str:
 
 
 def plot_run(run: Run, output: str, keys: Sequence[str] | None = None, size: tuple[int, int] | None = None) -> list[str]:
-    """Write a PNG of ``keys`` (default :data:`DEFAULT_KEYS` present in the run); returns the keys drawn."""
+    """Write a PNG of ``keys`` (default: the catalogue's ``PLOT_KEYS`` present in the run); returns the keys drawn."""
     if importlib.util.find_spec("matplotlib") is None:
         raise MissingExtraError("rankmem plot", "plot", "matplotlib")
     if run.steps.size == 0:  # first: a log without steps has no keys either, and no key is the wrong hint
@@ -43,7 +42,7 @@ def plot_run(run: Run, output: str, keys: Sequence[str] | None = None, size: tup
     chosen = list(keys) if keys else default_keys(run)
     missing = [k for k in chosen if k not in run.series]
     if missing or not chosen:
-        available = ", ".join(k for k in sorted(run.series) if not k.startswith("mem/phase/"))
+        available = ", ".join(k for k in sorted(run.series) if not k.startswith(PHASE_PREFIX))
         raise RankmemError(f"no such key(s) in the run log: {', '.join(missing) or '(none chosen)'}; choose from: {available}")
     width, height = size or (1200, 360 * len(chosen))
 
@@ -59,7 +58,7 @@ def plot_run(run: Run, output: str, keys: Sequence[str] | None = None, size: tup
     try:
         for ax, key in zip(axes[:, 0], chosen, strict=True):
             matrix = run.series[key]
-            low = key in LOW_IS_BAD
+            low = worse(key) == "low"
             with np.errstate(invalid="ignore"), _quiet():
                 worst_per_rank = np.nanmin(matrix, axis=0) if low else np.nanmax(matrix, axis=0)
             finite = np.isfinite(worst_per_rank)
@@ -71,7 +70,7 @@ def plot_run(run: Run, output: str, keys: Sequence[str] | None = None, size: tup
                 ax.plot(steps, matrix[:, rank], color=color, label=label, linewidth=2.2 if rank == worst else 1.0)
             suffix = PHASE_SUFFIX.get(key)
             for i, p in enumerate(phases):
-                col = run.series.get(f"mem/phase/{p}/{suffix}") if suffix else None
+                col = run.series.get(phase_key(p, suffix)) if suffix else None
                 if col is None:
                     continue
                 # One marker per step at the ranks' max: shows which phase peaks where without clutter.

@@ -10,25 +10,14 @@ growth and the leak verdicts of :mod:`rankmem.leaks`. Everything is computed on 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
+from rankmem._catalogue import PHASE_PREFIX, PHASE_SUFFIX, is_memory_key, key_of, phase_of_peak, worst_stat
 from rankmem.leaks import LeakConfig, Trend, detect_leaks
 from rankmem.runlog import Run, json_safe
-
-# Keys whose danger is a low value: their worst is the minimum.
-LOW_IS_BAD = ("mem/device/headroom_gib", "mem/node/available_gib")
-
-# A step-level peak key -> the phase key that holds the same peak inside phase P (mem/phase/P/<suffix>).
-PHASE_SUFFIX = {
-    "mem/host/peak_rss_gib": "peak_rss_gib",
-    "mem/device/peak_allocated_gib": "peak_allocated_gib",
-    "mem/device/peak_reserved_gib": "peak_reserved_gib",
-}
-OUTSIDE_PHASES = "(outside phases)"
 
 
 @dataclass
@@ -93,37 +82,14 @@ class Report:
 
 def memory_keys(run: Run) -> list[str]:
     """The run's per-rank memory keys, phase keys aside, sorted."""
-    return sorted(k for k in run.series if k.startswith("mem/") and not k.startswith("mem/phase/"))
-
-
-def phase_of_peak(key: str, value: float, rank_values: Mapping[str, float | None]) -> str | None:
-    """The phase that set one rank's step peak ``value`` of ``key``: the ``P`` whose
-    ``mem/phase/P/<PHASE_SUFFIX[key]>`` equals it; ``OUTSIDE_PHASES`` when phases were measured but
-    none holds it; None when ``key`` has no phase counterpart or ``rank_values`` (that rank's values on
-    that step by key, None or NaN where absent; other keys ignored) has no phase keys. The one rule
-    for ``rankmem report`` and ``rankmem train``'s summary, so both name the same phase."""
-    suffix = PHASE_SUFFIX.get(key)
-    if suffix is None:
-        return None
-    measured = False
-    best: tuple[float, str] | None = None
-    for k, v in rank_values.items():
-        if not k.startswith("mem/phase/"):
-            continue
-        measured = True
-        # The step peak is the max of its phases' peaks and the gaps: bit-equal when a phase set it.
-        if (k.endswith("/" + suffix) and v is not None and math.isfinite(v)
-                and math.isclose(v, value, rel_tol=1e-9, abs_tol=1e-12) and (best is None or v > best[0])):
-            best = (v, k[len("mem/phase/") : -len(suffix) - 1])
-    if not measured:
-        return None
-    return best[1] if best else OUTSIDE_PHASES
+    return sorted(k for k in run.series if is_memory_key(k))
 
 
 def _phase_of(run: Run, key: str, row: int, rank: int, value: float) -> str | None:
     if key not in PHASE_SUFFIX:
         return None
-    return phase_of_peak(key, value, {k: float(m[row, rank]) for k, m in run.series.items() if k.startswith("mem/phase/")})
+    rank_values = {k: float(m[row, rank]) for k, m in run.series.items() if k.startswith(PHASE_PREFIX)}
+    return phase_of_peak(key, value, rank_values)
 
 
 def key_report(run: Run, key: str) -> KeyReport | None:
@@ -131,7 +97,8 @@ def key_report(run: Run, key: str) -> KeyReport | None:
     matrix = run.series[key]
     if matrix.size == 0 or not np.isfinite(matrix).any():
         return None
-    low = key in LOW_IS_BAD
+    worst = worst_stat(key)
+    low = worst == "min"
     filled = np.where(np.isfinite(matrix), matrix, np.inf if low else -np.inf)
     # argmin/argmax over the flattened (step, rank) array: ties go to the earliest step, then lowest rank.
     flat = int(filled.argmin() if low else filled.argmax())
@@ -146,7 +113,7 @@ def key_report(run: Run, key: str) -> KeyReport | None:
         imbalance = float(per_rank.max()) / mean if per_rank.size and mean > 0 else None
     return KeyReport(
         key=key,
-        worst="min" if low else "max",
+        worst=worst,
         value=value,
         step=int(run.steps[row]),
         rank=rank,
@@ -192,9 +159,9 @@ def build_report(run: Run, leak_config: LeakConfig | None = None) -> Report:
         kr = key_report(run, key)
         if kr is not None:
             report.keys.append(kr)
-            if key == "mem/device/headroom_gib":
+            if key == key_of("headroom"):
                 report.headroom = kr
-    report.host_growth = growth(run, "mem/host/rss_gib")
+    report.host_growth = growth(run, key_of("rss"))
     report.trends = detect_leaks(run, config=leak_config)
     return report
 

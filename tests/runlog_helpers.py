@@ -1,4 +1,5 @@
-"""Build multi-rank run logs with known values, through the real writer (no torchrun needed)."""
+"""Build multi-rank run logs with known values, through the real writer (no torchrun needed), and the
+noisy memory series the leak tests feed them."""
 
 from __future__ import annotations
 
@@ -40,3 +41,48 @@ def write_run(
         writer.write(StepRecord(step=int(steps[i]), time=1.7e9 + i, metrics=aggregate(keys, matrix), ranks=ranks))
     writer.close()
     return path
+
+
+MIB_IN_GIB = 1 / 1024
+
+
+def noisy(n: int, world: int, seed: int) -> np.ndarray:
+    """A 20 GiB baseline with 15 MiB white noise, a slow 10 MiB AR(1) wander and a few 300 MiB spikes."""
+    rng = np.random.default_rng(seed)
+    out = 20.0 + rng.normal(0, 15, (n, world)) * MIB_IN_GIB
+    wander = np.zeros((n, world))
+    for i in range(1, n):
+        wander[i] = 0.95 * wander[i - 1] + rng.normal(0, 3, world)
+    out += wander * MIB_IN_GIB
+    spikes = rng.random((n, world)) < 0.01
+    return out + spikes * 300 * MIB_IN_GIB
+
+
+KNOWN_STEPS, KNOWN_WORLD = 40, 4
+# known_run's leak: 8 MiB/step under 4 MiB noise, judged on the last 20 steps: the slope lands within ~0.5 of 8.
+KNOWN_LEAK_LINE = (
+    r"LEAK rank {rank} mem/host/rss_gib: \+(7\.[5-9]|8\.[0-4])\d\d MiB/step \(95% CI \+\d\.\d+\.\.\+\d\.\d+, "
+    r"p=\d\.\de-\d+\), \+1[45]\d\.\d MiB over steps 20\.\.39"
+)
+
+
+def known_run(out: Path, leak_rank: int | None = None) -> Path:
+    """4 ranks, 40 steps. Rank 2 holds the most (its update phase peaks at 4.5 GiB on step 7); rank 1 has
+    the least device headroom (0.25 GiB on step 3)."""
+    rng = np.random.default_rng(7)
+    rss = np.array([1.0, 1.0, 3.0, 1.0]) + rng.normal(0, 4, (KNOWN_STEPS, KNOWN_WORLD)) * MIB_IN_GIB
+    if leak_rank is not None:
+        rss[:, leak_rank] += np.arange(KNOWN_STEPS) * 8 * MIB_IN_GIB  # 8 MiB/step
+    rollout = rss + 0.5
+    update = rss + 0.25
+    update[7, 2] = 4.5
+    peak = np.maximum(rollout, update)
+    headroom = np.full((KNOWN_STEPS, KNOWN_WORLD), 10.0)
+    headroom[3, 1] = 0.25
+    return write_run(out, {
+        "mem/host/rss_gib": rss,
+        "mem/host/peak_rss_gib": peak,
+        "mem/phase/rollout/peak_rss_gib": rollout,
+        "mem/phase/update/peak_rss_gib": update,
+        "mem/device/headroom_gib": headroom,
+    })

@@ -13,7 +13,6 @@ from rankmem.engine.model import GPT, GPTConfig
 from rankmem.engine.options import add_job_arguments, resolve_job_options
 from rankmem.engine.worker import WorkerConfig, _lr_lambda, make_pg_loss, sft_loss
 from rankmem.errors import RankmemError
-from rankmem.report import OUTSIDE_PHASES, phase_of_peak
 
 
 def test_sft_data_follows_its_rule_and_differs_per_rank() -> None:
@@ -122,17 +121,3 @@ def test_job_option_errors(argv: list[str], message: str) -> None:
         _job(*argv)
     assert str(info.value) == message
 
-
-def test_phase_of_peak_names_the_phase_that_equals_the_step_peak() -> None:
-    rank_values: dict[str, float | None] = {
-        "mem/host/peak_rss_gib": 2.0,
-        "mem/phase/rollout/peak_rss_gib": 1.5,
-        "mem/phase/update/peak_rss_gib": 2.0,
-        "mem/phase/log_prob/peak_rss_gib": None,  # a phase this rank skipped
-        "mem/phase/update/peak_allocated_gib": 2.5,  # another key's phase peak
-    }
-    assert phase_of_peak("mem/host/peak_rss_gib", 2.0, rank_values) == "update"
-    assert phase_of_peak("mem/host/peak_rss_gib", 2.0 + 2**-20, rank_values) == OUTSIDE_PHASES  # 1 KiB above
-    assert phase_of_peak("mem/device/peak_allocated_gib", 2.5, rank_values) == "update"
-    assert phase_of_peak("mem/host/peak_rss_gib", 2.0, {"mem/host/peak_rss_gib": 2.0}) is None  # no phases
-    assert phase_of_peak("mem/host/rss_gib", 2.0, rank_values) is None  # no phase counterpart

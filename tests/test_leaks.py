@@ -1,68 +1,27 @@
-"""Leak detection: the statistics against scipy, verdicts on known series, the online watch."""
+"""Leak detection over a run log: per rank and key, judged together or alone alike; ``rankmem leaks``."""
 
 from __future__ import annotations
 
-import warnings
+import json
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-import rankmem
-from rankmem._records import StepRecord
-from rankmem.errors import RankmemError
-from rankmem.leaks import LeakConfig, LeakWatch, detect_leaks, mann_kendall, theil_sen, trend
+from rankmem.cli import main
+from rankmem.leaks import detect_leaks, trend
 from rankmem.runlog import read_run
-from tests.runlog_helpers import write_run
+from tests.runlog_helpers import KNOWN_LEAK_LINE, MIB_IN_GIB, known_run, noisy, write_run
 
 RSS = "mem/host/rss_gib"
-MIB_IN_GIB = 1 / 1024
-
-
-def _noisy(n: int, world: int, seed: int) -> np.ndarray:
-    """A 20 GiB baseline with 15 MiB white noise, a slow 10 MiB AR(1) wander and a few 300 MiB spikes."""
-    rng = np.random.default_rng(seed)
-    out = 20.0 + rng.normal(0, 15, (n, world)) * MIB_IN_GIB
-    wander = np.zeros((n, world))
-    for i in range(1, n):
-        wander[i] = 0.95 * wander[i - 1] + rng.normal(0, 3, world)
-    out += wander * MIB_IN_GIB
-    spikes = rng.random((n, world)) < 0.01
-    return out + spikes * 300 * MIB_IN_GIB
-
-
-def test_theil_sen_and_mann_kendall_match_scipy() -> None:
-    stats = pytest.importorskip("scipy.stats")
-    rng = np.random.default_rng(1)
-    x = np.arange(120.0)
-    y = 0.3 * x + rng.normal(0, 5, x.size)
-    slope, low, high = theil_sen(x, y)
-    ref = stats.theilslopes(y, x, alpha=0.95)
-    assert slope == pytest.approx(ref.slope, rel=1e-12)
-    assert (low, high) == pytest.approx((ref.low_slope, ref.high_slope), rel=1e-9)
-    s, var, p = mann_kendall(y)
-    tau = stats.kendalltau(x, y)
-    assert s == pytest.approx(tau.statistic * x.size * (x.size - 1) / 2)
-    assert var == pytest.approx(x.size * (x.size - 1) * (2 * x.size + 5) / 18)
-    flat = rng.normal(0, 1, 200)
-    _, _, p_flat = mann_kendall(flat)
-    ref_p = stats.kendalltau(np.arange(200), flat, alternative="greater").pvalue
-    assert p_flat == pytest.approx(ref_p, abs=0.01)  # scipy uses no continuity correction
-
-
-def test_ties_and_constant_series() -> None:
-    s, var, p = mann_kendall(np.zeros(50))
-    assert (s, var, p) == (0.0, 0.0, 1.0)
-    assert trend(np.arange(50), np.zeros(50), RSS, 0) is not None
-    t = trend(np.arange(50), np.zeros(50), RSS, 0)
-    assert t is not None and not t.leak and t.slope_mib == 0.0
 
 
 def test_leak_on_one_rank_is_flagged_on_that_rank_only(tmp_path: Path) -> None:
     n = 600
-    rss = _noisy(n, 4, seed=2)
+    rss = noisy(n, 4, seed=2)
     rss[:, 2] += np.arange(n) * 2.0 * MIB_IN_GIB  # 2 MiB/step on rank 2
-    allocated = _noisy(n, 4, seed=3) - 15.0
+    allocated = noisy(n, 4, seed=3) - 15.0
     write_run(tmp_path, {RSS: rss, "mem/device/allocated_gib": allocated})
     trends = detect_leaks(read_run(str(tmp_path)))
     assert len(trends) == 8  # 2 series x 4 ranks (no children key in this log)
@@ -76,30 +35,9 @@ def test_leak_on_one_rank_is_flagged_on_that_rank_only(tmp_path: Path) -> None:
     assert leak.confidence > 0.999
 
 
-def test_flat_and_warmup_then_flat_are_not_flagged() -> None:
-    n = 800
-    for seed in range(5):
-        flat = _noisy(n, 8, seed=10 + seed)
-        warm = flat.copy()
-        ramp = np.minimum(np.arange(n), 300) * 4.0 * MIB_IN_GIB  # +1.2 GiB over 300 steps, then level
-        warm += ramp[:, None]
-        for series in (flat, warm):
-            for rank in range(8):
-                t = trend(np.arange(n), series[:, rank], RSS, rank)
-                assert t is not None and not t.leak, t.describe()
-
-
-def test_sawtooth_cache_is_not_a_leak() -> None:
-    n = 400
-    saw = _noisy(n, 1, seed=5)[:, 0] + (np.arange(n) % 100) * 2.0 * MIB_IN_GIB  # fills 200 MiB, then freed
-    t = trend(np.arange(n), saw, RSS, 0)
-    assert t is not None and t.growth_mib > 64 and t.p_value < 0.01  # growth alone would flag it
-    assert t.drawdown_mib > 150 and not t.leak
-
-
 def test_one_level_shift_is_not_a_leak_while_a_leak_on_another_rank_is(tmp_path: Path) -> None:
     n = 800
-    rss = _noisy(n, 4, seed=21)
+    rss = noisy(n, 4, seed=21)
     rss[550:, 1] += 150 * MIB_IN_GIB  # rank 1: a cache allocated once in the window, then flat
     rss[:, 2] += np.arange(n) * 0.5 * MIB_IN_GIB  # rank 2: a real leak, 0.5 MiB/step
     rss[600:, 3] += 150 * MIB_IN_GIB + np.arange(n - 600) * 1.0 * MIB_IN_GIB  # rank 3: a jump, then a leak
@@ -115,80 +53,9 @@ def test_one_level_shift_is_not_a_leak_while_a_leak_on_another_rank_is(tmp_path:
     assert alone == trends
 
 
-def test_leak_watch_does_not_warn_for_a_level_shift() -> None:
-    n = 600
-    values = _noisy(n, 2, seed=22)
-    values[420:, 0] += 120 * MIB_IN_GIB
-    values[:, 1] += np.arange(n) * 1.0 * MIB_IN_GIB
-    watch = LeakWatch(check_every=1, warmup=300, capacity=n)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for step in range(n):
-            watch.feed_matrix(step, [RSS], values[step][:, None])
-        watch.check()
-    assert list(watch.flagged) == [(RSS, 1)]
-
-
-def test_small_drift_below_min_growth_is_not_a_leak() -> None:
-    n = 400
-    values = 10.0 + np.arange(n) * 0.1 * MIB_IN_GIB  # perfectly clean, but only 20 MiB over the window
-    t = trend(np.arange(n), values, RSS, 0)
-    assert t is not None and t.p_value < 1e-6 and not t.leak
-    t = trend(np.arange(n), values, RSS, 0, LeakConfig(min_growth_mib=10))
-    assert t is not None and t.leak
-
-
-def test_too_short_gives_no_verdict() -> None:
-    assert trend(np.arange(19), np.arange(19.0), RSS, 0) is None  # fewer than min_steps=20
-    t = trend(np.arange(30), np.arange(30.0), RSS, 0)
-    assert t is not None and t.n == 20  # half of 30 is too few: the window grows to min_steps
-    t = trend(np.arange(100), np.arange(100.0), RSS, 0, LeakConfig(last=25))
-    assert t is not None and (t.first_step, t.n) == (75, 25)
-
-
-def test_config_validation() -> None:
-    with pytest.raises(RankmemError, match="leak window must be a fraction in"):
-        LeakConfig(window=0)
-    with pytest.raises(RankmemError, match="alpha must be in"):
-        LeakConfig(alpha=1.5)
-
-
-def _record(step: int, rss: list[float | None]) -> StepRecord:
-    return StepRecord(step=step, time=0.0, metrics={}, ranks={RSS: rss})
-
-
-def test_leak_watch_warns_once_naming_rank_and_rate() -> None:
-    watch = LeakWatch(check_every=50, warmup=100)
-    rng = np.random.default_rng(4)
-    flagged = []
-    with pytest.warns(RuntimeWarning, match=r"possible memory leak on rank 1 mem/host/rss_gib: \+(3\.9|4\.0)\d\d MiB/step") as rec:
-        for step in range(300):
-            noise = rng.normal(0, 5, 2) * MIB_IN_GIB
-            flagged += watch.feed(_record(step, [10.0 + noise[0], 10.0 + step * 4 * MIB_IN_GIB + noise[1]]))
-    assert len([w for w in rec if "possible memory leak" in str(w.message)]) == 1
-    assert [(t.key, t.rank) for t in flagged] == [(RSS, 1)]
-
-
-def test_monitor_feeds_its_leak_watch(tmp_path: Path) -> None:
-    held = []
-    monitor = rankmem.Monitor(out_dir=str(tmp_path), sinks=("jsonl",), device="cpu", children=False)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for step in range(300):  # past the watch's 200-step warm-up
-            with monitor.step(step):
-                held.append(b"\x01" * (1 << 20))  # 1 MiB of touched pages kept alive: a real leak
-            monitor.collect()
-    monitor.close()
-    messages = [str(w.message) for w in caught if "possible memory leak" in str(w.message)]
-    assert len(messages) == 1 and "rank 0 mem/host/rss_gib" in messages[0]
-
-
-ALLOC = "mem/device/allocated_gib"
-
-
 def test_ranks_judged_together_equal_ranks_judged_alone(tmp_path: Path) -> None:
     n, world = 700, 6
-    rss = _noisy(n, world, seed=8)
+    rss = noisy(n, world, seed=8)
     rss[:, 1] += np.arange(n) * 1.5 * MIB_IN_GIB
     rss[::7, 4] = np.nan  # a rank with gaps has its own window: judged alone
     rss[:, 5] = np.nan  # a rank that never reported this key: no trend
@@ -200,65 +67,24 @@ def test_ranks_judged_together_equal_ranks_judged_alone(tmp_path: Path) -> None:
     assert [t.rank for t in alone if t is not None and t.leak] == [1]
 
 
-def test_leak_watch_spreads_each_round_of_tests_over_check_every_feeds(monkeypatch: pytest.MonkeyPatch) -> None:
-    import rankmem.leaks as leaks
-
-    tested: list[list[tuple[str, int]]] = []
-    real = leaks._trends
-
-    def counting(steps: np.ndarray, columns: np.ndarray, key: str, ranks: list[int], config: LeakConfig) -> list[leaks.Trend]:
-        tested[-1].extend((key, r) for r in ranks)
-        return real(steps, columns, key, ranks, config)
-
-    monkeypatch.setattr(leaks, "_trends", counting)
-    world, keys = 64, sorted([RSS, ALLOC, "mem/host/children_rss_gib", "loss"])
-    watch = LeakWatch(check_every=50, warmup=200)
-    rng = np.random.default_rng(6)
-    for step in range(300):
-        tested.append([])
-        watch.feed_matrix(step, keys, 10.0 + rng.normal(0, 0.01, (world, len(keys))))
-    assert tested[:199] == [[]] * 199  # the warm-up is never judged
-    first_round = [s for feed in tested[199:249] for s in feed]
-    # 3 keys x 64 ranks, each once per 50 feeds, at most ceil(192 / 50) = 4 on any one feed.
-    assert sorted(first_round) == sorted((k, r) for k in leaks.LEAK_KEYS for r in range(world))
-    assert [len(feed) for feed in tested[199:206]] == [4, 4, 4, 4, 4, 4, 3]
-    assert max(len(feed) for feed in tested[199:]) == 4
-    assert sum(len(feed) for feed in tested[249:299]) == 192
-    assert watch.flagged == {}
+def test_leaks_flags_the_leaking_rank_only(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    known_run(tmp_path, leak_rank=3)
+    assert main(["leaks", str(tmp_path)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2
+    assert re.fullmatch(KNOWN_LEAK_LINE.format(rank=3), lines[0]), lines[0]
+    assert lines[1] == "leak found on rank 3"
+    assert main(["leaks", str(tmp_path), "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert [(t["key"], t["rank"]) for t in out["leaks"]] == [("mem/host/rss_gib", 3)]
+    assert out["leaks"][0]["slope_mib"] == pytest.approx(8.0, abs=0.5)
+    assert main(["leaks", str(tmp_path), "--last", "2"]) == 2
+    assert capsys.readouterr().err == "rankmem leaks: error: leak window 'last' must be at least 3 steps, got 2\n"
 
 
-def test_feed_matrix_reads_the_gathered_columns_as_feed_reads_a_record() -> None:
-    by_record, by_matrix = LeakWatch(check_every=10, warmup=60), LeakWatch(check_every=10, warmup=60)
-    rng = np.random.default_rng(9)
-    keys = ["loss", RSS, ALLOC]  # the monitor's layout: every key, sorted or not, one row per rank
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for step in range(150):
-            matrix = np.column_stack([
-                rng.normal(0, 1, 4),
-                10.0 + rng.normal(0, 4, 4) * MIB_IN_GIB,
-                5.0 + rng.normal(0, 4, 4) * MIB_IN_GIB + np.array([0, 0, 0, 3.0]) * step * MIB_IN_GIB,
-            ])
-            matrix[2, 1] = np.nan  # rank 2 lacks RSS at every step (nan = absent, as union_matrix pads)
-            ranks: dict[str, list[float | None]] = {
-                k: [None if np.isnan(v) else float(v) for v in matrix[:, i]] for i, k in enumerate(keys)
-            }
-            by_record.feed(StepRecord(step=step, time=0.0, metrics={}, ranks=ranks))
-            by_matrix.feed_matrix(step, keys, matrix)
-    assert list(by_matrix.flagged) == [(ALLOC, 3)]
-    assert by_matrix.flagged == by_record.flagged
-    assert by_matrix.flagged[(ALLOC, 3)].slope_mib == pytest.approx(3.0, abs=0.2)
-    assert by_matrix.check() == [] and by_record.check() == []  # warned once only
-    assert sum("possible memory leak on rank 3 mem/device/allocated_gib" in str(w.message) for w in caught) == 2
-
-
-def test_monitor_without_sinks_builds_no_per_rank_lists() -> None:
-    monitor = rankmem.Monitor(device="cpu", children=False)  # leak_check on, no sinks
-    for step in range(3):
-        with monitor.step(step):
-            pass
-        monitor.collect({"loss": 1.5})
-    assert monitor._last_record is None  # the leak watch read the gathered matrix instead
-    record = monitor.last_record  # still built on demand
-    assert record is not None and record.step == 2 and record.ranks["loss"] == [1.5]
-    monitor.close()
+def test_leaks_clean_run_exits_0(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    known_run(tmp_path)
+    assert main(["leaks", str(tmp_path), "-v"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines[:4]] == [f"ok   rank {r} mem/host/rss_gib" for r in range(4)]
+    assert lines[-1] == "no leak found (4 rank series checked)"

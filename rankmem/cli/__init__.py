@@ -31,12 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name != module_name:
-                raise
-            continue  # a subcommand not built yet
+        module = importlib.import_module(module_name)
         module.add_arguments(p)
         p.set_defaults(_run=module.run)
     return parser
@@ -48,12 +43,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    run = getattr(args, "_run", None)
-    if run is None:
-        print(f"rankmem {args.command}: not available in this build", file=sys.stderr)
-        return 2
     try:
-        return int(run(args))
+        return int(args._run(args))
     except RankmemError as exc:
         print(f"rankmem {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -9,38 +9,13 @@ import argparse
 import json
 from dataclasses import asdict
 
+from rankmem.cli._common import add_leak_options, add_run_argument, leak_config, require_steps
 from rankmem.errors import RankmemError
-from rankmem.leaks import LEAK_KEYS, LeakConfig
-from rankmem.runlog import Run
-
-
-def add_leak_options(parser: argparse.ArgumentParser) -> None:
-    d = LeakConfig()
-    g = parser.add_argument_group("leak detection")
-    g.add_argument("--window", type=float, default=d.window, metavar="FRAC",
-                   help=f"examine the last FRAC of the logged steps, after warm-up (default {d.window})")
-    g.add_argument("--last", type=int, default=None, metavar="N", help="examine the last N logged steps instead")
-    g.add_argument("--min-growth", type=float, default=d.min_growth_mib, metavar="MIB",
-                   help=f"smallest growth over the window worth flagging, MiB (default {d.min_growth_mib:g})")
-    g.add_argument("--alpha", type=float, default=d.alpha,
-                   help=f"largest Mann-Kendall p-value that counts as growth (default {d.alpha:g})")
-
-
-def leak_config(args: argparse.Namespace) -> LeakConfig:
-    return LeakConfig(window=args.window, last=args.last, min_growth_mib=args.min_growth, alpha=args.alpha)
-
-
-def require_steps(run: Run, command: str) -> None:
-    """A run log with a header but no step lines is a user error for ``report`` and ``leaks`` alike."""
-    if run.steps.size == 0:
-        raise RankmemError(
-            f"{run.path} has no logged steps: the run stopped, or its jsonl sink failed, before its first "
-            f"collect() was written; see the job's output for why, and run rankmem {command} on a run log that has steps"
-        )
+from rankmem.leaks import LEAK_KEYS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run", metavar="RUN", help="a run directory (holding rankmem.jsonl) or the .jsonl file")
+    add_run_argument(parser)
     parser.add_argument("--keys", nargs="+", default=list(LEAK_KEYS), metavar="KEY",
                         help="per-rank series to test (default: " + " ".join(LEAK_KEYS) + ")")
     parser.add_argument("-v", "--verbose", action="store_true", help="print every rank's trend, not only leaks")

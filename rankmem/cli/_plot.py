@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from rankmem.cli._common import add_run_argument
+
 
 def _size(text: str) -> tuple[int, int]:
     try:
@@ -16,7 +18,7 @@ def _size(text: str) -> tuple[int, int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run", metavar="RUN", help="a run directory (holding rankmem.jsonl) or the .jsonl file")
+    add_run_argument(parser)
     parser.add_argument("-o", "--output", required=True, metavar="FILE.png", help="where to write the PNG")
     parser.add_argument("--keys", nargs="+", default=None, metavar="KEY",
                         help="per-rank keys to plot, one panel each (default: host rss, host peak rss, "

@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 
-from rankmem.cli._leaks import add_leak_options, leak_config, require_steps
+from rankmem.cli._common import add_leak_options, add_run_argument, leak_config, require_steps
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run", metavar="RUN", help="a run directory (holding rankmem.jsonl) or the .jsonl file")
+    add_run_argument(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     add_leak_options(parser)
 

@@ -27,12 +27,12 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 import rankmem
+from rankmem._catalogue import SUMMARY_KEYS, key_of, phase_of_peak
 from rankmem.engine.data import ArithmeticSFT, CountingTask, group_normalised_advantages
 from rankmem.engine.model import GPT, GPTConfig
 from rankmem.engine.options import add_job_arguments, resolve_job_options
 from rankmem.engine.worker import TrainingWorker, WorkerConfig, make_pg_loss, sft_loss
 from rankmem.errors import RankmemError
-from rankmem.report import phase_of_peak
 
 StepCallback = Callable[[int, Mapping[str, float]], None]
 
@@ -97,9 +97,8 @@ def maybe_fail(args: argparse.Namespace, step: int, rank: int) -> None:
 
 
 # ---- the logging rank's view: progress and summary ----------------------------------------------------
-# The memory keys whose run peak the summary names; the phase comes from the rule `rankmem report` uses.
-PEAK_KEYS = ("mem/host/peak_rss_gib", "mem/host/children_rss_gib", "mem/device/peak_allocated_gib",
-             "mem/device/peak_reserved_gib", "mem/device/used_gib")
+# The summary names the run peak of the catalogue's SUMMARY_KEYS; the phase comes from the rule
+# `rankmem report` uses (_catalogue.phase_of_peak).
 
 
 @dataclass
@@ -118,7 +117,7 @@ class PeakTracker:
         self.peaks: dict[str, Peak] = {}
 
     def update(self, step: int, metrics: Mapping[str, float]) -> None:
-        for key in PEAK_KEYS:
+        for key in SUMMARY_KEYS:
             value = metrics.get(key + "/max")
             if value is None or (key in self.peaks and self.peaks[key].value >= value):
                 continue
@@ -138,7 +137,7 @@ def headline(metrics: Mapping[str, float], task: str) -> str:
     parts = [f"loss {metrics['loss/mean']:.3f}"]
     if task == "grpo":
         parts.append(f"reward {metrics['reward/mean']:.2f}")
-    for key, label in (("mem/device/peak_reserved_gib", "dev peak"), ("mem/host/peak_rss_gib", "rss peak")):
+    for key, label in ((key_of("peak_reserved"), "dev peak"), (key_of("peak_rss"), "rss peak")):
         if key + "/max" in metrics:
             parts.append(f"{label} {metrics[key + '/max']:.2f} GiB (rank {int(metrics[key + '/max_rank'])})")
     return " | ".join(parts)

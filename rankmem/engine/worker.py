@@ -37,9 +37,8 @@ import rankmem
 from rankmem._collective import aggregate
 from rankmem.engine.data import Batch
 from rankmem.engine.model import GPT
+from rankmem.engine.options import ENGINES
 from rankmem.errors import RankmemError
-
-ENGINES = ("ddp", "fsdp")
 
 LossFn = Callable[[torch.Tensor, Batch], torch.Tensor]
 """``loss_fn(log_probs, micro_batch) -> summed loss`` over the masked tokens (a sum, not a mean: the

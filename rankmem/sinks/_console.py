@@ -2,34 +2,34 @@
 
 from __future__ import annotations
 
+import math
 import sys
+from collections.abc import Mapping
 from typing import IO
 
+from rankmem._catalogue import HEADLINE
 from rankmem._records import RunHeader, StepRecord
 
-# (label, per-rank key): the figures that say who is close to running out.
-HEADLINE = (
-    ("rss", "mem/host/rss_gib"),
-    ("peak_rss", "mem/host/peak_rss_gib"),
-    ("children", "mem/host/children_rss_gib"),
-    ("dev_peak_res", "mem/device/peak_reserved_gib"),
-    ("dev_headroom", "mem/device/headroom_gib"),
-)
 
+def headline(metrics: Mapping[str, float]) -> str:
+    """``label=VALUEGiB(rN)`` for each headline key present: the worst rank's value and that rank.
 
-def headline(metrics: dict[str, float]) -> str:
-    """``label=max GiB (rN)`` for each headline key present: the worst rank's value and its rank."""
+    The worst end is the catalogue's: the max for usage and peaks, the min (tagged ``min``) for
+    headroom. Aggregates written before ``K/min_rank`` existed give the min without a rank.
+    """
     parts = []
-    for label, key in HEADLINE:
-        # Headroom is worst at its minimum; the max rank of the others is the one nearest OOM.
-        if key.endswith("headroom_gib"):
-            value = metrics.get(key + "/min")
-            parts.append(f"{label}={value:.3f}GiB(min)" if value is not None else "")
+    for label, spec in HEADLINE:
+        stat = spec.worst_stat()
+        value = metrics.get(f"{spec.key}/{stat}")
+        if value is None or not math.isfinite(value):  # NaN: no rank had the key this window
             continue
-        value, rank = metrics.get(key + "/max"), metrics.get(key + "/max_rank")
-        if value is not None and rank is not None:
-            parts.append(f"{label}={value:.3f}GiB(r{int(rank)})")
-    return " ".join(p for p in parts if p)
+        rank = metrics.get(f"{spec.key}/{stat}_rank")
+        tags = ["min"] if stat == "min" else []
+        if rank is not None and math.isfinite(rank) and rank >= 0:
+            tags.append(f"r{int(rank)}")
+        unit = "GiB" if spec.unit == "GiB" else ""
+        parts.append(f"{label}={value:.3f}{unit}" + (f"({','.join(tags)})" if tags else ""))
+    return " ".join(parts)
 
 
 class ConsoleSink:

@@ -12,6 +12,7 @@ import math
 import os
 from typing import Any
 
+from rankmem._catalogue import MEMORY_PREFIX
 from rankmem._records import RunHeader, StepRecord
 
 _STEP_KEY = "rankmem/step"
@@ -45,7 +46,7 @@ class WandbSink:
             self._run.config.update(config, allow_val_change=True)
             # The trainer owns the run's step counter; our keys get their own x-axis.
             self._run.define_metric(_STEP_KEY)
-            self._run.define_metric("mem/*", step_metric=_STEP_KEY)
+            self._run.define_metric(MEMORY_PREFIX + "*", step_metric=_STEP_KEY)
             return
         if self.out_dir is not None:
             os.makedirs(self.out_dir, exist_ok=True)

@@ -111,7 +111,7 @@ def test_real_monitor_run_reads_back(tmp_path: Path) -> None:
 
 
 def test_chunked_arrays_match(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import rankmem.runlog as runlog
+    import rankmem.runlog._reader as runlog
 
     _two_rank(tmp_path, n=9)
     whole = read_run(str(tmp_path))
@@ -138,7 +138,7 @@ def _write_steps(tmp_path: Path, ranks_per_step: list[dict[str, object]], world:
 def test_keys_that_differ_by_step_nulls_and_odd_vectors(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk: int
 ) -> None:
-    import rankmem.runlog as runlog
+    import rankmem.runlog._reader as runlog
 
     monkeypatch.setattr(runlog, "_CHUNK", chunk)
     path = _write_steps(

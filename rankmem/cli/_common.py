@@ -1,0 +1,41 @@
+"""What the offline subcommands share: the run argument, the leak options and the no-steps check."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+from rankmem.errors import RankmemError
+from rankmem.leaks import LeakConfig
+
+if TYPE_CHECKING:
+    from rankmem.runlog import Run
+
+
+def add_run_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run", metavar="RUN", help="a run directory (holding rankmem.jsonl) or the .jsonl file")
+
+
+def add_leak_options(parser: argparse.ArgumentParser) -> None:
+    d = LeakConfig()
+    g = parser.add_argument_group("leak detection")
+    g.add_argument("--window", type=float, default=d.window, metavar="FRAC",
+                   help=f"examine the last FRAC of the logged steps, after warm-up (default {d.window})")
+    g.add_argument("--last", type=int, default=None, metavar="N", help="examine the last N logged steps instead")
+    g.add_argument("--min-growth", type=float, default=d.min_growth_mib, metavar="MIB",
+                   help=f"smallest growth over the window worth flagging, MiB (default {d.min_growth_mib:g})")
+    g.add_argument("--alpha", type=float, default=d.alpha,
+                   help=f"largest Mann-Kendall p-value that counts as growth (default {d.alpha:g})")
+
+
+def leak_config(args: argparse.Namespace) -> LeakConfig:
+    return LeakConfig(window=args.window, last=args.last, min_growth_mib=args.min_growth, alpha=args.alpha)
+
+
+def require_steps(run: Run, command: str) -> None:
+    """A run log with a header but no step lines is a user error for ``report`` and ``leaks`` alike."""
+    if run.steps.size == 0:
+        raise RankmemError(
+            f"{run.path} has no logged steps: the run stopped, or its jsonl sink failed, before its first "
+            f"collect() was written; see the job's output for why, and run rankmem {command} on a run log that has steps"
+        )
