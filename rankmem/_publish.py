@@ -51,7 +51,7 @@ class Publisher:
         # Leak checking is advice: a failure turns it off, with one warning, and never reaches training.
         with self._guard.scope("leaks", "online leak check failed and is off"):
             if self._leak_watch is None:
-                from rankmem.leaks import LeakWatch
+                from rankmem._trend import LeakWatch
 
                 self._leak_watch = LeakWatch()
             # The gathered matrix, not a StepRecord: the watch reads 3 columns, and building every

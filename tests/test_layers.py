@@ -29,9 +29,6 @@ NOT_A_LAYER = ("rankmem.__main__",)
 OPTIONAL_FRAMEWORKS = ("rankmem.integrations.hf", "rankmem.integrations.lightning")
 """Online, but they import transformers / Lightning on import (seconds each): checked statically only."""
 
-# Until the Monitor takes LeakWatch from rankmem._trend instead of rankmem.leaks (issue 8's online half).
-MONITOR_LEAKS = pytest.mark.xfail(
-    strict=False, reason="rankmem._monitor still imports LeakWatch from rankmem.leaks; it belongs to rankmem._trend")
 
 
 def _is_offline(module: str) -> bool:
@@ -98,7 +95,7 @@ def test_the_layers_are_where_the_design_says() -> None:
 
 
 @pytest.mark.parametrize(
-    "module", [pytest.param(m, marks=MONITOR_LEAKS) if m == "rankmem._monitor" else m for m in ONLINE])
+    "module", ONLINE)
 def test_online_module_imports_no_offline_module(module: str) -> None:
     offline = sorted(m for m in GRAPH[module] if _is_offline(m))
     assert offline == [], f"{module} (online) imports {offline} (offline)"
@@ -191,7 +188,6 @@ def test_importing_the_online_modules_loads_no_offline_module(online_process: di
     assert online_process["after_import"] == []
 
 
-@MONITOR_LEAKS
 def test_a_monitor_run_with_sinks_and_leak_watch_loads_no_offline_module(online_process: dict[str, list[str]]) -> None:
     assert online_process["after_collect"] == []
 
