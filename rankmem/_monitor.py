@@ -60,6 +60,9 @@ class MonitorConfig:
     """The caller's own configuration, stored in the run log header."""
     leak_check: bool = True
     """On the logging rank, test host RSS / device allocated / worker RSS for steady growth; warn once."""
+    sink_thread: bool = True
+    """Write sinks and run the leak watch on a background thread (the caller's thread only hands the
+    collect over); False does it inside :meth:`Monitor.collect`."""
 
     def __post_init__(self) -> None:
         sinks = self.sinks
@@ -111,7 +114,7 @@ class Monitor:
         self._windows = Windows(host, device, self._guard)
         self._exchange = _collective.Exchange(group, device.name if device is not None else None)
         sinks = [make_sink(spec, self.config.out_dir) for spec in self.config.sinks or ()]
-        self._publisher = Publisher(sinks, self.config.leak_check, self._guard)
+        self._publisher = Publisher(sinks, self.config.leak_check, self._guard, background=self.config.sink_thread)
         self._header: RunHeader | None = None
         self._last: tuple[int, float, _collective.Gathered] | None = None
         self._last_record: StepRecord | None = None
@@ -231,7 +234,7 @@ class Monitor:
             gathered.aggregated.update(verl_metrics(gathered.aggregated))
         self._last, self._last_record = (int(step), time.time(), gathered), None
         if self._publisher.opened:
-            self._publisher.publish(int(step), gathered, self.last_record if self._publisher.wants_record else None)
+            self._publisher.publish(*self._last)
         return gathered.aggregated
 
     def _start(self) -> None:
@@ -263,8 +266,13 @@ class Monitor:
             # Its descriptors are closed: every figure would read as unavailable, silently.
             raise RankmemError("this Monitor is closed: build a new one (on every rank) to go on measuring")
 
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until the sinks have written every collect so far (they write on a background thread);
+        False if ``timeout`` seconds passed first. Local."""
+        return self._publisher.flush(timeout)
+
     def close(self) -> None:
-        """Close the sinks and the probe's descriptors. Local; safe to call twice."""
+        """Flush and close the sinks, close the probe's descriptors. Local; safe to call twice."""
         self._closed = True
         self._publisher.close()
         self._windows.host.close()

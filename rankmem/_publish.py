@@ -3,47 +3,109 @@
 Nothing here communicates; every rank builds a :class:`Publisher` (so a bad sink is the same error
 everywhere, at construction, never one rank raising inside a collective sequence), and only the
 logging rank opens it.
+
+Off the training thread: after the collective, the caller needs only the aggregated dict. Building
+the per-rank record, encoding it, writing the sinks and the leak watch run on one background thread
+fed by a bounded queue. If the sinks fall behind (a tracker in a network stall), the oldest pending
+record is dropped, counted and warned about once: training is never blocked. :meth:`Publisher.flush`
+waits for the queue to drain; ``close()`` and interpreter exit flush.
 """
 
 from __future__ import annotations
 
+import atexit
+import threading
+import weakref
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
 from rankmem._collective import Gathered
 from rankmem._guard import Guard
 from rankmem._records import RunHeader, StepRecord
+from rankmem.errors import warn
 from rankmem.sinks import SafeSink, Sink
+
+_Item = tuple[int, float, Gathered] | RunHeader
 
 
 class Publisher:
     """Writes each collect's record to the sinks and feeds the leak watch, on the logging rank."""
 
-    def __init__(self, sinks: Sequence[Sink], leak_check: bool, guard: Guard) -> None:
+    MAX_PENDING = 256
+    """Records waiting for the sinks before the oldest is dropped (about 256 steps of a stalled tracker)."""
+    FLUSH_TIMEOUT_S = 30.0
+
+    def __init__(self, sinks: Sequence[Sink], leak_check: bool, guard: Guard, background: bool = True) -> None:
         self._sink_objects = list(sinks)
         self._sinks: list[SafeSink] = []
         self._leak_check = leak_check
         self._leak_watch: Any = None
         self._guard = guard
+        self._background = background
+        self._pending: deque[_Item] = deque()
+        self._wake = threading.Condition()
+        self._busy = False
+        self._thread: threading.Thread | None = None
+        self.dropped = 0
+        """Records dropped because the sinks fell more than :data:`MAX_PENDING` behind."""
         self.opened = False
 
     def open(self, header: RunHeader) -> None:
         """On the logging rank, at the first collect: open every sink with the run header."""
         self.opened = True
-        for sink_object in self._sink_objects:
-            sink = SafeSink(sink_object)
-            sink.open(header)
-            self._sinks.append(sink)
+        self._submit(header)
 
-    @property
-    def wants_record(self) -> bool:
-        return bool(self._sinks)
+    def publish(self, step: int, when: float, gathered: Gathered) -> None:
+        """Hand one collect to the sinks and the leak watch (on the background thread by default)."""
+        self._submit((step, when, gathered))
 
-    def publish(self, step: int, gathered: Gathered, record: StepRecord | None) -> None:
-        """Feed the leak watch the gathered matrix and write ``record`` to every sink."""
+    def _submit(self, item: _Item) -> None:
+        if not self._background:
+            self._handle(item)
+            return
+        with self._wake:
+            if len(self._pending) >= self.MAX_PENDING:
+                self._pending.popleft()
+                self.dropped += 1
+                if self.dropped == 1:
+                    warn("rankmem: the sinks fall behind the training loop; the oldest pending records are "
+                         "dropped (Publisher.dropped counts them) rather than blocking training", stacklevel=4)
+            self._pending.append(item)
+            self._wake.notify()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="rankmem-publish", daemon=True)
+            self._thread.start()
+            _live.add(self)
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._pending:
+                    self._busy = False
+                    self._wake.notify_all()  # flush() waits for an empty queue and an idle thread
+                    self._wake.wait()
+                item = self._pending.popleft()
+                self._busy = True
+            if item is _STOP:
+                with self._wake:
+                    self._busy = False
+                    self._wake.notify_all()
+                return
+            self._handle(item)
+
+    def _handle(self, item: _Item) -> None:
+        if isinstance(item, RunHeader):
+            for sink_object in self._sink_objects:
+                sink = SafeSink(sink_object)
+                sink.open(item)
+                self._sinks.append(sink)
+            return
+        step, when, gathered = item
         if self._leak_check:
             self._check_leaks(step, gathered)
-        if record is not None:
+        if self._sinks:
+            record = StepRecord(step, when, gathered.aggregated, gathered.columns())
             for sink in self._sinks:
                 sink.write(record)
 
@@ -60,7 +122,34 @@ class Publisher:
             return
         self._leak_check = False
 
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every submitted record is written; False if ``timeout`` passed first."""
+        if self._thread is None or self._thread is threading.current_thread():
+            return True
+        with self._wake:
+            return self._wake.wait_for(lambda: not self._pending and not self._busy,
+                                       timeout if timeout is not None else self.FLUSH_TIMEOUT_S)
+
     def close(self) -> None:
+        if not self.flush():
+            warn(f"rankmem: the sinks did not finish within {self.FLUSH_TIMEOUT_S:.0f} s; closing them anyway")
+        if self._thread is not None and self._thread.is_alive():
+            with self._wake:
+                self._pending.append(_STOP)
+                self._wake.notify()
+            self._thread.join(self.FLUSH_TIMEOUT_S)
+        _live.discard(self)
         for sink in self._sinks:
             sink.close()
         self._sinks = []
+
+
+_STOP: Any = object()
+_live: weakref.WeakSet[Publisher] = weakref.WeakSet()
+
+
+@atexit.register
+def _flush_at_exit() -> None:
+    # A script that ends without Monitor.close() still gets its last records written.
+    for publisher in list(_live):
+        publisher.flush()

@@ -77,8 +77,10 @@ def test_failing_sink_warns_once_and_training_goes_on(tmp_path: object) -> None:
     monitor = rankmem.Monitor(sinks=(Broken(),), device="cpu", children=False)
     with pytest.warns(RuntimeWarning, match="Broken failed in write.*disk full"):
         monitor.collect({"loss": 1.0})
+        assert monitor.flush(30)  # the sinks write on the publisher's thread
     out = monitor.collect({"loss": 3.0})
     assert out["loss/max"] == 3.0
+    assert monitor.flush(30)
     assert Broken.writes == 1  # disabled after the first failure
     assert all(isinstance(s, SafeSink) for s in monitor._publisher._sinks)
 

@@ -72,7 +72,7 @@ def test_collect_from_two_threads_at_once_is_refused() -> None:
         def close(self) -> None:
             pass
 
-    monitor = rankmem.Monitor(sinks=(SlowSink(),), device="cpu", children=False)
+    monitor = rankmem.Monitor(sinks=(SlowSink(),), device="cpu", children=False, sink_thread=False)
     first = threading.Thread(target=monitor.collect, args=({"loss": 1.0},))
     first.start()
     assert entered.wait(30)  # the first collect is inside its sink write, holding the collect
