@@ -89,6 +89,10 @@ class _Window:
         self.start_allocated = dev.allocated if dev else None
         self.start_retries = dev.alloc_retries if dev else None
         self.start_ooms = dev.ooms if dev else None
+        if dev is not None and dev.before_init:
+            # A device without a context has allocated nothing and counted nothing: a window opened
+            # before the first CUDA call still reports what happened in it (an OOM in step 0).
+            self.start_allocated = self.start_retries = self.start_ooms = 0
         self.peak_rss: int | None = None
         self.peak_allocated: int | None = None
         self.peak_reserved: int | None = None
@@ -138,7 +142,9 @@ class Monitor:
         self.group = group
         self._host: HostProbe = make_host_probe(config.children, config.children_refresh_s)
         self._device: DeviceBackend | None = select_backend(config.device, device_module)
-        self._gather = _collective.PackedGather(group, self._device.torch_device if self._device is not None else None)
+        # The gather's device is resolved at the first collect, from the current device of this backend.
+        dev = self._device
+        self._gather = _collective.PackedGather(group, dev.name if dev else None, device_module=dev.module if dev else None)
         # Sinks are built (no I/O) on every rank, so a bad sink is the same error everywhere, here and
         # not later inside a collective; only the logging rank opens and writes them.
         self._sink_objects = [make_sink(spec, config.out_dir) for spec in config.sinks or ()]
