@@ -1,23 +1,34 @@
-"""Host probe cost per call, against psutil baselines measured in the same run.
+"""Probe cost per call: the host probe against psutil, the device read against torch.cuda's own calls.
 
-    python bench/bench_probe.py
+    python bench/bench_probe.py            # --quick: fewer repetitions (a smoke run)
 
-Prints microseconds per call and the ratio to ``psutil.Process().memory_info()``. The target is the
-window pair (current RSS + window peak, with its reset) at most 10 us per call.
+Prints microseconds per call (the best of interleaved rounds) and the ratio to a baseline measured in
+the same run. Targets: the host window pair (current RSS + window peak, with its reset) at most 10 us;
+on a GPU, a whole window edge (host + device read + both peak resets) under 25 us.
+
+Three tables:
+1. host: rankmem's /proc reads against ``psutil.Process().memory_info()``;
+2. stats shape (CPU, any machine): what ``torch.cuda.memory_stats()`` costs over the nested dict it
+   flattens, on a dict of the real shape (~120 keys, from ``rankmem.testing.FakeCuda``);
+3. device (CUDA GPU only, after initialising CUDA: before, every read is empty and would time
+   nothing): the nested-stats read and the edge against ``torch.cuda.memory_allocated()``.
 """
 
 from __future__ import annotations
 
+import collections
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import psutil
 
 from rankmem._host import LinuxHostProbe
 
-REPEAT = 20000
-ROUNDS = 5
+QUICK = "--quick" in sys.argv
+REPEAT = 2000 if QUICK else 20000
+ROUNDS = 2 if QUICK else 5
 
 
 def per_call_us(fn: Callable[[], object], n: int = REPEAT) -> float:
@@ -27,9 +38,17 @@ def per_call_us(fn: Callable[[], object], n: int = REPEAT) -> float:
     return (time.perf_counter() - start) / n * 1e6
 
 
-def main() -> None:
-    if not sys.platform.startswith("linux"):
-        raise SystemExit("bench_probe measures the Linux /proc probe")
+def table(cases: dict[str, Callable[[], object]], baseline: str, n: int = REPEAT) -> None:
+    best = {name: float("inf") for name in cases}
+    for _ in range(ROUNDS):  # interleaved rounds; the best of each is the least disturbed
+        for name, fn in cases.items():
+            best[name] = min(best[name], per_call_us(fn, n))
+    print(f"{'case':58s} {'us/call':>9s} {'vs baseline':>12s}")
+    for name, us in best.items():
+        print(f"{name:58s} {us:9.2f} {us / best[baseline]:11.2f}x")
+
+
+def host_cases() -> None:
     probe = LinuxHostProbe(children=True, children_refresh_s=5.0)
     proc = psutil.Process()
 
@@ -37,39 +56,100 @@ def main() -> None:
         probe.rss_and_peak()
         probe.reset_peak()
 
-    cases: dict[str, Callable[[], object]] = {
-        "rankmem rss (statm pread)": probe.rss,
-        "rankmem current + window peak + reset": window_pair,
-        "rankmem full host read (+children, node, cgroup)": probe.read,
-        "psutil.Process().memory_info()": proc.memory_info,
-        "psutil.virtual_memory()": psutil.virtual_memory,
-    }
-    best = {name: float("inf") for name in cases}
-    for _ in range(ROUNDS):  # interleaved rounds; the best of each is the least disturbed
-        for name, fn in cases.items():
-            best[name] = min(best[name], per_call_us(fn))
-    baseline = best["psutil.Process().memory_info()"]
-    print(f"{'case':52s} {'us/call':>9s} {'vs memory_info':>15s}")
-    for name, us in best.items():
-        print(f"{name:52s} {us:9.2f} {us / baseline:14.2f}x")
+    print("host (baseline: psutil.Process().memory_info())")
+    table(
+        {
+            "rankmem rss (statm pread)": probe.rss,
+            "rankmem current + window peak + reset": window_pair,
+            "rankmem full host read (+children, node, cgroup)": probe.read,
+            "psutil.Process().memory_info()": proc.memory_info,
+            "psutil.virtual_memory()": psutil.virtual_memory,
+        },
+        "psutil.Process().memory_info()",
+    )
     probe.close()
-    device_cases()
+
+
+def flatten(nested: dict[str, Any]) -> dict[str, Any]:
+    """Nested stats to sorted ``a.b.c`` keys: the work ``torch.cuda.memory_stats()`` does in Python."""
+    items: list[tuple[str, Any]] = []
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for key, sub in value.items():
+                walk(f"{prefix}.{key}" if prefix else key, sub)
+        else:
+            items.append((prefix, value))
+
+    walk("", nested)
+    items.sort()
+    return collections.OrderedDict(items)
+
+
+def stats_shape_cases() -> None:
+    from rankmem._device import DeviceBackend
+    from rankmem.testing import FakeCuda
+
+    cuda = FakeCuda()
+    held = [cuda.malloc(n) for n in (1000, 5 << 20, 300 << 20)]
+    nested = cuda.memory_stats_as_nested_dict(0)
+    n_keys = len(flatten(nested))
+
+    def read_nested() -> tuple[Any, ...]:  # the figures rankmem takes, straight from the nested dict
+        a, r = nested["allocated_bytes"]["all"], nested["reserved_bytes"]["all"]
+        return (a["current"], a["peak"], r["current"], r["peak"], nested["inactive_split_bytes"]["all"]["current"],
+                nested["num_alloc_retries"], nested["num_ooms"])
+
+    def read_flat() -> tuple[Any, ...]:  # the same figures through the flattened dict
+        s = flatten(nested)
+        return (s["allocated_bytes.all.current"], s["allocated_bytes.all.peak"], s["reserved_bytes.all.current"],
+                s["reserved_bytes.all.peak"], s["inactive_split_bytes.all.current"], s["num_alloc_retries"],
+                s["num_ooms"])
+
+    class FlatOnly(FakeCuda):  # an accelerator module without the nested form: rankmem's fallback path
+        memory_stats_as_nested_dict = None  # type: ignore[assignment]
+
+        def memory_stats(self, device: Any = None) -> dict[str, Any]:
+            return flatten(FakeCuda.memory_stats_as_nested_dict(self, device))
+
+    flat_cuda = FlatOnly()
+    flat_cuda.malloc(1 << 20)
+    print(f"\nstats shape, CPU ({n_keys}-key stats as on a GPU; baseline: the figures read from the nested dict)")
+    table(
+        {
+            "figures from the nested dict (rankmem's path)": read_nested,
+            f"flatten {n_keys} keys + read (torch.cuda.memory_stats path)": read_flat,
+            "rankmem read, FakeCuda nested (builds the dict in Python)": DeviceBackend("cuda", cuda).read,
+            "rankmem read, flat fallback (builds + flattens)": DeviceBackend("cuda", flat_cuda).read,
+        },
+        "figures from the nested dict (rankmem's path)",
+        n=REPEAT // 4,
+    )
+    for h in held:
+        cuda.free(h)
 
 
 def device_cases() -> None:
-    """On a GPU: one device read (memory_stats + mem_get_info) and a peak reset, against
-    ``torch.cuda.memory_allocated()`` (which builds the same stats dict) as the baseline."""
+    """On a GPU, with CUDA initialised and a context on the current device (as in training)."""
     try:
         import torch
     except ImportError:
+        print("\ndevice: torch is not installed; device rows skipped")
         return
     if not torch.cuda.is_available():
-        print("device: no CUDA GPU here; run scripts/gpu_check.sh on one")
+        print("\ndevice: no CUDA GPU here; device rows skipped (scripts/gpu_check.sh runs them on one)")
         return
+    import rankmem
     from rankmem._device import select_backend
 
+    torch.cuda.set_device(0)
+    held = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
     backend = select_backend("cuda")
-    assert backend is not None
+    assert backend is not None and backend.read().total is not None, "the device read is empty: CUDA not initialised"
+    monitor = rankmem.Monitor(sinks=(), device="cuda", children=False, leak_check=False)
+    index = torch.cuda.current_device()
+    nested_stats: Callable[[int], object] | None = getattr(torch._C, "_cuda_memoryStats", None)
 
     def edge() -> None:
         backend.read()
@@ -77,13 +157,27 @@ def device_cases() -> None:
 
     cases: dict[str, Callable[[], object]] = {
         "torch.cuda.memory_allocated()": torch.cuda.memory_allocated,
-        "rankmem device read (stats + mem_get_info)": backend.read,
+        "torch.cuda.memory_stats() (flattens the dict)": torch.cuda.memory_stats,
+        "torch.cuda.mem_get_info(i)": lambda: torch.cuda.mem_get_info(index),
+        "torch.cuda.reset_peak_memory_stats(i)": lambda: torch.cuda.reset_peak_memory_stats(index),
+        "rankmem device read (nested stats + mem_get_info)": backend.read,
         "rankmem device edge (read + peak reset)": edge,
+        "rankmem window edge (host + device, Monitor._edge)": monitor._edge,
     }
-    best = {name: min(per_call_us(fn, 2000) for _ in range(ROUNDS)) for name, fn in cases.items()}
-    baseline = best["torch.cuda.memory_allocated()"]
-    for name, us in best.items():
-        print(f"{name:52s} {us:9.2f} {us / baseline:14.2f}x")
+    if nested_stats is not None:
+        cases["torch._C._cuda_memoryStats(i) (nested, one call)"] = lambda: nested_stats(index)
+    print(f"\ndevice: {backend.device_name()} (baseline: torch.cuda.memory_allocated())")
+    table(cases, "torch.cuda.memory_allocated()", n=REPEAT // 10)
+    monitor.close()
+    del held
+
+
+def main() -> None:
+    if not sys.platform.startswith("linux"):
+        raise SystemExit("bench_probe measures the Linux /proc probe")
+    host_cases()
+    stats_shape_cases()
+    device_cases()
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import numpy as np
 from rankmem._catalogue import AGGREGATES
 from rankmem._records import RankInfo
 from rankmem._scalars import to_float
-from rankmem.errors import WarnOnce, warn
+from rankmem.errors import WarnOnce
 
 _SIG_MASK = (1 << 52) - 1  # a float64 holds integers up to 2**53 exactly
 
@@ -59,19 +59,21 @@ def all_gather_objects(obj: Any, group: Any = None) -> list[Any]:
     return out
 
 
-def _check_local_device(torch: Any) -> None:
-    """NCCL gathers on the current device: ranks that never called ``set_device`` all sit on cuda:0,
-    and NCCL then fails ("Duplicate GPU") or hangs. Say so before the first gather."""
+def _check_local_device(device: str, index: int, count: int) -> str | None:
+    """A warning when a device collective would run on a device that is not ``LOCAL_RANK``'s.
+
+    NCCL ranks that gather on the same GPU fail ("Duplicate GPU") or hang: ranks that never called
+    ``set_device`` all sit on device 0. ``index`` is the device the gather uses, so the check holds
+    however that device was found. With one visible device per rank (``CUDA_VISIBLE_DEVICES``) every
+    rank is on device 0 by design, and nothing is said.
+    """
     local = os.environ.get("LOCAL_RANK")
-    count = torch.cuda.device_count()
-    if local is None or count < 2:
-        return
-    current = torch.cuda.current_device()
-    if current != int(local) % count:
-        warn(
-            f"rankmem: LOCAL_RANK={local} but the current CUDA device is cuda:{current}: call "
-            "torch.cuda.set_device(local_rank) before the first collect(), or NCCL gathers may fail or hang"
-        )
+    if local is None or count < 2 or not local.isdigit() or index == int(local) % count:
+        return None
+    return (
+        f"LOCAL_RANK={local} but this rank gathers on {device}:{index}, its current device: call "
+        f"torch.{device}.set_device(local_rank) before the first collect(), or the gathers may fail or hang"
+    )
 
 
 def _all_gather_single(out: Any, inp: Any, group: Any) -> None:
@@ -100,14 +102,23 @@ class PackedGather:
     The first call always takes the fallback (the capacity starts at 0), which also learns the layout.
     """
 
-    def __init__(self, group: Any = None, device: tuple[str, int] | None = None) -> None:
+    def __init__(
+        self, group: Any = None, device_type: str | tuple[str, int] | None = None, device_module: Any = None
+    ) -> None:
         self.group = group
-        self.device_hint = device
-        """``(device_type, index)`` of the monitor's backend, for device-only collectives (NCCL, HCCL)."""
+        self.device_type = device_type[0] if isinstance(device_type, tuple) else device_type
+        """``cuda``/``npu``/``xpu``: the device type for device-only collectives (NCCL, HCCL). The index
+        is never fixed here (a pair's index is ignored): it is the current device at each gather."""
+        self.device_module = device_module
+        """The torch device module whose current device the tensors follow (default ``torch.<type>``)."""
         self.capacity = 0
         self.fallbacks = 0
         self._world = 0  # 0: not resolved yet; a PackedGather serves one process group
+        self._backend = ""
+        self._on_device = False
+        self._where: tuple[str, int | None] | None = None
         self._device: Any = None
+        self._warn_once = WarnOnce()
         self._last_schema: Schema | None = None
         self._last_sig = 0.0
         self._width = -1
@@ -116,27 +127,62 @@ class PackedGather:
         self._send_np: np.ndarray = np.empty(0)
         self._out: Any = None
 
+    def _module(self) -> tuple[str, Any] | None:
+        """The device type and module of device tensors; None when there is no device to gather on."""
+        if self.device_module is not None:
+            return self.device_type or "cuda", self.device_module
+        import torch
+
+        if self.device_type is not None:
+            module = getattr(torch, self.device_type, None)
+            return None if module is None else (self.device_type, module)
+        return ("cuda", torch.cuda) if torch.cuda.is_available() else None
+
+    def resolve_device(self, backend: str) -> tuple[str, int | None]:
+        """``(type, index)`` of the tensors for a group of ``backend``, read now: ``("cpu", None)`` for
+        gloo and MPI (they gather CPU tensors), else the current device of the device type (NCCL, HCCL
+        and XCCL gather device tensors only, on the device the rank set for itself)."""
+        backend = backend.lower()
+        found = None if "gloo" in backend or "mpi" in backend else self._module()
+        if found is None:
+            return "cpu", None
+        kind, module = found
+        # The first collect is a collective of the rank's own group, after its set_device: reading
+        # the current device here (which initialises CUDA) is what the collective itself would do.
+        return kind, int(module.current_device())
+
+    def _follow_device(self) -> None:
+        """Put the tensors on the device :meth:`resolve_device` names, moving them when it changed."""
+        where = self.resolve_device(self._backend)
+        if where == self._where:
+            return
+        import torch
+
+        kind, index = where
+        self._where, self._on_device = where, kind != "cpu"
+        self._device = torch.device(kind) if index is None else torch.device(kind, index)
+        self._width = -1  # the buffers are rebuilt on the new device
+        if index is not None:
+            found = self._module()
+            count = int(found[1].device_count()) if found is not None else 0
+            message = _check_local_device(kind, index, count)
+            if message is not None:
+                self._warn_once(f"local:{kind}:{index}", message)
+
     def _setup(self) -> bool:
-        """Resolve the group's size and the tensors' device once; False when there is nothing to gather."""
+        """Resolve the group's size once and the tensors' device at every call (the current device
+        can change between collects; the check costs ~1 us next to a device collective); False when
+        there is nothing to gather."""
         if self._world == 0:
             if not dist_active(self.group):
                 return False
-            import torch
             import torch.distributed as dist
 
             self._world = dist.get_world_size(self.group)
-            backend = str(dist.get_backend(self.group)).lower()
-            # gloo (and MPI) gather CPU tensors; NCCL, HCCL and XCCL gather device tensors only.
-            if "gloo" in backend or "mpi" in backend:
-                self._device = torch.device("cpu")
-            elif self.device_hint is not None:
-                self._device = torch.device(*self.device_hint)
-            elif torch.cuda.is_available():
-                self._device = torch.device("cuda", torch.cuda.current_device())
-            else:
-                self._device = torch.device("cpu")
-            if self._device.type == "cuda":
-                _check_local_device(torch)
+            self._backend = str(dist.get_backend(self.group))
+            self._follow_device()
+        elif self._on_device:
+            self._follow_device()
         return True
 
     def _buffers(self, width: int) -> None:
@@ -287,8 +333,9 @@ class Exchange:
     MAX_LAYOUT = 4096
     MAX_KEY_WARNINGS = 8
 
-    def __init__(self, group: Any = None, device_type: str | None = None) -> None:
-        self.packed = PackedGather(group)  # TODO: device_type once PackedGather resolves the device itself
+    def __init__(self, group: Any = None, device_type: str | None = None, device_module: Any = None) -> None:
+        # The gather's device is resolved at the first collect, from the backend's current device.
+        self.packed = PackedGather(group, device_type, device_module=device_module)
         self._layout: tuple[str, ...] = ()
         self._layout_set: frozenset[str] = frozenset()
         self._warned: set[tuple[str, ...]] = set()

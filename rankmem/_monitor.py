@@ -112,7 +112,7 @@ class Monitor:
         host = host_probe if host_probe is not None else make_host_probe(self.config.children,
                                                                          self.config.children_refresh_s)
         self._windows = Windows(host, device, self._guard)
-        self._exchange = _collective.Exchange(group, device.name if device is not None else None)
+        self._exchange = _collective.Exchange(group, device.name if device else None, device.module if device else None)
         sinks = [make_sink(spec, self.config.out_dir) for spec in self.config.sinks or ()]
         self._publisher = Publisher(sinks, self.config.leak_check, self._guard, background=self.config.sink_thread)
         self._header: RunHeader | None = None

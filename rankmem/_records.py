@@ -54,6 +54,13 @@ class DeviceReading:
     """Cumulative count of allocations retried after freeing the cache."""
     ooms: int | None
     """Cumulative count of out-of-memory errors raised by the allocator."""
+    inactive_split: int | None = None
+    """Bytes in cached blocks split off in-use segments: reserved, free, yet not releasable (fragmentation)."""
+    free: int | None = None
+    """Device-wide free bytes as the driver reports them (``total - used``)."""
+    before_init: bool = False
+    """True when the read was skipped because the device had no context yet (reading would create one):
+    every figure is ``None``, and the allocator had necessarily allocated nothing and counted nothing."""
 
 
 @dataclass(slots=True)

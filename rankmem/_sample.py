@@ -33,7 +33,9 @@ def sample(device: str = "auto", device_module: Any = None, children: bool = Tru
 
     ``peak_rss`` and the device peaks are whatever the kernel and allocator hold (usually lifetime
     peaks, unless something reset them): windowed peaks need a :class:`rankmem.Monitor`.
-    Opens and closes its descriptors on every call: for a per-step reading use a Monitor.
+    Opens and closes its descriptors on every call: for a per-step reading use a Monitor. Before the
+    program's first CUDA call the device figures are ``None`` (``device.before_init``): reading them
+    would create a CUDA context.
     """
     host = make_host_probe(children=children)
     try:

@@ -54,6 +54,10 @@ class _Open:
         self.start_allocated = dev.allocated if dev else None
         self.start_retries = dev.alloc_retries if dev else None
         self.start_ooms = dev.ooms if dev else None
+        if dev is not None and dev.before_init:
+            # A device without a context has allocated nothing and counted nothing: a window opened
+            # before the first CUDA call still reports what happened in it (an OOM in step 0).
+            self.start_allocated = self.start_retries = self.start_ooms = 0
         self.peak_rss: int | None = None
         self.peak_allocated: int | None = None
         self.peak_reserved: int | None = None

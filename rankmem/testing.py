@@ -1,137 +1,457 @@
 """A faithful fake of the ``torch.cuda`` memory API, for tests on machines without a GPU.
 
 Pass it in through the public API (``Monitor(device_module=FakeCuda())``), never by patching torch.
-It models what rankmem reads: a caching allocator whose reserved memory grows in 2 MiB segments and
-is kept on free; peaks that ``reset_peak_memory_stats`` sets to the current values while the
-``num_alloc_retries`` / ``num_ooms`` counters stay cumulative (as in torch); a retry that frees the
-cache before an OOM; and device-wide usage from ``mem_get_info`` that includes a CUDA context and
-memory held by other processes (a colocated inference engine).
+It models what rankmem reads, and the side effects of torch that could hurt a rank
+(``torch/cuda/__init__.py``, ``torch/cuda/memory.py``, ``c10/cuda/CUDACachingAllocator.cpp``):
+
+- **Lazy initialisation.** ``is_initialized()`` is false until ``init()``, ``current_device()``,
+  ``set_device()``, ``get_device_name()``, ``mem_get_info()`` or an allocation; before it
+  ``memory_stats()`` is ``{}``, and ``reset_peak_memory_stats(i)`` raises torch's
+  "Invalid device argument i: did you call init?" (with no device it initialises first, as torch's
+  ``current_device()`` does).
+- **Contexts.** ``set_device(i)`` (CUDA 12's ``cudaSetDevice``), ``mem_get_info(i)`` (``cudaMemGetInfo``
+  under a device guard) and an allocation on ``i`` create device ``i``'s primary context, which holds
+  ``context`` bytes of it. ``contexts_created`` counts them per device, so a test can say "this created
+  no context" and mean it.
+- **A caching allocator per device.** Requests round up to 512 bytes; a new segment is 2 MiB for
+  requests up to 1 MiB (the small pool), 20 MiB up to 10 MiB, else the request rounded up to 2 MiB.
+  Freed segments stay reserved until ``empty_cache()``. A request is served by the smallest cached free
+  segment of its pool that fits, one block per segment (a simplification of torch's splitting); the
+  rest of a segment in use counts as an inactive split block. Peak resets set peaks to the current
+  values; the counters (``num_alloc_retries``, ``num_ooms``) stay cumulative.
+- **The OOM path as torch takes it.** When the device cannot hold a new segment the cache is released
+  and the reservation retried once (``num_alloc_retries``); if that fails, ``num_ooms`` counts it, an
+  ``oom`` entry joins the history, the observers are called with ``(device, alloc_size, device_total,
+  device_free)``, and :class:`FakeOutOfMemoryError` is raised with torch's message.
+- **History and snapshots** in the format of ``torch.cuda.memory._snapshot()``.
+
+Real CUDA has some of this only in private entry points. Here they are methods, under the names
+rankmem's backend looks for on a module that is not ``torch.cuda``:
+
+==================================  =================================================
+``FakeCuda``                        real CUDA (where rankmem finds it)
+==================================  =================================================
+``_has_primary_context(i)``         ``torch._C._cuda_hasPrimaryContext(i)``
+``memory_stats_as_nested_dict(i)``  ``torch._C._cuda_memoryStats(i)`` (same dict)
+``_attach_out_of_memory_observer``  ``torch._C._cuda_attach_out_of_memory_observer``
+``_record_memory_history``          ``torch.cuda.memory._record_memory_history``
+``_snapshot()``                     ``torch.cuda.memory._snapshot()``
+==================================  =================================================
+
+Observers and history settings given before initialisation are lost, as in torch (the allocator has
+no per-device state to keep them yet).
 """
 
 from __future__ import annotations
 
+import collections
+import sys
+import time
+from collections.abc import Callable
 from typing import Any
 
 from rankmem._units import GIB, MIB
 
-_SEGMENT = 2 * MIB
+_SMALL_REQUEST = 1 * MIB  # torch's kSmallSize: requests up to this go to the small pool
+_SMALL_SEGMENT = 2 * MIB  # kSmallBuffer
+_MID_SEGMENT = 20 * MIB  # kLargeBuffer, for requests under kMinLargeAlloc
+_MIN_LARGE_ALLOC = 10 * MIB
+_ROUND_LARGE = 2 * MIB
+_STAT_NAMES = (
+    "allocated", "allocated_bytes", "segment", "reserved_bytes", "active", "active_bytes",
+    "inactive_split", "inactive_split_bytes", "requested_bytes",
+)
+_POOLS = ("all", "large_pool", "small_pool")
+_HISTORY_LEVELS = {None: 0, "state": 1, "alloc": 2, "all": 3}
+_OOM_HINT = (
+    " If reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+    " to avoid fragmentation.  See documentation for Memory Management "
+    " (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
+)
 
 
 def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
+def format_size(n: int) -> str:
+    """Bytes as torch's allocator writes them in its messages: ``2.00 GiB``, ``512.00 MiB``."""
+    if n <= 1024:
+        return f"{n} bytes"
+    if n <= MIB:
+        return f"{n / 1024:.2f} KiB"
+    if n <= GIB:
+        return f"{n / MIB:.2f} MiB"
+    return f"{n / GIB:.2f} GiB"
+
+
 class FakeOutOfMemoryError(RuntimeError):
     """Raised like ``torch.OutOfMemoryError`` (a RuntimeError subclass) when the fake device is full."""
 
 
-class FakeCuda:
-    """One fake device. ``malloc``/``free`` stand for tensor allocation; the rest mirrors ``torch.cuda``."""
+class _Stat:
+    """One allocator statistic, as torch keeps it: current, peak, and cumulative increase/decrease."""
 
-    def __init__(self, total: int = 16 * GIB, context: int = 300 * MIB, name: str = "Fake GPU") -> None:
+    __slots__ = ("current", "peak", "allocated", "freed")
+
+    def __init__(self) -> None:
+        self.current = self.peak = self.allocated = self.freed = 0
+
+    def update(self, amount: int) -> None:
+        self.current += amount
+        if amount >= 0:
+            self.allocated += amount
+        else:
+            self.freed -= amount
+        self.peak = max(self.peak, self.current)
+
+    def as_dict(self) -> dict[str, int]:
+        return {"current": self.current, "peak": self.peak, "allocated": self.allocated, "freed": self.freed}
+
+
+class _Segment:
+    __slots__ = ("address", "size", "pool", "used", "requested", "frames")
+
+    def __init__(self, address: int, size: int, pool: str) -> None:
+        self.address, self.size, self.pool = address, size, pool
+        self.used = 0  # bytes of the one block in use at the segment's start; 0: the segment is free
+        self.requested = 0
+        self.frames: list[dict[str, Any]] = []
+
+
+class _Allocator:
+    """One device's caching allocator."""
+
+    def __init__(self, base: int) -> None:
+        self.stats = {name: {pool: _Stat() for pool in _POOLS} for name in _STAT_NAMES}
+        self.retries = 0
+        self.ooms = 0
+        self.segments: dict[int, _Segment] = {}  # handle -> segment
+        self.next_address = base
+        self.recording = False  # trace entries kept (enabled="all")
+        self.stacks = 0  # whose stacks are kept: 1 live blocks ("state"), 2 + allocations ("alloc"), 3 + frees
+        self.history: collections.deque[dict[str, Any]] = collections.deque(maxlen=1)
+        self.observers: list[Callable[[int, int, int, int], object]] = []
+
+    def update(self, name: str, pool: str, amount: int) -> None:
+        stat = self.stats[name]
+        stat["all"].update(amount)
+        stat[pool].update(amount)
+
+    def current(self, name: str) -> int:
+        return self.stats[name]["all"].current
+
+    def nested(self) -> dict[str, Any]:
+        out: dict[str, Any] = {name: {pool: s.as_dict() for pool, s in stat.items()} for name, stat in self.stats.items()}
+        out.update(
+            num_alloc_retries=self.retries, num_ooms=self.ooms, num_sync_all_streams=0,
+            num_device_alloc=self.stats["segment"]["all"].allocated,
+            num_device_free=self.stats["segment"]["all"].freed, max_split_size=-1,
+            oversize_allocations=_Stat().as_dict(), oversize_segments=_Stat().as_dict(),
+        )
+        return out
+
+    def trace(self, level: int, entry: dict[str, Any]) -> None:
+        """Keep ``entry`` when recording; with the stack when ``context`` covers its ``level``."""
+        if self.recording:
+            entry.setdefault("stream", 0)
+            entry["frames"] = _frames() if self.stacks >= level else []
+            entry["time_us"] = int(time.time() * 1e6)
+            self.history.append(entry)
+
+
+def _frames(limit: int = 16) -> list[dict[str, Any]]:
+    """The Python stack of the allocating code, innermost first, as torch records it."""
+    frames: list[dict[str, Any]] = []
+    frame = sys._getframe(1)
+    while frame is not None and len(frames) < limit:
+        code = frame.f_code
+        if code.co_filename != __file__:
+            frames.append({"filename": code.co_filename, "line": frame.f_lineno, "name": code.co_name})
+        frame = frame.f_back  # type: ignore[assignment]
+    return frames
+
+
+class FakeCuda:
+    """Fake CUDA devices: ``malloc``/``free`` stand for tensor allocation; the rest mirrors ``torch.cuda``.
+
+    ``total``, ``context`` and ``other_process`` apply to every device alike.
+    """
+
+    def __init__(
+        self, total: int = 16 * GIB, context: int = 300 * MIB, name: str = "Fake GPU", devices: int = 1
+    ) -> None:
+        if devices < 1:
+            raise ValueError(f"devices must be >= 1, got {devices}")
         self.total = total
         self.context = context
-        """Bytes of the CUDA context: used on the device, invisible to the allocator."""
+        """Bytes of a CUDA context: used on its device, invisible to the allocator."""
         self.other_process = 0
-        """Bytes held by other processes on the device (a colocated vLLM/SGLang engine)."""
+        """Bytes held by other processes on each device (a colocated vLLM/SGLang engine)."""
         self.name = name
-        self._allocated = 0
-        self._reserved = 0
-        self._peak_allocated = 0
-        self._peak_reserved = 0
-        self._retries = 0
-        self._ooms = 0
-        self._segments: dict[int, list[int]] = {}  # handle -> [segment bytes, bytes in use]
-        self._next = 0
+        self.contexts_created: dict[int, int] = {}
+        """Primary contexts created, per device index (a context lives until the process ends)."""
+        self._initialized = False
+        self._current = 0
+        self._devices = [_Allocator(0x7F0000000000 + (i << 36)) for i in range(devices)]
+        self._handles: dict[int, int] = {}  # handle -> device index
+        self._next_handle = 0
+
+    # ---- initialisation and contexts ------------------------------------------------------------------
+    def _lazy_init(self) -> None:
+        self._initialized = True  # torch's _cuda_init: no context of its own
+
+    def _ensure_context(self, index: int) -> None:
+        self._check_index(index)
+        if not self.contexts_created.get(index):
+            self.contexts_created[index] = self.contexts_created.get(index, 0) + 1
+
+    def _check_index(self, index: int) -> None:
+        if not 0 <= index < len(self._devices):
+            raise RuntimeError(f"Invalid device argument {index}: did you call init?")
+
+    def _index(self, device: Any) -> int:
+        """torch's ``_get_device_index(device, optional=True)``: no device means the current one."""
+        if device is None:
+            return self.current_device()
+        if isinstance(device, str):
+            return int(device.split(":")[1]) if ":" in device else self.current_device()
+        index = getattr(device, "index", device)
+        return self.current_device() if index is None else int(index)
+
+    def _has_primary_context(self, index: int) -> bool:
+        """``torch._C._cuda_hasPrimaryContext``: asks the driver, creates nothing, initialises nothing."""
+        if not 0 <= index < len(self._devices):
+            raise RuntimeError(f"hasPrimaryContext expects a valid device index, but got device_index={index}")
+        return bool(self.contexts_created.get(index))
 
     # ---- simulation ---------------------------------------------------------------------------------
-    def malloc(self, nbytes: int) -> int:
-        """Allocate ``nbytes`` as a tensor would; returns a handle for :meth:`free`.
+    def malloc(self, nbytes: int, device: int | None = None) -> int:
+        """Allocate ``nbytes`` as a tensor would (on the current device); returns a handle for :meth:`free`.
 
-        A request is served by the smallest cached free segment that fits (one block per segment, a
-        simplification of torch's block splitting); otherwise a new segment is reserved from the
-        device. When the device is too full, the cache is released and the reservation retried once
-        (``num_alloc_retries``); if that fails too, ``num_ooms`` counts it and the error is raised.
+        Initialises CUDA and creates the device's context, as a first tensor does. Raises
+        :class:`FakeOutOfMemoryError` when the device cannot hold it, after one retry without the cache.
         """
+        self._lazy_init()
+        index = self._current if device is None else device
+        self._ensure_context(index)
+        dev = self._devices[index]
         size = _round_up(max(nbytes, 1), 512)
-        free_segments = [h for h, (seg, used) in self._segments.items() if used == 0 and seg >= size]
-        if free_segments:
-            handle = min(free_segments, key=lambda h: self._segments[h][0])
+        pool = "small_pool" if size <= _SMALL_REQUEST else "large_pool"
+        fits = [h for h, s in dev.segments.items() if s.used == 0 and s.pool == pool and s.size >= size]
+        if fits:
+            handle = min(fits, key=lambda h: dev.segments[h].size)
+            segment = dev.segments[handle]
         else:
-            seg = _round_up(size, _SEGMENT)
-            if self._device_free() < seg:
-                self._retries += 1
-                self.empty_cache()
-                if self._device_free() < seg:
-                    self._ooms += 1
-                    raise FakeOutOfMemoryError(f"CUDA out of memory. Tried to allocate {nbytes} bytes")
-            self._next += 1
-            handle = self._next
-            self._segments[handle] = [seg, 0]
-            self._reserved += seg
-        self._segments[handle][1] = size
-        self._allocated += size
-        self._peak_allocated = max(self._peak_allocated, self._allocated)
-        self._peak_reserved = max(self._peak_reserved, self._reserved)
+            alloc_size = _SMALL_SEGMENT if pool == "small_pool" else (
+                _MID_SEGMENT if size < _MIN_LARGE_ALLOC else _round_up(size, _ROUND_LARGE)
+            )
+            if self._device_free(index) < alloc_size:
+                dev.retries += 1
+                self._release_cache(index)
+                if self._device_free(index) < alloc_size:
+                    self._out_of_memory(index, size, alloc_size)
+            self._next_handle += 1
+            handle = self._next_handle
+            segment = dev.segments[handle] = _Segment(dev.next_address, alloc_size, pool)
+            dev.next_address += alloc_size
+            dev.update("segment", pool, 1)
+            dev.update("reserved_bytes", pool, alloc_size)
+            dev.trace(2, {"action": "segment_alloc", "addr": segment.address, "size": alloc_size})
+        self._handles[handle] = index
+        segment.used, segment.requested = size, nbytes
+        segment.frames = _frames() if dev.stacks >= 1 else []
+        for name, amount in (("allocated", 1), ("active", 1), ("allocated_bytes", size), ("active_bytes", size),
+                             ("requested_bytes", nbytes)):
+            dev.update(name, pool, amount)
+        if segment.size > size:
+            dev.update("inactive_split", pool, 1)
+            dev.update("inactive_split_bytes", pool, segment.size - size)
+        dev.trace(2, {"action": "alloc", "addr": segment.address, "size": size})
         return handle
 
     def free(self, handle: int) -> None:
         """Free a block; its segment stays reserved (cached) until :meth:`empty_cache`."""
-        self._allocated -= self._segments[handle][1]
-        self._segments[handle][1] = 0
+        dev = self._devices[self._handles[handle]]
+        segment = dev.segments[handle]
+        size, pool = segment.used, segment.pool
+        for name, amount in (("allocated", -1), ("active", -1), ("allocated_bytes", -size), ("active_bytes", -size),
+                             ("requested_bytes", -segment.requested)):
+            dev.update(name, pool, amount)
+        if segment.size > size:
+            dev.update("inactive_split", pool, -1)
+            dev.update("inactive_split_bytes", pool, -(segment.size - size))
+        dev.trace(3, {"action": "free_requested", "addr": segment.address, "size": size})
+        dev.trace(3, {"action": "free_completed", "addr": segment.address, "size": size})
+        segment.used = segment.requested = 0
+        segment.frames = []
 
-    def _device_free(self) -> int:
-        return self.total - self.context - self.other_process - self._reserved
+    def _device_free(self, index: int) -> int:
+        context = self.context if self.contexts_created.get(index) else 0
+        return self.total - context - self.other_process - self._devices[index].current("reserved_bytes")
+
+    def _release_cache(self, index: int) -> None:
+        dev = self._devices[index]
+        for handle, segment in list(dev.segments.items()):
+            if segment.used == 0:
+                dev.update("segment", segment.pool, -1)
+                dev.update("reserved_bytes", segment.pool, -segment.size)
+                dev.trace(3, {"action": "segment_free", "addr": segment.address, "size": segment.size})
+                del dev.segments[handle]
+                self._handles.pop(handle, None)
+
+    def _out_of_memory(self, index: int, size: int, alloc_size: int) -> None:
+        dev = self._devices[index]
+        free = self._device_free(index)
+        dev.trace(2, {"action": "oom", "size": size, "device_free": free})
+        dev.ooms += 1
+        for observer in list(dev.observers):  # torch calls them without the allocator lock, before raising
+            observer(index, alloc_size, self.total, free)
+        allocated, reserved = dev.current("allocated_bytes"), dev.current("reserved_bytes")
+        others = f"Process 4242 has {format_size(self.other_process)} memory in use. " if self.other_process else ""
+        raise FakeOutOfMemoryError(
+            f"CUDA out of memory. Tried to allocate {format_size(alloc_size)}. GPU {index} has a total capacity "
+            f"of {format_size(self.total)} of which {format_size(free)} is free. {others}Including non-PyTorch "
+            f"memory, this process has {format_size(self.context + reserved)} memory in use. Of the allocated "
+            f"memory {format_size(allocated)} is allocated by PyTorch, and {format_size(reserved - allocated)} "
+            f"is reserved by PyTorch but unallocated.{_OOM_HINT}"
+        )
 
     # ---- the torch.cuda API -------------------------------------------------------------------------
     def is_available(self) -> bool:
         return True
 
     def is_initialized(self) -> bool:
-        return True
+        return self._initialized
+
+    def init(self) -> None:
+        self._lazy_init()
 
     def device_count(self) -> int:
-        return 1
+        return len(self._devices)  # torch counts devices without initialising
 
     def current_device(self) -> int:
-        return 0
+        self._lazy_init()
+        return self._current
+
+    def set_device(self, device: Any) -> None:
+        index = self._index(device)
+        if index >= 0:
+            self._lazy_init()
+            self._ensure_context(index)
+            self._current = index
 
     def get_device_name(self, device: Any = None) -> str:
+        self._index(device)
+        self._lazy_init()  # device properties come after initialisation
         return self.name
 
+    def memory_stats_as_nested_dict(self, device: Any = None) -> dict[str, Any]:
+        if not self._initialized:  # checked before the device index is resolved: initialises nothing
+            return {}
+        index = self._index(device)
+        self._check_index(index)
+        return self._devices[index].nested()
+
     def memory_stats(self, device: Any = None) -> dict[str, Any]:
-        return {
-            "allocated_bytes.all.current": self._allocated,
-            "allocated_bytes.all.peak": self._peak_allocated,
-            "reserved_bytes.all.current": self._reserved,
-            "reserved_bytes.all.peak": self._peak_reserved,
-            "active_bytes.all.current": self._allocated,
-            "num_alloc_retries": self._retries,
-            "num_ooms": self._ooms,
-        }
+        """The nested stats flattened to ``a.b.c`` keys and sorted, as torch does in Python."""
+        flat: list[tuple[str, Any]] = []
+
+        def walk(prefix: str, value: Any) -> None:
+            if isinstance(value, dict):
+                for k, v in value.items():
+                    walk(f"{prefix}.{k}" if prefix else str(k), v)
+            else:
+                flat.append((prefix, value))
+
+        walk("", self.memory_stats_as_nested_dict(device))
+        flat.sort()
+        return dict(flat)
 
     def memory_allocated(self, device: Any = None) -> int:
-        return self._allocated
+        return int(self.memory_stats(device).get("allocated_bytes.all.current", 0))
 
     def memory_reserved(self, device: Any = None) -> int:
-        return self._reserved
+        return int(self.memory_stats(device).get("reserved_bytes.all.current", 0))
 
     def max_memory_allocated(self, device: Any = None) -> int:
-        return self._peak_allocated
+        return int(self.memory_stats(device).get("allocated_bytes.all.peak", 0))
 
     def max_memory_reserved(self, device: Any = None) -> int:
-        return self._peak_reserved
+        return int(self.memory_stats(device).get("reserved_bytes.all.peak", 0))
 
     def reset_peak_memory_stats(self, device: Any = None) -> None:
-        # Like torch: peaks drop to the current values; the retry/OOM counters are not reset.
-        self._peak_allocated = self._allocated
-        self._peak_reserved = self._reserved
+        index = self._index(device)  # no device: current_device(), which initialises
+        if not self._initialized:
+            raise RuntimeError(f"Invalid device argument {index}: did you call init?")
+        self._check_index(index)
+        for stat in self._devices[index].stats.values():
+            for s in stat.values():
+                s.peak = s.current
 
     def mem_get_info(self, device: Any = None) -> tuple[int, int]:
-        return self._device_free(), self.total
+        index = self._index(device)
+        self._lazy_init()  # torch.cuda.cudart() initialises
+        self._ensure_context(index)  # cudaMemGetInfo on the device: its context, created if absent
+        return self._device_free(index), self.total
 
     def empty_cache(self) -> None:
-        for handle, (seg, used) in list(self._segments.items()):
-            if used == 0:
-                self._reserved -= seg
-                del self._segments[handle]
+        if self._initialized:
+            for index in range(len(self._devices)):
+                self._release_cache(index)
+
+    def memory_snapshot(self, mempool_id: Any = None, include_traces: bool = True) -> list[dict[str, Any]]:
+        return list(self._snapshot()["segments"])
+
+    # ---- private entry points (see the module docstring for their torch names) ------------------------
+    def _attach_out_of_memory_observer(self, observer: Callable[[int, int, int, int], object]) -> None:
+        if self._initialized:  # before, there is no per-device allocator to keep it: lost, as in torch
+            for dev in self._devices:
+                dev.observers.append(observer)
+
+    def _record_memory_history(
+        self,
+        enabled: str | bool | None = "all",
+        context: str | None = "all",
+        stacks: str = "all",
+        max_entries: int = sys.maxsize,
+        device: Any = None,
+        clear_history: bool = False,
+        **ignored: Any,
+    ) -> None:
+        if isinstance(enabled, bool):  # torch's legacy form
+            enabled = "all" if enabled else None
+        if enabled not in _HISTORY_LEVELS or context not in _HISTORY_LEVELS:
+            raise ValueError(f"enabled and context must be None, 'state', 'alloc' or 'all'; got {enabled!r}, {context!r}")
+        if not self._initialized:  # lost, as in torch
+            return
+        for dev in self._devices:
+            dev.recording = enabled == "all"
+            dev.stacks = _HISTORY_LEVELS[context] if enabled is not None else 0
+            if enabled is None or clear_history or dev.history.maxlen != max(int(max_entries), 1):
+                dev.history = collections.deque(maxlen=max(int(max_entries), 1))  # a ring of max_entries
+
+    def _snapshot(self, device: Any = None) -> dict[str, Any]:
+        if not self._initialized:
+            return {"segments": [], "device_traces": []}
+        segments: list[dict[str, Any]] = []
+        for index, dev in enumerate(self._devices):
+            for segment in sorted(dev.segments.values(), key=lambda s: s.address):
+                segments.append(_segment_dict(index, segment))
+        return {"segments": segments, "device_traces": [list(dev.history) for dev in self._devices]}
+
+
+def _segment_dict(index: int, segment: _Segment) -> dict[str, Any]:
+    blocks: list[dict[str, Any]] = []
+    if segment.used:
+        blocks.append({"address": segment.address, "size": segment.used, "requested_size": segment.requested,
+                       "state": "active_allocated", "frames": segment.frames})
+    if segment.size > segment.used:
+        blocks.append({"address": segment.address + segment.used, "size": segment.size - segment.used,
+                       "requested_size": 0, "state": "inactive", "frames": []})
+    return {
+        "device": index, "address": segment.address, "total_size": segment.size,
+        "allocated_size": segment.used, "active_size": segment.used, "requested_size": segment.requested,
+        "stream": 0, "segment_type": "small" if segment.pool == "small_pool" else "large",
+        "segment_pool_id": (0, 0), "is_expandable": False, "frames": [], "blocks": blocks,
+    }

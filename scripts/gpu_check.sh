@@ -1,22 +1,66 @@
 #!/usr/bin/env bash
-# The GPU check: on a machine with a CUDA GPU, run the GPU-marked tests and the probe benchmark
-# (host and device) and print the figures. Run from the repository root:
-#     bash scripts/gpu_check.sh
-# It needs no network: it uses the first Python that imports a CUDA-enabled torch (PYTHON, then
-# python3), with rankmem from this tree on PYTHONPATH. rankmem's own dependencies (psutil, numpy,
-# rich, pytest) must be importable there; pip installs any that are missing when it can.
-set -euo pipefail
-cd "$(dirname "$0")/.."
+# The GPU check: rankmem's real CUDA path against ground truth, in one command of at most ~6 minutes.
+#     bash scripts/gpu_check.sh            # on a machine with a CUDA GPU
+#     bash scripts/gpu_check.sh --dry-run  # anywhere: compile and import every Python part, run the CPU parts
+# Needs no network and installs nothing: it uses PYTHON (default python3), which must import a CUDA
+# torch and psutil, numpy, rich and pytest; rankmem runs from this tree through PYTHONPATH.
+# Every step runs, whatever failed before it, under its own timeout (together 350 s); the summary at
+# the end lists each step's exit status (124: timed out). With OUT set, everything is also written to
+# $OUT/gpu_check.log. Exits 0 when every step passed, 1 otherwise; without a CUDA GPU, 0 at once.
+cd "$(dirname "$0")/.." || exit 2
 PY=${PYTHON:-python3}
-"$PY" - <<'PY'
-import torch
-assert torch.cuda.is_available(), "no CUDA GPU visible to torch"
-print("GPU:", torch.cuda.get_device_name(0), "| torch", torch.__version__, "| CUDA", torch.version.cuda)
-PY
-for mod in psutil numpy rich pytest pytest_timeout; do
-  "$PY" -c "import $mod" 2>/dev/null || "$PY" -m pip install -q "${mod/_/-}" || echo "warning: $mod missing"
-done
+export PYTHONUNBUFFERED=1  # a step killed by its timeout still leaves its output
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv || true
-timeout 600 "$PY" -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -o addopts=""
-timeout 300 "$PY" bench/bench_probe.py
+DRY=0
+[ "${1:-}" = "--dry-run" ] && DRY=1
+
+if [ -n "${OUT:-}" ]; then
+  mkdir -p "$OUT"
+  exec > >(tee -a "$OUT/gpu_check.log") 2>&1
+fi
+
+if [ "$DRY" = 0 ] && ! timeout 60 "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  echo "gpu_check: no CUDA GPU visible to $PY (torch.cuda.is_available() is false or torch is missing); nothing to check"
+  exit 0
+fi
+
+PYTEST=("$PY" -m pytest -q -p no:cacheprovider -o addopts="" -m gpu -W ignore::pytest.PytestConfigWarning)
+NAMES=()
+RCS=()
+step() {  # step NAME TIMEOUT_S COMMAND...
+  local name=$1 limit=$2
+  shift 2
+  echo
+  echo "=== $name (timeout ${limit}s): $*"
+  local start=$SECONDS
+  timeout --kill-after=5 "$limit" "$@"
+  local rc=$?
+  echo "=== $name: rc=$rc in $((SECONDS - start))s"
+  NAMES+=("$name")
+  RCS+=("$rc")
+}
+
+if [ "$DRY" = 1 ]; then
+  step compile 60 "$PY" -m py_compile tests/test_gpu.py tests/dist_scripts/gpu_fresh_process.py bench/bench_probe.py
+  step collect 60 "${PYTEST[@]}" --collect-only tests/test_gpu.py
+  step fresh-process 60 "$PY" tests/dist_scripts/gpu_fresh_process.py
+  step probe-bench 120 "$PY" bench/bench_probe.py --quick
+else
+  step environment 20 "$PY" -c 'import torch; print("GPU:", torch.cuda.get_device_name(0), "| torch", torch.__version__, "| CUDA", torch.version.cuda)'
+  nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv 2>/dev/null
+  step fresh-process 45 "$PY" tests/dist_scripts/gpu_fresh_process.py
+  step reads-peaks-other-oom 120 "${PYTEST[@]}" tests/test_gpu.py -k "not nccl and not fresh_process"
+  step nccl-one-rank 75 "${PYTEST[@]}" tests/test_gpu.py -k nccl
+  step probe-bench 90 "$PY" bench/bench_probe.py
+fi
+
+echo
+echo "=== summary"
+failed=0
+for i in "${!NAMES[@]}"; do
+  verdict=ok
+  [ "${RCS[$i]}" = 0 ] || { verdict=FAILED; failed=1; }
+  [ "${RCS[$i]}" = 124 ] && verdict="TIMED OUT"
+  printf '%-24s rc=%-4s %s\n' "${NAMES[$i]}" "${RCS[$i]}" "$verdict"
+done
+exit "$failed"

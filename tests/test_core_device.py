@@ -7,6 +7,7 @@ import torch
 
 import rankmem
 from rankmem._device import DeviceBackend, select_backend
+from rankmem._records import DeviceReading
 from rankmem._units import GIB, MIB
 from rankmem.testing import FakeCuda, FakeOutOfMemoryError
 
@@ -148,7 +149,7 @@ def test_cpu_only_torch_reports_device_figures_unavailable() -> None:
     assert isinstance(backend, DeviceBackend)
     backend.reset_peaks()
     reading = backend.read()
-    assert all(getattr(reading, f) is None for f in reading.__dataclass_fields__)
+    assert all(getattr(reading, f) is None for f in FIGURES)
     monitor = rankmem.Monitor(sinks=(), device="cuda", children=False)
     with monitor.step(0):
         pass
@@ -159,29 +160,135 @@ def test_cpu_only_torch_reports_device_figures_unavailable() -> None:
     assert m["mem/host/rss_gib/max"] > 0
 
 
-def test_uninitialised_backend_creates_no_context() -> None:
-    class Lazy(FakeCuda):
-        initialised = False
-        touched = 0
+# ---- lazy CUDA: nothing here may initialise CUDA or create a context ---------------------------------
 
-        def is_initialized(self) -> bool:
-            return self.initialised
+FIGURES = [f for f in DeviceReading.__dataclass_fields__ if f != "before_init"]
 
-        def mem_get_info(self, device: object = None) -> tuple[int, int]:
-            self.touched += 1  # on real CUDA this would create a context on the current device
-            return super().mem_get_info(device)
 
-        def reset_peak_memory_stats(self, device: object = None) -> None:
-            self.touched += 1
-            super().reset_peak_memory_stats(device)
-
-    cuda = Lazy()
+def test_building_a_monitor_creates_no_context() -> None:
+    cuda = FakeCuda()
     monitor = rankmem.Monitor(sinks=(), device_module=cuda, children=False)
-    before = monitor.local_metrics()
-    assert cuda.touched == 0 and "mem/device/used_gib" not in before
-    cuda.initialised = True  # the training loop's first CUDA call
-    after = monitor.local_metrics()
-    assert cuda.touched > 0 and after["mem/device/total_gib"] == 16.0
+    with monitor.step(0):
+        pass
+    before = monitor.collect()  # the first collect gathers the header (device name) too
+    assert cuda.contexts_created == {} and not cuda.is_initialized()
+    assert not any(k.startswith("mem/device/") for k in before)  # absent, not 0
+    assert monitor.header is not None and monitor.header.ranks[0].device == "cuda"
+    cuda.set_device(0)  # the training loop's first CUDA call
+    after = monitor.collect()
+    assert after["mem/device/total_gib/max"] == 16.0
+    assert cuda.contexts_created == {0: 1}  # the one set_device made
+
+
+def test_a_read_before_init_is_all_none() -> None:
+    cuda = FakeCuda()
+    backend = select_backend("cuda", cuda)
+    assert backend is not None
+    backend.reset_peaks()  # torch raises "did you call init?" here; rankmem must not call it
+    reading = backend.read()
+    assert all(getattr(reading, f) is None for f in FIGURES) and reading.before_init
+    assert backend.device_name() == "cuda" and backend.segments() == []
+    assert not cuda.is_initialized() and cuda.contexts_created == {}
+    # Initialised but without a context on the current device: mem_get_info would create one.
+    cuda.init()
+    assert backend.read().before_init and cuda.contexts_created == {}
+    h = cuda.malloc(MIB)
+    reading = backend.read()
+    assert not reading.before_init and reading.allocated == MIB and reading.total == 16 * GIB
+    assert backend.device_name() == "cuda:0 Fake GPU"
+    cuda.free(h)
+
+
+def test_reads_follow_the_current_device() -> None:
+    cuda = FakeCuda(devices=2)
+    monitor = rankmem.Monitor(sinks=(), device_module=cuda, children=False)
+    cuda.set_device(1)  # after the Monitor was built, as in most scripts
+    with monitor.step(0):
+        h = cuda.malloc(256 * MIB)
+    m = monitor.local_metrics()
+    assert gib(m, "mem/device/allocated_gib") == 256 * MIB
+    assert gib(m, "mem/device/used_gib") == 256 * MIB + cuda.context
+    assert cuda.contexts_created == {1: 1}  # nothing on device 0, the other rank's GPU
+    cuda.free(h)
+
+
+def test_a_window_opened_before_init_counts_its_oom() -> None:
+    cuda = FakeCuda(total=1 * GIB, context=0)
+    monitor = rankmem.Monitor(sinks=(), device_module=cuda, children=False)
+    with monitor.step(0):  # opened before any CUDA call: its start reads nothing
+        with monitor.phase("update"):
+            with pytest.raises(FakeOutOfMemoryError):
+                cuda.malloc(2 * GIB)
+            h = cuda.malloc(64 * MIB)
+    m = monitor.local_metrics()
+    assert (m["mem/device/ooms"], m["mem/device/alloc_retries"]) == (1, 1)
+    assert gib(m, "mem/phase/update/allocated_delta_gib") == 64 * MIB
+    cuda.free(h)
+
+
+def test_nested_and_flat_stats_read_alike() -> None:
+    class FlatOnly(FakeCuda):  # an npu/xpu-like module without the nested form
+        memory_stats_as_nested_dict = None  # type: ignore[assignment]
+
+        def memory_stats(self, device: object = None) -> dict[str, object]:
+            return _flat(FakeCuda.memory_stats_as_nested_dict(self, device))
+
+    readings = []
+    for cuda in (FakeCuda(), FlatOnly()):
+        a = cuda.malloc(5 * MIB)  # a 20 MiB segment: 15 MiB of it an inactive split block
+        b = cuda.malloc(300 * MIB)
+        cuda.free(b)
+        readings.append(select_backend("cuda", cuda).read())  # type: ignore[union-attr]
+        cuda.free(a)
+    assert readings[0] == readings[1]
+    r = readings[0]
+    assert (r.allocated, r.reserved, r.peak_allocated) == (5 * MIB, 320 * MIB, 305 * MIB)
+    assert r.inactive_split == 15 * MIB and r.free == r.total - r.used  # type: ignore[operator]
+
+
+def _flat(nested: dict[str, object], prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
+    for k, v in nested.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+# ---- forensics helpers: no-ops before init, torch's behaviour after --------------------------------
+
+def test_oom_observer_attached_only_after_init() -> None:
+    cuda = FakeCuda(total=1 * GIB, context=100 * MIB)
+    backend = select_backend("cuda", cuda)
+    assert backend is not None
+    calls: list[tuple[int, int, int, int]] = []
+    assert backend.attach_oom_observer(lambda *a: calls.append(a)) is False  # pytorch#107330
+    assert not cuda.is_initialized()
+    cuda.init()
+    assert backend.attach_oom_observer(lambda *a: calls.append(a)) is True
+    with pytest.raises(FakeOutOfMemoryError):
+        cuda.malloc(2 * GIB)
+    assert calls == [(0, 2 * GIB, 1 * GIB, 1 * GIB - 100 * MIB)]  # once: the first observer was never kept
+
+
+def test_history_snapshot_and_segments() -> None:
+    cuda = FakeCuda()
+    backend = select_backend("cuda", cuda)
+    assert backend is not None
+    assert backend.record_history(100) is False and backend.snapshot() is None  # not initialised
+    cuda.init()
+    assert backend.record_history(100) is True
+    big, small = cuda.malloc(512 * MIB), cuda.malloc(4 * MIB)
+    snap = backend.snapshot()
+    assert snap is not None and [e["action"] for e in snap["device_traces"][0]][:2] == ["segment_alloc", "alloc"]
+    top = backend.segments(top=1)
+    assert len(top) == 1 and top[0]["allocated_size"] == 512 * MIB and top[0]["total_size"] == 512 * MIB
+    assert "test_history_snapshot_and_segments" in top[0]["largest_block_frames"][0]
+    assert [s["allocated_size"] for s in backend.segments()] == [512 * MIB, 4 * MIB]
+    assert backend.record_history(0) is True  # stops
+    cuda.free(big)
+    cuda.free(small)
 
 
 def test_unknown_device_is_a_clear_error() -> None:

@@ -74,3 +74,51 @@ def test_a_nan_on_one_rank_is_seen_not_averaged_away(results: list[dict[str, Any
 def test_allgather_dict_into_dict_in_rank_order(results: list[dict[str, Any]]) -> None:
     # As verl's own: per key, each rank's value in rank order, a rank's list kept whole.
     assert results[0]["dict"] == {"a": [0.0, 1.0, 2.0], "lst": [[0.0, 0.0], [1.0, 10.0], [2.0, 20.0]]}
+
+
+# ---- the gather's device: NCCL gathers on the device the rank set for itself --------------------------
+# No NCCL here: these check where PackedGather would put its tensors, through a fake torch.cuda.
+
+def test_a_monitor_built_before_set_device_gathers_on_the_right_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    import warnings
+
+    import rankmem
+    from rankmem.testing import FakeCuda
+
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    cuda = FakeCuda(devices=4)
+    monitor = rankmem.Monitor(sinks=(), device_module=cuda, children=False)
+    cuda.set_device(2)  # after the Monitor, before the first collect
+    assert cuda.contexts_created == {2: 1}  # building the Monitor touched cuda:0, another rank's GPU, not at all
+    gather = monitor._exchange.packed
+    assert gather.resolve_device("gloo") == ("cpu", None)  # gloo gathers CPU tensors
+    assert gather.resolve_device("nccl") == ("cuda", 2)
+    gather._backend = "nccl"  # what _setup reads from the process group
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gather._follow_device()
+    assert str(gather._device) == "cuda:2" and not caught
+
+
+def test_a_gather_on_another_ranks_device_warns_once_and_follows_set_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    import warnings
+
+    from rankmem._collective import PackedGather, _check_local_device
+    from rankmem.testing import FakeCuda
+
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert _check_local_device("cuda", 1, 2) is None
+    assert _check_local_device("cuda", 0, 1) is None  # one visible device per rank: all on cuda:0 by design
+    cuda = FakeCuda(devices=2)
+    gather = PackedGather(None, ("cuda", 0), device_module=cuda)  # a pair's index is ignored
+    gather._backend = "nccl"
+    with pytest.warns(RuntimeWarning, match=r"LOCAL_RANK=1 but this rank gathers on cuda:0, its current device"):
+        gather._follow_device()  # the rank never called set_device
+    gather._width = 7
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gather._follow_device()  # the same device: nothing rebuilt, no second warning
+    assert gather._width == 7 and not caught
+    cuda.set_device(1)
+    gather._follow_device()
+    assert str(gather._device) == "cuda:1" and gather._width == -1  # the buffers move with the device
