@@ -93,7 +93,7 @@ def schema_signature(schema: Schema) -> float:
 class PackedGather:
     """Gathers one flat float64 vector per rank in a single ``all_gather_into_tensor``.
 
-    Each rank sends ``[signature, n, v_0 .. v_{n-1}, NaN padding]`` of an agreed capacity. Every rank
+    Each rank sends ``[signature, n, step, v_0 .. v_{n-1}, NaN padding]`` of an agreed capacity. Every rank
     receives the same matrix, so every rank sees whether all signatures and lengths agree: if they do,
     the fast path is done; if not (ranks with different keys, or more values than the capacity), every
     rank falls back to one pickled gather of the layouts and values and raises the capacity for the
@@ -197,32 +197,57 @@ class PackedGather:
             self._send = self._staging if self._device.type == "cpu" else self._staging.to(self._device)
             self._out = torch.empty(self._world * width, dtype=torch.float64, device=self._device)
 
-    def gather(self, schema: Schema, values: Sequence[float]) -> tuple[list[Schema], list[np.ndarray]]:
-        """Per rank, its layout and its values. A collective: every rank of the group calls it."""
+    def gather(self, schema: Schema, values: Sequence[float], step: float = math.nan
+               ) -> tuple[list[Schema], list[np.ndarray]]:
+        """Per rank, its layout and its values. A collective: every rank of the group calls it.
+
+        ``step`` travels in the header: ranks that meet at different steps are named in a warning.
+        """
         if not self._setup():
             return [schema], [np.asarray(values, dtype=np.float64)]
         if schema != self._last_schema:
             self._last_schema, self._last_sig = schema, schema_signature(schema)
-        n, world, width = len(values), self._world, self.capacity + 2
+        n, world, width = len(values), self._world, self.capacity + _HEAD
         self._buffers(width)
         send = self._send_np
-        send[0], send[1] = self._last_sig, n
-        send[2:] = math.nan
+        send[0], send[1], send[2] = self._last_sig, n, step
+        send[_HEAD:] = math.nan
         if n <= self.capacity:
-            send[2 : 2 + n] = values
+            send[_HEAD : _HEAD + n] = values
         if self._device.type != "cpu":
             self._send.copy_(self._staging)  # host-to-device
         _all_gather_single(self._out, self._send, self.group)
         rows = self._out.cpu().numpy().reshape(world, width).copy()  # a device-to-host sync on NCCL
         sigs, lengths = rows[:, 0], rows[:, 1]
+        self._check_steps(rows[:, 2])
         # Equal layouts may still carry different numbers of values (per-rank list lengths inside
         # the payload); all that must hold is that every rank's values fit.
         if (sigs == sigs[0]).all() and lengths.max() <= self.capacity:
-            return [schema] * world, [rows[r, 2 : 2 + int(lengths[r])] for r in range(world)]
+            return [schema] * world, [rows[r, _HEAD : _HEAD + int(lengths[r])] for r in range(world)]
         self.fallbacks += 1
         gathered = all_gather_objects((schema, list(map(float, values))), self.group)
         self.capacity = int(lengths.max())
         return [g[0] for g in gathered], [np.asarray(g[1], dtype=np.float64) for g in gathered]
+
+    def _check_steps(self, steps: np.ndarray) -> None:
+        """Ranks meeting in one gather at different steps: one of them called collect() more (or fewer)
+        times than the others and met its peers' next collect instead of its own. Every rank sees the
+        same steps, so every rank says the same thing."""
+        known = steps[~np.isnan(steps)]
+        if known.size == 0 or (known == known[0]).all():
+            return
+        at: dict[int, list[int]] = {}
+        for r, s in enumerate(steps.tolist()):
+            if s == s:  # not NaN
+                at.setdefault(int(s), []).append(r)
+        detail = "; ".join(f"rank(s) {ranks} at step {s}" for s, ranks in sorted(at.items()))
+        self._warn_once("steps", f"ranks met in one collect() at different steps ({detail}): a rank called collect() "
+                        "more or fewer times than the others; the last one to call it waits for the process-group "
+                        "timeout")
+
+
+_HEAD = 3
+"""The header of each rank's packed vector: layout checksum, value count, the caller's step."""
 
 
 _SUFFIXES = tuple("/" + a for a in AGGREGATES)
@@ -341,14 +366,14 @@ class Exchange:
         self._warned: set[tuple[str, ...]] = set()
         self._warn_once = WarnOnce()
 
-    def gather_aggregate(self, values: Mapping[str, float]) -> Gathered:
+    def gather_aggregate(self, values: Mapping[str, float], step: int | None = None) -> Gathered:
         if self._layout_set and self._layout_set.issuperset(values):
             schema = self._layout
             row = [values.get(k, ABSENT) for k in schema]
         else:
             schema = tuple(sorted(values))
             row = [values[k] for k in schema]
-        schemas, rows = self.packed.gather(schema, row)
+        schemas, rows = self.packed.gather(schema, row, math.nan if step is None else float(step))
         if all(s == schema for s in schemas):
             keys: Sequence[str] = schema
             matrix = np.vstack(rows) if rows else np.zeros((0, 0))

@@ -223,13 +223,14 @@ class Monitor:
         if local is None:
             self._windows.discard()
             local = dict(self._callers(metrics))
+        explicit = step is not None or self._windows.step_n is not None
         if step is None:
             step = self._windows.step_n if self._windows.step_n is not None else self._collects
         self._windows.step_n = None
         self._collects += 1
         if self._header is None:
             self._start()
-        gathered = self._exchange.gather_aggregate(local)
+        gathered = self._exchange.gather_aggregate(local, step if explicit else None)
         if self.config.verl_keys:
             gathered.aggregated.update(verl_metrics(gathered.aggregated))
         self._last, self._last_record = (int(step), time.time(), gathered), None

@@ -82,3 +82,11 @@ def test_collect_from_two_threads_at_once_is_refused() -> None:
     first.join(30)
     assert monitor.collect({"loss": 3.0})["loss/max"] == 3.0  # and the monitor goes on
     monitor.close()
+
+
+def test_a_rank_that_calls_collect_once_more_is_named(tmp_path: Path) -> None:
+    proc = torchrun(REPO / "tests/dist_scripts/extra_collect_worker.py", 2, [str(tmp_path)], timeout=120)
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    expected = "ranks met in one collect() at different steps (rank(s) [1] at step 1; rank(s) [0] at step 2)"
+    assert any(w.startswith("rankmem: " + expected) for w in r0["warnings"]), (r0, proc.stderr[-2000:])
+    assert any(w.startswith("rankmem: " + expected) for w in r1["warnings"])
