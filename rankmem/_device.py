@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from rankmem._guard import attempt
 from rankmem._records import DeviceReading
 from rankmem.errors import RankmemError, WarnOnce
 
@@ -102,26 +103,20 @@ class DeviceBackend:
         """Whether the backend is initialised; a module without lazy initialisation always is."""
         if self._is_initialized is None:
             return True
-        try:
-            return bool(self._is_initialized())
-        except Exception:
-            return False
+        return bool(attempt(self._is_initialized, default=False))
 
     def current_index(self) -> int | None:
         """The device to read now, or ``None`` where reading it would initialise the backend or create
         a context. ``current_device()`` runs ``_lazy_init``, so it is called only once initialised."""
         if not self.initialised():
             return None
-        try:
-            index = self._index if self._index is not None else int(self.module.current_device())
-        except Exception:
+        index = self._index if self._index is not None else attempt(self.module.current_device, default=None)
+        if index is None:
             return None
+        index = int(index)
         if index in self._with_context or self._hooks.has_context is None:
             return index
-        try:
-            if not self._hooks.has_context(index):
-                return None
-        except Exception:
+        if not attempt(self._hooks.has_context, index, default=False):
             return None
         self._with_context.add(index)  # a primary context lives as long as the process: ask once
         return index
@@ -130,14 +125,11 @@ class DeviceBackend:
         """``cuda:1 NVIDIA H200`` once initialised (the name needs no context); ``cuda`` before."""
         if not self.initialised():
             return self.name
-        try:
-            index = self._index if self._index is not None else int(self.module.current_device())
-        except Exception:
+        index = self._index if self._index is not None else attempt(self.module.current_device, default=None)
+        if index is None:
             return self.name
-        try:
-            return f"{self.name}:{index} {self.module.get_device_name(index)}"
-        except Exception:
-            return f"{self.name}:{index}"
+        model = attempt(self.module.get_device_name, index, default=None)
+        return f"{self.name}:{index}" if model is None else f"{self.name}:{index} {model}"
 
     # ---- window edges ------------------------------------------------------------------------------
     def reset_peaks(self) -> None:
@@ -146,25 +138,17 @@ class DeviceBackend:
         index = self.current_index()
         if index is None:  # nothing allocated yet; a reset would create a context (or raise, before init)
             return
-        try:
-            self.module.reset_peak_memory_stats(index)
-        except Exception:  # AttributeError/RuntimeError on a build without the backend compiled in
+        # AttributeError/RuntimeError on a build without the backend compiled in.
+        if attempt(self.module.reset_peak_memory_stats, index, default=False) is False:
             self.peaks_resettable = False
             self._warn_once("reset", f"{self.name}: cannot reset peak memory stats; device peaks are lifetime peaks")
 
     def _stats(self, index: int) -> tuple[dict[str, Any], bool]:
         """The allocator's stats and whether they are nested; ``{}`` when none can be read."""
         nested = self._hooks.nested_stats
-        try:
-            if nested is not None:
-                stats = nested(index)
-                return (stats, True) if isinstance(stats, dict) else (_EMPTY, True)
-            if self._flat_stats is not None:
-                stats = self._flat_stats(index)
-                return (stats, False) if isinstance(stats, dict) else (_EMPTY, False)
-        except Exception:
-            pass
-        return _EMPTY, True
+        read = nested if nested is not None else self._flat_stats
+        stats = None if read is None else attempt(read, index, default=None)
+        return (stats if isinstance(stats, dict) else _EMPTY), nested is not None or read is None
 
     def read(self) -> DeviceReading:
         """Allocator figures and device-wide usage of the current device: one stats call and one
@@ -188,12 +172,9 @@ class DeviceBackend:
                 stats.get("inactive_split_bytes.all.current"),
             )
         free = total = None
-        if self._mem_get_info is not None:
-            try:
-                free_, total_ = self._mem_get_info(index)
-                free, total = int(free_), int(total_)
-            except Exception:
-                pass
+        info = None if self._mem_get_info is None else attempt(self._mem_get_info, index, default=None)
+        if info is not None:
+            free, total = int(info[0]), int(info[1])
         return DeviceReading(
             allocated=_int(figures[0]),
             reserved=_int(figures[1]),
@@ -218,11 +199,7 @@ class DeviceBackend:
         attach = self._hooks.attach_oom_observer
         if attach is None or not self.initialised():
             return False
-        try:
-            attach(fn)
-        except Exception:
-            return False
-        return True
+        return attempt(attach, fn, default=False) is not False
 
     def record_history(self, max_entries: int) -> bool:
         """Keep the last ``max_entries`` allocator events with Python stacks of the allocations, for
@@ -230,14 +207,12 @@ class DeviceBackend:
         record = self._hooks.record_history
         if record is None or not self.initialised():
             return False
-        try:
-            if max_entries > 0:
-                record(enabled="all", context="alloc", stacks="python", max_entries=int(max_entries))
-            else:
-                record(enabled=None)
-        except Exception:
-            return False
-        return True
+        if max_entries > 0:
+            done = attempt(record, enabled="all", context="alloc", stacks="python", max_entries=int(max_entries),
+                           default=False)
+        else:
+            done = attempt(record, enabled=None, default=False)
+        return done is not False
 
     def snapshot(self) -> dict[str, Any] | None:
         """The allocator's state (``{"segments": [...], "device_traces": [[...], ...]}``, torch's
@@ -245,10 +220,7 @@ class DeviceBackend:
         take = self._hooks.snapshot
         if take is None or not self.initialised():
             return None
-        try:
-            snap = take()
-        except Exception:
-            return None
+        snap = attempt(take, default=None)
         return snap if isinstance(snap, dict) else None
 
     def segments(self, top: int = 5) -> list[dict[str, Any]]:
@@ -257,18 +229,11 @@ class DeviceBackend:
         index = self.current_index()
         if index is None:
             return []
-        raw: Any = None
         take = getattr(self.module, "memory_snapshot", None)
-        try:
-            if take is not None:
-                try:
-                    raw = take(include_traces=False)  # skips copying the history: only segments are needed
-                except TypeError:  # a torch without the option
-                    raw = take()
-            else:
-                raw = (self.snapshot() or _EMPTY).get("segments")
-        except Exception:
-            return []
+        if take is not None:
+            raw = attempt(_segments_only, take, default=None)
+        else:
+            raw = (self.snapshot() or _EMPTY).get("segments")
         if not isinstance(raw, list):
             return []
         live = [
@@ -277,6 +242,13 @@ class DeviceBackend:
         ]
         live.sort(key=lambda s: (int(s.get("allocated_size", 0)), int(s.get("total_size", 0))), reverse=True)
         return [_segment_summary(s) for s in live[: max(top, 0)]]
+
+
+def _segments_only(memory_snapshot: Callable[..., Any]) -> Any:
+    try:
+        return memory_snapshot(include_traces=False)  # skips copying the history: only segments are needed
+    except TypeError:  # a torch without the option
+        return memory_snapshot()
 
 
 def _segment_summary(segment: dict[str, Any]) -> dict[str, Any]:
@@ -320,10 +292,7 @@ def select_backend(device: str = "auto", device_module: Any = None) -> DeviceBac
         module = getattr(torch, name, None)
         if module is None:
             continue
-        try:
-            available = bool(module.is_available())
-        except Exception:
-            available = False
+        available = bool(attempt(module.is_available, default=False))
         if available or device != "auto":
             # An explicitly named backend is used even when unavailable: its figures then read None.
             return DeviceBackend(name, module)

@@ -48,3 +48,13 @@ class Guard:
         except Exception as exc:  # noqa: BLE001
             self.failed(topic, what, exc)
             return default
+
+
+def attempt(fn: Callable[..., T], *args: Any, default: T, **kwargs: Any) -> T:
+    """A call into a foreign API (torch's allocator, psutil, the driver) whose failure means "not
+    available here": its value, or ``default``, without a warning (the caller decides whether the
+    missing figure deserves one). psutil's ``wrap_exceptions`` plays this part for psutil."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - any failure of a foreign probe is "unavailable"
+        return default
