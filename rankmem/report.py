@@ -16,8 +16,9 @@ from typing import Any
 
 import numpy as np
 
+from rankmem._scalars import json_safe
 from rankmem.leaks import LeakConfig, Trend, detect_leaks
-from rankmem.runlog import Run, json_safe
+from rankmem.runlog import Run
 
 # Keys whose danger is a low value: their worst is the minimum.
 LOW_IS_BAD = ("mem/device/headroom_gib", "mem/node/available_gib")

@@ -18,21 +18,11 @@ from typing import IO, Any
 import numpy as np
 
 from rankmem._records import RunHeader, StepRecord
+from rankmem._scalars import json_safe
 from rankmem.errors import RankmemError, warn
 
 SCHEMA = 1
 RUN_LOG_NAME = "rankmem.jsonl"
-
-
-def json_safe(obj: Any) -> Any:
-    """Non-finite floats anywhere in ``obj`` become None (JSON has no NaN)."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [json_safe(v) for v in obj]
-    return obj
 
 
 def _rotate(path: str) -> str | None:
