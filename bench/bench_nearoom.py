@@ -6,6 +6,10 @@ Runs the watch thread (default config: a poll every 0.2 s) for ~10 s and reports
 thread used as a share of one core (``time.thread_time`` inside the thread), next to a thread that
 only sleeps on the same schedule (the wake-ups alone). Also prints the cost of one poll. Target: the
 watch under 0.5% of one core.
+
+Where this process's cgroup has no memory limit the poll skips the cgroup reads (usage, memory.stat);
+to measure that path run it inside a limited cgroup, e.g. ``systemd-run --scope -p MemoryMax=8G python
+bench/bench_nearoom.py``.
 """
 
 from __future__ import annotations
@@ -50,7 +54,8 @@ def main() -> None:
     watch.stop()
     watch_pct = watch.cpu_s / seconds * 100
     idle_pct = idle_thread_cpu(seconds, config.interval_s) / seconds * 100
-    print(f"cgroup: {watch.cgroup}; pressure: {watch.pressure_scope}")
+    cg = watch.cgroup
+    print(f"cgroup: {f'v{cg.version} {cg.dir}' if cg else 'none'}; pressure: {watch.pressure_scope}")
     print(f"one poll (check):            {poll_us:8.1f} us")
     print(f"watch thread, {seconds:g} s at {config.interval_s:g} s:  {watch_pct:7.3f} % of one core")
     print(f"idle thread, same schedule:  {idle_pct:7.3f} % of one core")

@@ -23,7 +23,7 @@ from typing import Any
 from rankmem._scalars import json_safe, to_float
 from rankmem.errors import WarnOnce
 
-__all__ = ["EventWriter", "Events", "events_path", "oom_event", "oom_where", "read_events"]
+__all__ = ["EventWriter", "Events", "encode_event", "events_path", "oom_event", "oom_where", "read_events"]
 
 EVENTS_DIR = "events"
 KINDS = ("oom", "near_oom", "killed", "stalled")
@@ -65,6 +65,10 @@ class EventWriter:
             return False
         try:
             line = encode_event({"rank": self.rank, "time": time.time(), **event})
+        except Exception as exc:  # noqa: BLE001 - incl. MemoryError on the way out of a host OOM
+            self._warn_once("encode", f"cannot encode a {event.get('kind')!r} event ({exc!r}); it is skipped")
+            return False
+        try:
             if self._fd is None:
                 os.makedirs(os.path.dirname(self.path), exist_ok=True)
                 self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -74,7 +78,7 @@ class EventWriter:
             while written < len(line):
                 written += os.write(self._fd, line[written:])
             return True
-        except (OSError, TypeError, ValueError) as exc:
+        except OSError as exc:
             self._disabled = True
             self._warn_once("events", f"cannot write events to {self.path} ({exc}); events are disabled, "
                                       "training goes on")

@@ -74,6 +74,18 @@ def test_unserialisable_figures_are_named_not_fatal(tmp_path: Path) -> None:
     assert event["a"] == 2.5 and event["b"].startswith("<object object")
 
 
+def test_an_event_that_cannot_be_encoded_is_skipped_not_raised(tmp_path: Path) -> None:
+    class Exhausted:
+        def item(self) -> float:
+            raise MemoryError  # what a host OOM can leave behind for the handler
+
+    writer = EventWriter(str(tmp_path), 0)
+    with pytest.warns(RuntimeWarning, match=r"cannot encode a 'oom' event \(MemoryError\(\)\); it is skipped"):
+        assert writer.write({"kind": "oom", "step": 1, "phase": None, "x": Exhausted()}) is False
+    assert writer.write({"kind": "oom", "step": 2, "phase": None})  # the next one is written
+    assert [e["step"] for e in read_events(str(tmp_path)).events] == [2]
+
+
 def test_reader_merges_ranks_by_time_and_counts_torn_and_corrupt_lines(tmp_path: Path) -> None:
     events = tmp_path / "events"
     events.mkdir()
