@@ -149,6 +149,13 @@ def descendants(pid: int, proc: str = "/proc") -> set[int]:
     return found
 
 
+def parse_stat_state(data: bytes) -> str | None:
+    """The scheduler state letter (``R``, ``S``, ``D``, ``T``, ``t``, ``Z``...) of ``/proc/PID/stat``, field 3."""
+    end = data.rfind(b")")
+    fields = data[end + 1 :].split() if end >= 0 else []
+    return fields[0].decode("ascii", "replace") if fields else None
+
+
 def parse_stat_starttime(data: bytes) -> int | None:
     """Start time of a process in clock ticks after boot: field 22 of ``/proc/PID/stat``. The command
     name (field 2) may hold spaces and parentheses, so fields are counted after its last ``)``."""

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import io
 import os
+from pathlib import Path
 
 import pytest
 
 from rankmem._heartbeat import HeartbeatRecord
 from rankmem._units import GIB
-from rankmem.cli._diagnose import OomKills, diagnose, parse_torchrun_output
+from rankmem.cli._diagnose import OomKills, RankStates, diagnose, parse_torchrun_output
 from rankmem.cli._train import StderrRelay
 
 NOW = 1_000_000.0
@@ -66,11 +67,11 @@ def beat(rank: int, pid: int, step: int | None, phase: str = "", seq: int = 100,
 def test_parse_torchrun_2_13_output() -> None:
     failures = parse_torchrun_output(KILLED)
     by_pid = {e.pid: e for e in failures.exits}
-    assert set(by_pid) == {9531, 9532} and failures.signalled == {9531}
+    assert set(by_pid) == {9531, 9532} and failures.signalled == {9531: {15}}
     assert (by_pid[9532].rank, by_pid[9532].exitcode, by_pid[9532].root_cause) == (1, -9, True)
     assert (by_pid[9531].rank, by_pid[9531].exitcode, by_pid[9531].root_cause) == (0, -15, False)
     stalled = parse_torchrun_output(STALLED)
-    assert stalled.signalled == {9904}
+    assert stalled.signalled == {9904: {15, 9}}
     assert parse_torchrun_output("").exits == []
 
 
@@ -126,6 +127,20 @@ def test_torchruns_sigterm_is_not_a_kill_even_unlogged() -> None:
     assert finding.line == "rank 1 was killed by SIGTERM before its first heartbeat; cause unknown"
 
 
+def test_two_ranks_killed_while_torchrun_was_stopping_one() -> None:
+    # The OOM killer took rank 1 and then rank 0; torchrun, seeing rank 0 gone, sent SIGTERM to rank 1,
+    # which was already dying of SIGKILL: not torchrun's signal, so rank 1 is named too.
+    text = (f"W1130 09:52:44.503000 16647 {LOG}:1028] Sending process 16661 closing signal SIGTERM\n"
+            f"E1130 09:52:44.527000 16647 {LOG}:1002] failed (exitcode: -9) local_rank: 0 (pid: 16660) of binary: p\n"
+            + table("rankmem.engine.train", [(1, -9, 16661, "  (SIGKILL)")], (0, -9, 16660, "  (SIGKILL)")))
+    beats = {0: beat(0, 16660, 4, rss=GIB // 2), 1: beat(1, 16661, 4)}
+    found = diagnose(text, beats, OomKills(0, 0), OomKills(2, 2), NOW)
+    assert [f.line for f in found] == [
+        "rank 0 was killed by SIGKILL at step 4, last RSS 0.5 GiB; the cgroup's OOM-kill count rose: the kernel OOM killer",
+        "rank 1 was killed by SIGKILL at step 4, last RSS 3.0 GiB; the cgroup's OOM-kill count rose: the kernel OOM killer",
+    ]
+
+
 def test_other_signals() -> None:
     segv = KILLED.replace("exitcode: -9", "exitcode: -11").replace("-9 (pid", "-11 (pid")
     (finding,) = diagnose(segv, {1: beat(1, 9532, 3, rss=None)}, OomKills(0, 0), OomKills(1, 1), NOW)
@@ -139,6 +154,42 @@ def test_stalled_rank_named_instead_of_the_rank_torchrun_blames() -> None:
     e = finding.event
     assert (e["kind"], e["rank"], e["step"], e["phase"], e["pid"]) == ("stalled", 1, 161, "log_prob", 9904)
     assert e["heartbeat_age_s"] == pytest.approx(40.2) and e["heartbeat_seq"] == 485 and e["ahead_seq"] == 486
+
+
+def test_stopped_process_named_when_both_ranks_beat_the_same_edge() -> None:
+    # Rank 1 froze just after beating "update"; rank 0 beat "update" too and waits in its collective:
+    # equal sequences, and rank 0's beat may even be the older. Only the process state tells.
+    beats = {0: beat(0, 9903, 161, "update", seq=486, age=41.0), 1: beat(1, 9904, 161, "update", seq=486, age=40.0)}
+    assert diagnose(STALLED, beats, NO_OOM, NO_OOM, NOW) == []
+    (finding,) = diagnose(STALLED, beats, NO_OOM, NO_OOM, NOW, states={0: "S", 1: "T"})
+    assert finding.line == ("rank 1 stopped making progress at step 161 (phase update): no heartbeat for 40 s; "
+                            "its process was stopped (state T: SIGSTOP or job control)")
+    assert finding.event["process_state"] == "T"
+    (finding,) = diagnose("", beats, NO_OOM, NO_OOM, NOW, states={0: "S", 1: "D"})
+    assert finding.line.endswith("; its process was in uninterruptible sleep (state D: waiting in the kernel, "
+                                 "e.g. on I/O or a driver)")
+    # A stop that is still fresh (a debugger pausing a rank for a moment) is not a stall.
+    fresh = {0: beat(0, 9903, 1, seq=4), 1: beat(1, 9904, 1, seq=4, age=1.0)}
+    assert diagnose("", fresh, NO_OOM, NO_OOM, NOW, states={1: "T"}) == []
+
+
+def test_rank_states_read_only_the_launched_job(tmp_path: Path) -> None:
+    def proc_file(pid: int, name: str, text: str) -> None:
+        path = tmp_path / str(pid) / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+    proc_file(100, "task/100/children", "101 102")  # torchrun with its two ranks
+    proc_file(101, "stat", "101 (python) S 100")
+    proc_file(102, "stat", "102 (python) T 100")
+    proc_file(555, "stat", "555 (other) T 1")  # a pid named by another node's heartbeat
+    beats = {0: beat(0, 101, 3), 1: beat(1, 102, 3), 2: beat(2, 555, 3)}
+    states = RankStates(str(tmp_path))
+    states.sample(100, beats)
+    assert states.last == {0: "S", 1: "T"}
+    (tmp_path / "102" / "stat").unlink()  # rank 1 gone: its last state is kept
+    states.sample(100, beats)
+    assert states.last == {0: "S", 1: "T"}
 
 
 def test_stall_on_the_launchers_own_timeout_without_torchrun_output() -> None:

@@ -160,6 +160,13 @@ def test_stat_starttime_survives_odd_command_names() -> None:
     assert _procfs.parse_stat_starttime(b"garbage") is None
 
 
+def test_stat_state() -> None:
+    assert _procfs.parse_stat_state(b"123 (python) T 1 123 123 0") == "T"
+    assert _procfs.parse_stat_state(b"123 (a) R (b)) D 1") == "D"
+    assert _procfs.parse_stat_state(b"123 (python)") is None
+    assert _procfs.parse_stat_state(b"") is None
+
+
 def test_descendants_walk_every_thread(tmp_path: Path) -> None:
     _write(tmp_path / "10" / "task" / "10" / "children", "11 12")
     _write(tmp_path / "10" / "task" / "15" / "children", "13\n")  # a child forked by another thread

@@ -3,12 +3,14 @@
 torchrun's failure table names a "root cause" by the smallest failure timestamp, in whole seconds,
 ties going to the lowest local rank: when rank 1 is SIGKILLed and rank 0 fails in the collective it
 was waiting in, both fail in the same second and torchrun blames rank 0. So this module reads every
-worker exit torchrun reports, keeps the signal deaths that torchrun did not cause itself (it sends
-``SIGTERM``, then ``SIGKILL`` after a grace period, to the survivors of a failure, and logs each
-one), and names them with their last step, phase and RSS from the ranks' heartbeat files. A rank
-whose heartbeat sequence lags the others' and has gone stale is the one the others were waiting for.
+worker exit torchrun reports and keeps the deaths by a signal that torchrun did not send that worker
+itself (it sends ``SIGTERM``, then ``SIGKILL`` after a grace period, to the survivors of a failure,
+and logs each), and names those ranks with their last step, phase and RSS from their heartbeat
+files. A rank whose heartbeat sequence lags the others' and has gone stale is the one the others
+were waiting for.
 
-Pure functions over text and records, so the tests feed them fixed torchrun output.
+The diagnosis is pure functions over text and records, so the tests feed them fixed torchrun output;
+:class:`RankStates` is the one part that reads ``/proc``, while the job runs.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import signal
 from dataclasses import dataclass
 from typing import Any
 
+from rankmem import _procfs
 from rankmem._heartbeat import HeartbeatRecord
 from rankmem._units import GIB
 
@@ -29,6 +32,7 @@ milliseconds of each other, so a lag of one beat between two fresh heartbeats is
 # signals it sends, and the failure table's per-worker lines.
 _AGENT = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
 _SENT = re.compile(r"Sending process (\d+) closing signal (SIG[A-Z0-9]+)")
+_ESCALATED = re.compile(r"Unable to shutdown process (\d+) via \d+, forcefully exiting via (\d+)")
 _RANK = re.compile(r"^\s*rank\s*:\s*(\d+) \(local_rank: (\d+)\)")
 _EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+) \(pid: (\d+)\)")
 _ROOT = "Root Cause (first observed failure)"
@@ -50,19 +54,23 @@ class WorkerExit:
 @dataclass(frozen=True, slots=True)
 class TorchrunFailures:
     exits: list[WorkerExit]
-    signalled: set[int]
-    """Pids torchrun itself sent a closing signal while shutting the job down."""
+    signalled: dict[int, set[int]]
+    """The signals (numbers) torchrun itself sent each pid while shutting the job down."""
 
 
 def parse_torchrun_output(text: str) -> TorchrunFailures:
     """The worker exits and the shutdown signals in torchrun's stderr."""
     exits: dict[int, WorkerExit] = {}
-    signalled: set[int] = set()
+    signalled: dict[int, set[int]] = {}
     in_root = False
     pending: tuple[int, int] | None = None
     for line in text.splitlines():
         if match := _SENT.search(line):
-            signalled.add(int(match[1]))
+            sig = getattr(signal.Signals, match[2], None)
+            if sig is not None:
+                signalled.setdefault(int(match[1]), set()).add(int(sig))
+        elif match := _ESCALATED.search(line):
+            signalled.setdefault(int(match[1]), set()).add(int(match[2]))
         elif match := _AGENT.search(line):
             pid = int(match[3])
             exits.setdefault(pid, WorkerExit(pid, int(match[1]), None, int(match[2]), root_cause=False))
@@ -120,9 +128,11 @@ def killed(failures: TorchrunFailures, heartbeats: dict[int, HeartbeatRecord], b
            after: OomKills, now: float) -> list[Finding]:
     """The workers a signal killed that torchrun did not send, torchrun's root cause first."""
     by_pid = {b.pid: b for b in heartbeats.values()}
-    # SIGTERM is torchrun's own closing signal: a SIGTERM death counts only as the root cause, in case
-    # torchrun's warnings (which name the pids it signals) were filtered out of its log.
-    deaths = [e for e in failures.exits if e.exitcode < 0 and e.pid not in failures.signalled
+    # A worker that died of a signal torchrun had not sent it (SIGKILL while torchrun had sent only
+    # SIGTERM: the OOM killer got there first) was killed from outside. SIGTERM is torchrun's own
+    # closing signal: a SIGTERM death counts only as the root cause, in case torchrun's warnings (which
+    # name the pids it signals) were filtered out of its log.
+    deaths = [e for e in failures.exits if e.exitcode < 0 and -e.exitcode not in failures.signalled.get(e.pid, ())
               and (e.exitcode != -signal.SIGTERM or e.root_cause)]
     findings = []
     for death in sorted(deaths, key=lambda e: not e.root_cause):
@@ -151,29 +161,71 @@ def killed(failures: TorchrunFailures, heartbeats: dict[int, HeartbeatRecord], b
     return findings
 
 
+# Scheduler states (field 3 of /proc/PID/stat) of a process that cannot be making progress.
+STUCK_STATES = {
+    "T": "its process was stopped (state T: SIGSTOP or job control)",
+    "t": "its process was stopped by a debugger (state t)",
+    "D": "its process was in uninterruptible sleep (state D: waiting in the kernel, e.g. on I/O or a driver)",
+}
+
+
+class RankStates:
+    """The scheduler state of each local rank process, sampled by the launcher while the job runs.
+
+    A rank frozen by SIGSTOP and a rank waiting in a collective for it both stop beating, often at the
+    same window edge; only the process state tells them apart, and it must be read while the
+    processes live. The launcher samples once a second (a few small reads per rank). Only descendants
+    of the launched torchrun are read: heartbeat files on a shared file system may name pids of other
+    nodes.
+    """
+
+    def __init__(self, proc: str = "/proc") -> None:
+        self._proc = proc
+        self.last: dict[int, str] = {}
+        """Rank -> its state at the last sample that found its process alive."""
+
+    def sample(self, root_pid: int, heartbeats: dict[int, HeartbeatRecord]) -> None:
+        local = _procfs.descendants(root_pid, self._proc)
+        for beat in heartbeats.values():
+            if beat.pid not in local:
+                continue
+            try:
+                with open(f"{self._proc}/{beat.pid}/stat", "rb") as f:
+                    state = _procfs.parse_stat_state(f.read())
+            except OSError:
+                continue
+            if state is not None:
+                self.last[beat.rank] = state
+
+
 def stalled(heartbeats: dict[int, HeartbeatRecord], now: float, exclude: set[int],
-            stale_s: float = STALE_S) -> Finding | None:
-    """The rank that stopped making progress: every rank beats at the same window edges, so the one
-    whose sequence counter lags the most (the oldest beat among equals) while its beat has gone stale
-    is the one the others were waiting for. Ranks in ``exclude`` (already explained) are skipped."""
-    live = [b for b in heartbeats.values() if not b.clean]
-    if len(live) < 2:
+            states: dict[int, str] | None = None, stale_s: float = STALE_S) -> Finding | None:
+    """The rank that stopped making progress, among those whose heartbeat has gone stale: one whose
+    process was last seen stopped (``states``, see :class:`RankStates`), else the one whose sequence
+    counter lags the most (every rank beats at the same window edges; the oldest beat among equals).
+    Ranks in ``exclude`` (already explained) are skipped."""
+    states = states or {}
+    live = [b for b in heartbeats.values() if not b.clean and b.rank not in exclude]
+    stale = [b for b in live if now - b.time >= stale_s]
+    stuck = [b for b in stale if states.get(b.rank) in STUCK_STATES]
+    ahead = max((b.seq for b in heartbeats.values() if not b.clean), default=0)
+    behind = [b for b in stale if b.seq < ahead]
+    if not stuck and not behind:
         return None
-    ahead = max(b.seq for b in live)
-    behind = [b for b in live if b.seq < ahead and b.rank not in exclude and now - b.time >= stale_s]
-    if not behind:
-        return None
-    beat = min(behind, key=lambda b: (b.seq, b.time))
+    beat = min(stuck or behind, key=lambda b: (b.seq, b.time))
     age = now - beat.time
+    state = states.get(beat.rank)
     line = f"rank {beat.rank} stopped making progress {_where(beat)}: no heartbeat for {age:.0f} s"
+    if state in STUCK_STATES:
+        line += f"; {STUCK_STATES[state]}"
     event = {"kind": "stalled", "rank": beat.rank, "step": beat.step, "phase": beat.phase or None, "time": now,
              "pid": beat.pid, "heartbeat_age_s": age, "heartbeat_seq": beat.seq, "ahead_seq": ahead,
-             "last_rss_bytes": beat.rss_bytes, "source": "launcher"}
+             "process_state": state, "last_rss_bytes": beat.rss_bytes, "source": "launcher"}
     return Finding(beat.rank, line, event)
 
 
 def diagnose(torchrun_stderr: str, heartbeats: dict[int, HeartbeatRecord], before: OomKills,
-             after: OomKills, now: float) -> list[Finding]:
+             after: OomKills, now: float, states: dict[int, str] | None = None) -> list[Finding]:
     """Everything the launcher can say about a failed or stopped job: killed ranks, then a stalled one."""
     failures = parse_torchrun_output(torchrun_stderr)
     findings = killed(failures, heartbeats, before, after, now)
@@ -181,5 +233,5 @@ def diagnose(torchrun_stderr: str, heartbeats: dict[int, HeartbeatRecord], befor
     # rank cannot raise (it ends by torchrun's signals), so it is never among these.
     raised = {e.pid for e in failures.exits if e.exitcode > 0}
     exclude = {f.rank for f in findings} | {b.rank for b in heartbeats.values() if b.pid in raised}
-    stall = stalled(heartbeats, now, exclude)
+    stall = stalled(heartbeats, now, exclude, states)
     return findings + ([stall] if stall is not None else [])

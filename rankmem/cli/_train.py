@@ -29,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import IO
 
 from rankmem import _heartbeat, _nearoom
@@ -39,6 +40,7 @@ from rankmem.errors import MissingExtraError, RankmemError
 
 ENTRY = "rankmem.engine.train"
 GRACE_S = 10.0  # after SIGTERM, how long torchrun gets to stop its workers
+SAMPLE_S = 1.0  # how often the launcher samples the ranks' process states while the job runs
 TAIL_LINES = 2000  # torchrun's failure table is at the end of its stderr; keep this much to read it
 # torchrun's agent logs this the moment it sees a worker fail; the failure table follows it.
 FAILURE_STARTS = re.compile(r"failed \(exitcode: -?\d+\) local_rank: \d+ \(pid: \d+\)")
@@ -146,16 +148,31 @@ def oom_kills() -> _diagnose.OomKills:
     return _diagnose.OomKills(_nearoom.oom_kill_count(), _nearoom.node_oom_kill_count())
 
 
-def explain(stderr_text: str, heartbeat_dir: str, before: _diagnose.OomKills, out: str) -> int:
+def explain(stderr_text: str, heartbeat_dir: str, before: _diagnose.OomKills, out: str,
+            states: _diagnose.RankStates) -> int:
     """Print the diagnosis lines and write their events; returns how many findings there were."""
     findings = _diagnose.diagnose(stderr_text, _heartbeat.read_heartbeats(heartbeat_dir), before, oom_kills(),
-                                  time.time())
+                                  time.time(), states.last)
     for finding in findings:
         print(f"rankmem train: {finding.line}", file=sys.stderr, flush=True)
         writer = EventWriter(out, finding.rank)
         writer.write(finding.event)
         writer.close()
     return len(findings)
+
+
+def wait_sampling(proc: subprocess.Popen[bytes], timeout_s: float | None, sample: Callable[[], None]) -> int:
+    """``proc.wait(timeout_s)``, calling ``sample()`` every :data:`SAMPLE_S` meanwhile; raises
+    ``subprocess.TimeoutExpired`` at the timeout."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        wait_s = SAMPLE_S if deadline is None else max(0.0, min(SAMPLE_S, deadline - time.monotonic()))
+        try:
+            return proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise
+        sample()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -171,11 +188,17 @@ def run(args: argparse.Namespace) -> int:
     proc = subprocess.Popen(cmd, env=env, start_new_session=True, stderr=subprocess.PIPE)
     assert proc.stderr is not None
     relay = StderrRelay(proc.stderr, sys.stderr)
+    states = _diagnose.RankStates()
+
+    def sample() -> None:
+        states.sample(proc.pid, _heartbeat.read_heartbeats(heartbeat_dir))
+
     try:
-        code = proc.wait(timeout=args.timeout_s)
+        code = wait_sampling(proc, args.timeout_s, sample)
     except subprocess.TimeoutExpired:
-        # Read the heartbeats before stopping: the stop itself ends every rank's progress.
-        explain(relay.text(), heartbeat_dir, before, args.out)
+        # Read the heartbeats and states before stopping: the stop itself ends every rank's progress.
+        sample()
+        explain(relay.text(), heartbeat_dir, before, args.out, states)
         _stop(proc)
         relay.wait(GRACE_S)
         relay.release()
@@ -187,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
         return 130
     relay.wait(GRACE_S)
     if code != 0:
-        explain(relay.text(), heartbeat_dir, before, args.out)
+        explain(relay.text(), heartbeat_dir, before, args.out, states)
     relay.release()
     if code != 0:
         print(f"rankmem train: the job failed (exit {code}); the failing rank's error is above. "
