@@ -6,7 +6,6 @@ elsewhere psutil is the fallback. The implementation is chosen once, by :func:`m
 
 from __future__ import annotations
 
-import glob
 import os
 import sys
 import time
@@ -159,21 +158,7 @@ class LinuxHostProbe:
                 return {p.pid for p in psutil.Process(self._pid).children(recursive=True)}
             except psutil.Error:
                 return set()
-        found: set[int] = set()
-        frontier = [self._pid]
-        while frontier:
-            pid = frontier.pop()
-            for path in glob.glob(f"{self._proc}/{pid}/task/*/children"):
-                try:
-                    with open(path, "rb") as f:
-                        kids = _procfs.parse_children(f.read())
-                except OSError:
-                    continue
-                for kid in kids:
-                    if kid not in found:
-                        found.add(kid)
-                        frontier.append(kid)
-        return found
+        return _procfs.descendants(self._pid, self._proc)
 
     def _refresh_children(self) -> None:
         pids = self._descendants()

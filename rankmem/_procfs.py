@@ -5,6 +5,7 @@ Every parser returns bytes (or ``None`` for a field the kernel did not give); no
 
 from __future__ import annotations
 
+import glob
 import os
 from dataclasses import dataclass
 
@@ -104,11 +105,124 @@ def parse_children(data: bytes) -> list[int]:
     return pids
 
 
+def parse_keyed(data: bytes) -> dict[str, int]:
+    """``key value`` lines as a dict of ints: cgroup v2 ``memory.events`` and ``memory.stat``, v1
+    ``memory.stat`` and ``memory.oom_control``, ``/proc/vmstat``. Lines that are not ``key int`` are skipped."""
+    out: dict[str, int] = {}
+    for line in data.splitlines():
+        parts = line.split()
+        if len(parts) != 2:
+            continue
+        try:
+            out[parts[0].decode("ascii", "replace")] = int(parts[1])
+        except ValueError:
+            continue
+    return out
+
+
+def parse_uss(smaps_rollup: bytes) -> int | None:
+    """Private memory (USS) in bytes from ``/proc/PID/smaps_rollup`` (Linux >= 4.14): ``Private_Clean +
+    Private_Dirty``, what the process would give back if it exited."""
+    clean = parse_kb_field(smaps_rollup, b"Private_Clean")
+    dirty = parse_kb_field(smaps_rollup, b"Private_Dirty")
+    return None if clean is None or dirty is None else clean + dirty
+
+
+def descendants(pid: int, proc: str = "/proc") -> set[int]:
+    """Every descendant of ``pid``, walked through ``/proc/PID/task/TID/children`` (Linux >= 3.5 with
+    ``CONFIG_PROC_CHILDREN``; ~100 us per process, against ~0.7 ms for psutil's scan of all of /proc).
+    Empty where the kernel lacks those files."""
+    found: set[int] = set()
+    frontier = [pid]
+    while frontier:
+        parent = frontier.pop()
+        for path in glob.glob(f"{proc}/{parent}/task/*/children"):
+            try:
+                with open(path, "rb") as f:
+                    kids = parse_children(f.read())
+            except OSError:
+                continue
+            for kid in kids:
+                if kid not in found:
+                    found.add(kid)
+                    frontier.append(kid)
+    return found
+
+
+def parse_stat_state(data: bytes) -> str | None:
+    """The scheduler state letter (``R``, ``S``, ``D``, ``T``, ``t``, ``Z``...) of ``/proc/PID/stat``, field 3."""
+    end = data.rfind(b")")
+    fields = data[end + 1 :].split() if end >= 0 else []
+    return fields[0].decode("ascii", "replace") if fields else None
+
+
+def parse_stat_starttime(data: bytes) -> int | None:
+    """Start time of a process in clock ticks after boot: field 22 of ``/proc/PID/stat``. The command
+    name (field 2) may hold spaces and parentheses, so fields are counted after its last ``)``."""
+    end = data.rfind(b")")
+    if end < 0:
+        return None
+    fields = data[end + 1 :].split()
+    try:
+        return int(fields[19])  # field 3 is fields[0]
+    except (IndexError, ValueError):
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class PsiLine:
+    """One line of a pressure-stall file: the share of wall time (percent) in which tasks stalled on
+    memory, averaged over 10, 60 and 300 s, and the total stall time in microseconds."""
+
+    avg10: float
+    avg60: float
+    avg300: float
+    total_us: int
+
+
+@dataclass(frozen=True, slots=True)
+class Pressure:
+    """``/proc/pressure/memory`` or cgroup v2 ``memory.pressure`` (Linux >= 4.20, ``CONFIG_PSI``).
+
+    ``some``: at least one task stalled; ``full``: every non-idle task stalled at once."""
+
+    some: PsiLine | None
+    full: PsiLine | None
+
+
+def parse_pressure(data: bytes) -> Pressure | None:
+    """``some avg10=0.12 avg60=0.05 avg300=0.00 total=12345`` and its ``full`` line; ``None`` when
+    neither line parses."""
+    lines: dict[bytes, PsiLine] = {}
+    for line in data.splitlines():
+        parts = line.split()
+        if len(parts) < 5 or parts[0] not in (b"some", b"full"):
+            continue
+        fields = dict(p.split(b"=", 1) for p in parts[1:] if b"=" in p)
+        try:
+            lines[parts[0]] = PsiLine(float(fields[b"avg10"]), float(fields[b"avg60"]),
+                                      float(fields[b"avg300"]), int(fields[b"total"]))
+        except (KeyError, ValueError):
+            continue
+    if not lines:
+        return None
+    return Pressure(lines.get(b"some"), lines.get(b"full"))
+
+
+def inactive_file(stat: dict[str, int]) -> int | None:
+    """Reclaimable file cache from a parsed ``memory.stat``: v1's hierarchical ``total_inactive_file``
+    where present (it includes child cgroups, as ``usage_in_bytes`` does), else ``inactive_file`` (v2
+    is hierarchical already)."""
+    return stat.get("total_inactive_file", stat.get("inactive_file"))
+
+
 @dataclass(frozen=True, slots=True)
 class CgroupFiles:
     """Where this process's cgroup memory accounting lives."""
 
     version: int
+    dir: str
+    """The cgroup's directory: the other memory files (events, stat, pressure) sit beside these two."""
     current: str
     """``memory.current`` (v2) or ``memory.usage_in_bytes`` (v1)."""
     limit: str
@@ -143,5 +257,15 @@ def find_cgroup_files(proc_self_cgroup: str, root: str = "/sys/fs/cgroup") -> Cg
     for version, base, current, limit in candidates:
         cur, lim = os.path.join(base, current), os.path.join(base, limit)
         if os.path.isfile(cur) and os.path.isfile(lim):
-            return CgroupFiles(version, cur, lim)
+            return CgroupFiles(version, base, cur, lim)
     return None
+
+
+def own_cgroup_files(proc: str = "/proc", root: str = "/sys/fs/cgroup") -> CgroupFiles | None:
+    """:func:`find_cgroup_files` for this process (``PROC/self/cgroup``); ``None`` when unreadable."""
+    try:
+        with open(os.path.join(proc, "self", "cgroup")) as f:
+            text = f.read()
+    except OSError:
+        return None
+    return find_cgroup_files(text, root)

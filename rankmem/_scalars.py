@@ -1,4 +1,5 @@
-"""The one scalar coercion every path uses: the caller's metrics, verl's gather, the run-log reader."""
+"""The one scalar coercion every path uses: the caller's metrics, verl's gather, the run-log reader;
+and the one JSON cleaning (NaN and inf become null) that the run log and the event files share."""
 
 from __future__ import annotations
 
@@ -32,3 +33,14 @@ def to_float_or_nan(value: Any) -> float:
     """:func:`to_float`, with NaN for anything that is not a number (a run log's ``null``)."""
     number = to_float(value)
     return math.nan if number is None else number
+
+
+def json_safe(obj: Any) -> Any:
+    """Non-finite floats anywhere in ``obj`` become None (JSON has no NaN)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj

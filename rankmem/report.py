@@ -16,8 +16,9 @@ from typing import Any
 import numpy as np
 
 from rankmem._catalogue import PHASE_PREFIX, PHASE_SUFFIX, is_memory_key, key_of, phase_of_peak, worst_stat
+from rankmem._scalars import json_safe
 from rankmem.leaks import LeakConfig, Trend, detect_leaks
-from rankmem.runlog import Run, json_safe
+from rankmem.runlog import Run
 
 
 @dataclass

@@ -107,3 +107,80 @@ def test_cgroup_v1_memory_controller(tmp_path: Path) -> None:
 def test_no_cgroup_files_is_none(tmp_path: Path) -> None:
     assert _procfs.find_cgroup_files("3:memory:/x\n0::/y\n", root=str(tmp_path)) is None
     assert _procfs.find_cgroup_files("garbage\n", root=str(tmp_path)) is None
+
+
+# ---- the near-OOM watch's sources --------------------------------------------------------------------
+V2_EVENTS = b"low 0\nhigh 12\nmax 40\noom 3\noom_kill 2\noom_group_kill 0\n"
+V1_OOM_CONTROL = b"oom_kill_disable 0\nunder_oom 1\noom_kill 5\n"
+V1_STAT = b"cache 2150400\nrss 1937408\ninactive_file 1540096\ntotal_cache 9000000\ntotal_inactive_file 8000000\n"
+V2_STAT = b"anon 104857600\nfile 52428800\ninactive_file 41943040\nactive_file 10485760\n"
+PSI = b"some avg10=12.50 avg60=3.10 avg300=0.75 total=123456\nfull avg10=4.00 avg60=1.00 avg300=0.20 total=6543\n"
+
+
+def test_keyed_files() -> None:
+    assert _procfs.parse_keyed(V2_EVENTS)["oom_kill"] == 2
+    assert _procfs.parse_keyed(V1_OOM_CONTROL) == {"oom_kill_disable": 0, "under_oom": 1, "oom_kill": 5}
+    assert _procfs.parse_keyed(b"nr_free_pages 12\noom_kill 7\n")["oom_kill"] == 7  # /proc/vmstat
+    assert _procfs.parse_keyed(b"a 1 2\nb x\n\nc 3") == {"c": 3}
+    # Linux < 4.13: v1 oom_control has no oom_kill line.
+    assert "oom_kill" not in _procfs.parse_keyed(b"oom_kill_disable 0\nunder_oom 0\n")
+
+
+def test_inactive_file_prefers_v1_hierarchical_total() -> None:
+    assert _procfs.inactive_file(_procfs.parse_keyed(V1_STAT)) == 8000000
+    assert _procfs.inactive_file(_procfs.parse_keyed(V2_STAT)) == 41943040
+    assert _procfs.inactive_file({}) is None
+
+
+def test_pressure_lines() -> None:
+    p = _procfs.parse_pressure(PSI)
+    assert p is not None and p.some is not None and p.full is not None
+    assert (p.some.avg10, p.some.avg60, p.some.avg300, p.some.total_us) == (12.5, 3.1, 0.75, 123456)
+    assert p.full.avg10 == 4.0
+    # The system-wide CPU file has no "full" line before Linux 5.13; odd lines are skipped.
+    only_some = _procfs.parse_pressure(b"some avg10=0.00 avg60=0.00 avg300=0.00 total=0\nfull garbage\n")
+    assert only_some is not None and only_some.full is None and only_some.some is not None
+    assert _procfs.parse_pressure(b"") is None
+    assert _procfs.parse_pressure(b"some avg10=x avg60=0 avg300=0 total=0\n") is None
+
+
+def test_uss_from_smaps_rollup() -> None:
+    rollup = (b"563041d35000-7fff407e1000 ---p 00000000 00:00 0                          [rollup]\n"
+              b"Rss:                1852 kB\nPss:                 324 kB\nShared_Clean:       1408 kB\n"
+              b"Private_Clean:       292 kB\nPrivate_Dirty:       152 kB\nPrivate_Hugetlb:       0 kB\n")
+    assert _procfs.parse_uss(rollup) == (292 + 152) * 1024
+    assert _procfs.parse_uss(b"Rss: 4 kB\n") is None  # a kernel thread's empty rollup
+
+
+def test_stat_starttime_survives_odd_command_names() -> None:
+    fields = " ".join(str(n) for n in range(3, 23))  # fields 3..22; field 22 (starttime) is "22"
+    assert _procfs.parse_stat_starttime(f"123 (python) {fields} 23 24".encode()) == 22
+    assert _procfs.parse_stat_starttime(f"123 (a) b (c)) {fields}".encode()) == 22
+    assert _procfs.parse_stat_starttime(b"123 (python) S 1") is None
+    assert _procfs.parse_stat_starttime(b"garbage") is None
+
+
+def test_stat_state() -> None:
+    assert _procfs.parse_stat_state(b"123 (python) T 1 123 123 0") == "T"
+    assert _procfs.parse_stat_state(b"123 (a) R (b)) D 1") == "D"
+    assert _procfs.parse_stat_state(b"123 (python)") is None
+    assert _procfs.parse_stat_state(b"") is None
+
+
+def test_descendants_walk_every_thread(tmp_path: Path) -> None:
+    _write(tmp_path / "10" / "task" / "10" / "children", "11 12")
+    _write(tmp_path / "10" / "task" / "15" / "children", "13\n")  # a child forked by another thread
+    _write(tmp_path / "11" / "task" / "11" / "children", "14")
+    _write(tmp_path / "14" / "task" / "14" / "children", "")
+    assert _procfs.descendants(10, str(tmp_path)) == {11, 12, 13, 14}
+    assert _procfs.descendants(99, str(tmp_path)) == set()
+
+
+def test_cgroup_dir_and_own_cgroup(tmp_path: Path) -> None:
+    base = tmp_path / "cg" / "memory" / "docker" / "abc"
+    _write(base / "memory.usage_in_bytes", "3000\n")
+    _write(base / "memory.limit_in_bytes", "8589934592\n")
+    _write(tmp_path / "proc" / "self" / "cgroup", "3:memory:/docker/abc\n0::/\n")
+    files = _procfs.own_cgroup_files(str(tmp_path / "proc"), str(tmp_path / "cg"))
+    assert files is not None and files.version == 1 and files.dir == str(base)
+    assert _procfs.own_cgroup_files(str(tmp_path / "nowhere"), str(tmp_path / "cg")) is None

@@ -8,22 +8,42 @@ Several nodes: run the same line on every node, with ``--nnodes N --node-rank I 
 HOST:PORT`` (HOST is reachable from every node, e.g. node 0's address). The job is
 ``python -m torch.distributed.run ... -m rankmem.engine.train ...`` in a subprocess; its exit status is
 ours, so a rank that fails fails the command (torchrun shows that rank's traceback).
+
+A rank killed by a signal (the kernel OOM killer's SIGKILL) leaves no traceback, and torchrun may
+blame the healthy rank that was waiting for it. So the job runs with ``RANKMEM_HEARTBEAT_DIR=
+OUT/heartbeat`` (each rank's last step, phase and RSS), torchrun's stderr passes through this process,
+and when the job fails, one line naming the killed (or stalled) rank is printed before torchrun's
+failure table and written as an event to ``OUT/events/rank<r>.jsonl``.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import glob
 import importlib.util
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import IO
 
+from rankmem import _heartbeat, _nearoom
+from rankmem._events import EventWriter
+from rankmem.cli import _diagnose
 from rankmem.engine.options import add_job_arguments, job_argv, resolve_job_options
 from rankmem.errors import MissingExtraError, RankmemError
 
 ENTRY = "rankmem.engine.train"
 GRACE_S = 10.0  # after SIGTERM, how long torchrun gets to stop its workers
+SAMPLE_S = 1.0  # how often the launcher samples the ranks' process states while the job runs
+TAIL_LINES = 2000  # torchrun's failure table is at the end of its stderr; keep this much to read it
+# torchrun's agent logs this the moment it sees a worker fail; the failure table follows it.
+FAILURE_STARTS = re.compile(r"failed \(exitcode: -?\d+\) local_rank: \d+ \(pid: \d+\)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,23 +88,130 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
             continue
 
 
+class StderrRelay:
+    """Copies torchrun's stderr to ours line by line, keeps its tail for the diagnosis, and from the
+    agent's first failure line on holds the rest back, so the diagnosis can be printed before
+    torchrun's failure table (:meth:`release` then writes what was held, in order)."""
+
+    def __init__(self, source: IO[bytes], sink: IO[str]) -> None:
+        self._source, self._sink = source, sink
+        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self._held: list[str] = []
+        self._holding = False
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._pump, name="rankmem-stderr", daemon=True)
+        self._thread.start()
+
+    def _pump(self) -> None:
+        for raw in iter(self._source.readline, b""):
+            line = raw.decode("utf-8", "replace")
+            with self._lock:
+                self.tail.append(line)
+                if not self._holding and FAILURE_STARTS.search(line):
+                    self._holding = True
+                if self._holding:
+                    self._held.append(line)
+                    continue
+            self._sink.write(line)
+            self._sink.flush()
+
+    def wait(self, timeout: float) -> None:
+        """Until torchrun's stderr closes (a worker that outlives torchrun may keep it open: bounded)."""
+        self._thread.join(timeout)
+
+    def text(self) -> str:
+        with self._lock:
+            return "".join(self.tail)
+
+    def release(self) -> None:
+        """Write what was held and pass everything after it straight through."""
+        with self._lock:
+            held, self._held, self._holding = self._held, [], False
+        self._sink.write("".join(held))
+        self._sink.flush()
+
+
+def prepare_heartbeat_dir(out: str) -> str:
+    """``OUT/heartbeat``, created, without the heartbeats of an earlier run in the same ``OUT`` (their
+    pids and sequence counters would confuse the diagnosis)."""
+    directory = os.path.join(out, "heartbeat")
+    os.makedirs(directory, exist_ok=True)
+    for path in glob.glob(os.path.join(glob.escape(directory), "rank*.hb")):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    return directory
+
+
+def oom_kills() -> _diagnose.OomKills:
+    return _diagnose.OomKills(_nearoom.oom_kill_count(), _nearoom.node_oom_kill_count())
+
+
+def explain(stderr_text: str, heartbeat_dir: str, before: _diagnose.OomKills, out: str,
+            states: _diagnose.RankStates) -> int:
+    """Print the diagnosis lines and write their events; returns how many findings there were."""
+    findings = _diagnose.diagnose(stderr_text, _heartbeat.read_heartbeats(heartbeat_dir), before, oom_kills(),
+                                  time.time(), states.last)
+    for finding in findings:
+        print(f"rankmem train: {finding.line}", file=sys.stderr, flush=True)
+        writer = EventWriter(out, finding.rank)
+        writer.write(finding.event)
+        writer.close()
+    return len(findings)
+
+
+def wait_sampling(proc: subprocess.Popen[bytes], timeout_s: float | None, sample: Callable[[], None]) -> int:
+    """``proc.wait(timeout_s)``, calling ``sample()`` every :data:`SAMPLE_S` meanwhile; raises
+    ``subprocess.TimeoutExpired`` at the timeout."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        wait_s = SAMPLE_S if deadline is None else max(0.0, min(SAMPLE_S, deadline - time.monotonic()))
+        try:
+            return proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise
+        sample()
+
+
 def run(args: argparse.Namespace) -> int:
     if importlib.util.find_spec("torch") is None:
         raise MissingExtraError("rankmem train", "torch", "torch")
     cmd = torchrun_command(args)
+    heartbeat_dir = prepare_heartbeat_dir(args.out)
     # One thread per rank: ranks share the node's cores, and oversubscription slows every step.
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+           _heartbeat.ENV_DIR: heartbeat_dir}
+    before = oom_kills()
     # Own session: a timeout or Ctrl-C stops torchrun and all of its workers, nothing else.
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stderr=subprocess.PIPE)
+    assert proc.stderr is not None
+    relay = StderrRelay(proc.stderr, sys.stderr)
+    states = _diagnose.RankStates()
+
+    def sample() -> None:
+        states.sample(proc.pid, _heartbeat.read_heartbeats(heartbeat_dir))
+
     try:
-        code = proc.wait(timeout=args.timeout_s)
+        code = wait_sampling(proc, args.timeout_s, sample)
     except subprocess.TimeoutExpired:
+        # Read the heartbeats and states before stopping: the stop itself ends every rank's progress.
+        sample()
+        explain(relay.text(), heartbeat_dir, before, args.out, states)
         _stop(proc)
+        relay.wait(GRACE_S)
+        relay.release()
         print(f"rankmem train: stopped after --timeout-s {args.timeout_s:g}", file=sys.stderr)
         return 124
     except KeyboardInterrupt:
         _stop(proc)
+        relay.release()
         return 130
+    relay.wait(GRACE_S)
+    if code != 0:
+        explain(relay.text(), heartbeat_dir, before, args.out, states)
+    relay.release()
     if code != 0:
         print(f"rankmem train: the job failed (exit {code}); the failing rank's error is above. "
               f"Every step logged before it is in {os.path.join(args.out, 'rankmem.jsonl')}", file=sys.stderr)

@@ -17,8 +17,9 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from rankmem._scalars import json_safe
 from rankmem.runlog._layout import RUN_LOG_NAME, SCHEMA, SUPPORTED_SCHEMAS
-from rankmem.runlog._writer import RunLogWriter, header_to_json, json_safe
+from rankmem.runlog._writer import RunLogWriter, header_to_json
 
 if TYPE_CHECKING:
     from rankmem.runlog._reader import Run, read_run, resolve_run_path

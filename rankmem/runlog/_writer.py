@@ -8,25 +8,14 @@ Online code: it imports nothing of the reader.
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import asdict
 from typing import IO, Any
 
 from rankmem._records import RunHeader, StepRecord
+from rankmem._scalars import json_safe
 from rankmem.errors import warn
 from rankmem.runlog._layout import HEADER_KIND, SCHEMA, SEPARATORS, step_object
-
-
-def json_safe(obj: Any) -> Any:
-    """Non-finite floats anywhere in ``obj`` become None (JSON has no NaN)."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [json_safe(v) for v in obj]
-    return obj
 
 
 def _rotate(path: str) -> str | None:

@@ -1,0 +1,65 @@
+"""A scratch memory cgroup for tests that need the real kernel: created under this process's own memory
+cgroup, removed afterwards; the test skips, with the reason, where the machine refuses."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from rankmem import _procfs
+
+
+@contextlib.contextmanager
+def scratch_memory_cgroup(limit_bytes: int) -> Iterator[Path]:
+    """``<own memory cgroup>/rankmem-test-<pid>-<n>`` with ``limit_bytes``; its processes are killed and
+    the directory removed on exit. v1 (``memory.limit_in_bytes``) or v2 (``memory.max``)."""
+    if os.geteuid() != 0:
+        pytest.skip("a scratch memory cgroup needs root")
+    own = _procfs.own_cgroup_files()
+    if own is None:
+        pytest.skip("this process has no memory cgroup (no v2 memory.current, no v1 memory controller)")
+    limit_name = "memory.max" if own.version == 2 else "memory.limit_in_bytes"
+    path = Path(own.dir) / f"rankmem-test-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        path.mkdir()
+    except OSError as exc:
+        pytest.skip(f"cannot create a memory cgroup under {own.dir}: {exc}")
+    try:
+        try:
+            (path / limit_name).write_text(str(limit_bytes))
+        except OSError as exc:
+            pytest.skip(f"cannot set {limit_name} of a scratch cgroup: {exc}")
+        yield path
+    finally:
+        _empty_and_remove(path, Path(own.dir))
+
+
+def move_into(cgroup: Path, pid: int) -> None:
+    (cgroup / "cgroup.procs").write_text(str(pid))
+
+
+def _empty_and_remove(path: Path, parent: Path) -> None:
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            pids = [int(p) for p in (path / "cgroup.procs").read_text().split()]
+        except OSError:
+            pids = []
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                (parent / "cgroup.procs").write_text(str(pid))  # out first: a cgroup with tasks cannot go
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)  # every process in it is the test's own
+        try:
+            path.rmdir()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)  # a just-killed task leaves the cgroup when it is reaped
