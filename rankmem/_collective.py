@@ -48,6 +48,14 @@ def rank_and_world(group: Any = None) -> tuple[int, int]:
     return int(dist.get_rank(group)), int(dist.get_world_size(group))
 
 
+def global_rank() -> int:
+    """This process's rank in the world (``RANK`` before the process group exists), for per-rank files."""
+    rank, _ = rank_and_world(None)
+    if rank == 0 and not dist_active(None):
+        return int(os.environ.get("RANK", "0") or 0)
+    return rank
+
+
 def all_gather_objects(obj: Any, group: Any = None) -> list[Any]:
     """Pickled gather: two collectives and a pickle per rank. Only for rare, one-off exchanges."""
     if not dist_active(group):

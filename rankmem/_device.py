@@ -49,6 +49,8 @@ class _Hooks:
     """``torch.cuda.memory._record_memory_history``."""
     snapshot: Callable[[], Any] | None
     """``torch.cuda.memory._snapshot``."""
+    set_metadata: Callable[[str], Any] | None
+    """``torch.cuda.memory._set_memory_metadata``: a tag carried by the history entries that follow."""
 
 
 def _find_hooks(module: Any) -> _Hooks:
@@ -61,6 +63,7 @@ def _find_hooks(module: Any) -> _Hooks:
             attach_oom_observer=getattr(binding, "_cuda_attach_out_of_memory_observer", None),
             record_history=getattr(memory, "_record_memory_history", None),
             snapshot=getattr(memory, "_snapshot", None),
+            set_metadata=getattr(memory, "_set_memory_metadata", None),
         )
     return _Hooks(
         has_context=getattr(module, "_has_primary_context", None),
@@ -69,6 +72,7 @@ def _find_hooks(module: Any) -> _Hooks:
         attach_oom_observer=getattr(module, "_attach_out_of_memory_observer", None),
         record_history=getattr(module, "_record_memory_history", None),
         snapshot=getattr(module, "_snapshot", None),
+        set_metadata=getattr(module, "_set_memory_metadata", None),
     )
 
 
@@ -213,6 +217,11 @@ class DeviceBackend:
         else:
             done = attempt(record, enabled=None, default=False)
         return done is not False
+
+    def tag_history(self, tag: str) -> None:
+        """Tag the allocator history entries that follow (``step 12 / update``), where supported."""
+        if self._hooks.set_metadata is not None:
+            attempt(self._hooks.set_metadata, tag, default=None)
 
     def snapshot(self) -> dict[str, Any] | None:
         """The allocator's state (``{"segments": [...], "device_traces": [[...], ...]}``, torch's

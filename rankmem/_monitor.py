@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -27,6 +28,7 @@ from typing import Any
 from rankmem import _collective
 from rankmem._catalogue import phase_metrics, verl_metrics, window_metrics
 from rankmem._device import select_backend
+from rankmem._forensics import Forensics
 from rankmem._guard import Guard
 from rankmem._host import HostProbe, make_host_probe
 from rankmem._publish import Publisher
@@ -60,6 +62,13 @@ class MonitorConfig:
     """The caller's own configuration, stored in the run log header."""
     leak_check: bool = True
     """On the logging rank, test host RSS / device allocated / worker RSS for steady growth; warn once."""
+    oom_history: int = 0
+    """On CUDA, keep a ring of this many allocator events (Python stacks, tagged with step and phase) and
+    write a snapshot file next to each ``oom`` event; 0 (default) records none. Costs GPU-side time per
+    allocation: see bench/RESULTS.md."""
+    near_oom_watch: bool = True
+    """With ``out_dir`` set, the lowest local rank of each node polls cgroup / node headroom and memory
+    pressure every 0.2 s on a thread and writes a ``near_oom`` event (once per episode)."""
     sink_thread: bool = True
     """Write sinks and run the leak watch on a background thread (the caller's thread only hands the
     collect over); False does it inside :meth:`Monitor.collect`."""
@@ -74,6 +83,8 @@ class MonitorConfig:
         check_sink_specs(self.sinks or (), self.out_dir)
         if self.log_rank < 0:
             raise RankmemError(f"log_rank must be >= 0, got {self.log_rank}")
+        if not isinstance(self.oom_history, int) or self.oom_history < 0:
+            raise RankmemError(f"oom_history must be a whole number of entries >= 0, got {self.oom_history!r}")
         if not (self.children_refresh_s > 0):
             raise RankmemError(f"children_refresh_s must be > 0, got {self.children_refresh_s}")
 
@@ -112,6 +123,10 @@ class Monitor:
         host = host_probe if host_probe is not None else make_host_probe(self.config.children,
                                                                          self.config.children_refresh_s)
         self._windows = Windows(host, device, self._guard)
+        self._forensics = Forensics(self.config.out_dir, _collective.global_rank(), host, device,
+                                    oom_history=self.config.oom_history, near_oom_watch=self.config.near_oom_watch,
+                                    flush=lambda: self.flush(2.0))
+        self._windows.listener = self._forensics
         self._exchange = _collective.Exchange(group, device.name if device else None, device.module if device else None)
         sinks = [make_sink(spec, self.config.out_dir) for spec in self.config.sinks or ()]
         self._publisher = Publisher(sinks, self.config.leak_check, self._guard, background=self.config.sink_thread)
@@ -267,6 +282,12 @@ class Monitor:
             # Its descriptors are closed: every figure would read as unavailable, silently.
             raise RankmemError("this Monitor is closed: build a new one (on every rank) to go on measuring")
 
+    def record_oom(self, exc: BaseException) -> None:
+        """Record an out-of-memory error caught outside a ``step``/``phase`` window (a framework's
+        exception hook) as an ``oom`` event at the current step and phase. Local; never raises."""
+        self._guard.call("forensics", "recording the OOM failed", self._forensics.record, exc, self._windows.where,
+                         default=None)
+
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until the sinks have written every collect so far (they write on a background thread);
         False if ``timeout`` seconds passed first. Local."""
@@ -276,6 +297,9 @@ class Monitor:
         """Flush and close the sinks, close the probe's descriptors. Local; safe to call twice."""
         self._closed = True
         self._publisher.close()
+        # Closed while an exception propagates (a finally block): the heartbeat says the exit was not clean.
+        clean = sys.exc_info()[0] is None
+        self._guard.call("forensics", "closing the event files failed", self._forensics.close, clean, default=None)
         self._windows.host.close()
 
     def __enter__(self) -> Monitor:

@@ -36,8 +36,9 @@ class Where:
 class WindowListener(Protocol):
     """Told about edges and failures; it must not raise (the Monitor guards it)."""
 
-    def edge(self, where: Where, rss: int | None) -> None:
-        """After every edge: a heartbeat's chance to record progress (a few microseconds)."""
+    def edge(self, where: Where, rss: int | None, failing: bool = False) -> None:
+        """After every edge: a heartbeat's chance to record progress (a few microseconds).
+        ``failing``: the window is ending because an exception is leaving it (:meth:`failed` follows)."""
 
     def failed(self, exc: BaseException, where: Where, window: WindowBytes) -> None:
         """An exception left a window; ``window`` holds its figures up to that instant."""
@@ -106,12 +107,13 @@ class Windows:
             self.device.reset_peaks()
         return rss, dev
 
-    def _safe_edge(self) -> tuple[int | None, DeviceReading | None]:
+    def _safe_edge(self, failing: bool = False) -> tuple[int | None, DeviceReading | None]:
         unavailable: tuple[int | None, DeviceReading | None] = (None, None)
         reading = self._guard.call("edge", "memory probe failed, figures of this window are unavailable",
                                    self._edge, default=unavailable)
         if self.listener is not None:
-            self._guard.call("listener", "heartbeat failed", self.listener.edge, self.where, reading[0], default=None)
+            self._guard.call("listener", "heartbeat failed", self.listener.edge, self.where, reading[0], failing,
+                             default=None)
         return reading
 
     def _begin(self) -> _Open:
@@ -121,8 +123,8 @@ class Windows:
         self._open.append(window)
         return window
 
-    def _end(self, window: _Open) -> tuple[int | None, DeviceReading | None]:
-        rss, dev = self._safe_edge()
+    def _end(self, window: _Open, failing: bool = False) -> tuple[int | None, DeviceReading | None]:
+        rss, dev = self._safe_edge(failing)
         if window in self._open:
             self._open.remove(window)
         return rss, dev
@@ -161,7 +163,7 @@ class Windows:
             error = exc
             raise
         finally:
-            rss, dev = self._end(window)
+            rss, dev = self._end(window, error is not None)
             if error is not None:
                 self._failed(error, window, rss, dev)
             closed = self._bytes(window, rss, dev)
@@ -174,8 +176,8 @@ class Windows:
         """A named phase: its own peaks and the RSS / allocated deltas across it."""
         if not isinstance(name, str) or not PHASE_NAME.match(name):
             raise RankmemError(f"phase name must match [A-Za-z0-9_.-]+ (it becomes part of metric keys); got {name!r}")
+        self._phase_stack.append(name)  # the edges at entry and exit both belong to this phase
         window = self._begin()
-        self._phase_stack.append(name)
         error: BaseException | None = None
         try:
             yield
@@ -183,7 +185,7 @@ class Windows:
             error = exc
             raise
         finally:
-            rss, dev = self._end(window)
+            rss, dev = self._end(window, error is not None)
             if error is not None:
                 self._failed(error, window, rss, dev)
             self._phase_stack.pop()

@@ -10,12 +10,14 @@ growth and the leak verdicts of :mod:`rankmem.leaks`. Everything is computed on 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
 from rankmem._catalogue import PHASE_PREFIX, PHASE_SUFFIX, is_memory_key, key_of, phase_of_peak, worst_stat
+from rankmem._events import read_events
 from rankmem._scalars import json_safe
 from rankmem.leaks import LeakConfig, Trend, detect_leaks
 from rankmem.runlog import Run
@@ -67,6 +69,9 @@ class Report:
     headroom: KeyReport | None = None
     host_growth: Growth | None = None
     trends: list[Trend] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    """Every rank's forensic events (``oom``, ``near_oom``, ``killed``, ``stalled``), by time."""
+    corrupt_events: int = 0
 
     @property
     def leaks(self) -> list[Trend]:
@@ -145,6 +150,7 @@ def growth(run: Run, key: str) -> Growth | None:
 
 
 def build_report(run: Run, leak_config: LeakConfig | None = None) -> Report:
+    events = read_events(run.path)
     steps = run.steps
     report = Report(
         path=run.path,
@@ -155,6 +161,8 @@ def build_report(run: Run, leak_config: LeakConfig | None = None) -> Report:
         last_step=int(steps[-1]) if steps.size else None,
         corrupt=run.corrupt,
         truncated=run.truncated,
+        events=events.events,
+        corrupt_events=events.corrupt,
     )
     for key in memory_keys(run):
         kr = key_report(run, key)
@@ -181,6 +189,8 @@ def render(report: Report) -> None:
 
     # A fixed width off a terminal keeps piped output and tests stable.
     console = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 120, highlight=False)
+    for line in event_lines(report):  # what happened comes first: it is why the report is opened
+        console.print(line, markup=False)
     for line in summary_lines(report):
         console.print(line, markup=False)
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
@@ -201,6 +211,42 @@ def render(report: Report) -> None:
         console.print(table)
     for line in verdict_lines(report):
         console.print(line, markup=False)
+
+
+def event_lines(report: Report) -> list[str]:
+    """One line per event: ``EVENT oom rank 1 step 3 phase update: host MemoryError ...``."""
+    lines = [f"EVENT {describe_event(e)}" for e in report.events]
+    if report.corrupt_events:
+        lines.append(f"events: {report.corrupt_events} torn or corrupt line(s) skipped")
+    return lines
+
+
+def describe_event(e: Mapping[str, Any]) -> str:
+    where = f"{e.get('kind')} rank {e.get('rank')} step {e.get('step')} phase {e.get('phase') or '-'}"
+    kind = e.get("kind")
+    if kind == "oom":
+        what = f"{e.get('where')} {e.get('error') or ''}".strip()
+        requested = e.get("requested_bytes")
+        if isinstance(requested, (int, float)):
+            what += f"; requested {requested / 2**30:.3f} GiB"
+        device = e.get("device") or {}
+        if isinstance(device.get("free_bytes"), (int, float)) and isinstance(device.get("total_bytes"), (int, float)):
+            what += f"; device free {device['free_bytes'] / 2**30:.3f} of {device['total_bytes'] / 2**30:.3f} GiB"
+        host = e.get("host") or {}
+        if isinstance(host.get("rss_bytes"), (int, float)):
+            what += f"; RSS {host['rss_bytes'] / 2**30:.3f} GiB"
+        return f"{where}: {what}"
+    if kind == "near_oom":
+        return f"{where}: {', '.join(map(str, e.get('reasons') or [])) or 'low headroom'}"
+    rss = e.get("last_rss_bytes")
+    last = f", last RSS {rss / 2**30:.3f} GiB" if isinstance(rss, (int, float)) else ""
+    if kind == "killed":
+        return f"{where}: killed by {e.get('signal')}{last}; cause {e.get('cause')}"
+    if kind == "stalled":
+        age = e.get("heartbeat_age_s")
+        age_text = f"{age:.0f} s" if isinstance(age, (int, float)) else "?"
+        return f"{where}: no heartbeat for {age_text}{last}; process state {e.get('process_state')}"
+    return where
 
 
 def summary_lines(report: Report) -> list[str]:

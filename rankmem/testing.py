@@ -123,6 +123,7 @@ class _Allocator:
     """One device's caching allocator."""
 
     def __init__(self, base: int) -> None:
+        self.metadata = ""  # torch.cuda.memory._set_memory_metadata: tags the trace entries that follow
         self.stats = {name: {pool: _Stat() for pool in _POOLS} for name in _STAT_NAMES}
         self.retries = 0
         self.ooms = 0
@@ -157,6 +158,7 @@ class _Allocator:
             entry.setdefault("stream", 0)
             entry["frames"] = _frames() if self.stacks >= level else []
             entry["time_us"] = int(time.time() * 1e6)
+            entry["user_metadata"] = self.metadata
             self.history.append(entry)
 
 
@@ -430,6 +432,10 @@ class FakeCuda:
             dev.stacks = _HISTORY_LEVELS[context] if enabled is not None else 0
             if enabled is None or clear_history or dev.history.maxlen != max(int(max_entries), 1):
                 dev.history = collections.deque(maxlen=max(int(max_entries), 1))  # a ring of max_entries
+
+    def _set_memory_metadata(self, metadata: str) -> None:
+        for dev in self._devices:
+            dev.metadata = str(metadata)
 
     def _snapshot(self, device: Any = None) -> dict[str, Any]:
         if not self._initialized:

@@ -75,3 +75,34 @@ def test_lightning_single_process(tmp_path: Path) -> None:
         assert row["mem/host/rss_gib/max_rank"] == 0
     with pytest.raises(ValueError, match="every_n_steps must be >= 1"):
         RankmemCallback(every_n_steps=0)
+
+
+def test_lightning_oom_in_a_training_step_becomes_an_event(tmp_path: Path) -> None:
+    import lightning as L
+    import numpy as np
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from rankmem._events import read_events
+    from rankmem.integrations.lightning import RankmemCallback
+
+    class RunsOutAtStep2(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+            if batch_idx == 2:
+                np.ones(1 << 62, dtype=np.uint8)  # a real MemoryError (4 EiB)
+            return self.net(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    callback = RankmemCallback(out_dir=str(tmp_path), near_oom_watch=False, every_n_steps=1)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=5, logger=False, callbacks=[callback],
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(MemoryError):
+        trainer.fit(RunsOutAtStep2(), DataLoader(TensorDataset(torch.randn(32, 4)), batch_size=4))
+    (event,) = read_events(str(tmp_path)).events
+    assert (event["kind"], event["where"], event["phase"]) == ("oom", "host", "train_step")

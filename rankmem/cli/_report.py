@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 from rankmem.cli._common import add_leak_options, add_run_argument, leak_config, require_steps
 
@@ -19,7 +20,8 @@ def run(args: argparse.Namespace) -> int:
     from rankmem.runlog import read_run
 
     the_run = read_run(args.run)
-    require_steps(the_run, "report")
+    if not os.path.isdir(os.path.join(os.path.dirname(the_run.path), "events")):
+        require_steps(the_run, "report")  # a run that died before its first step may still have events
     report = build_report(the_run, leak_config(args))
     if args.json:
         print(json.dumps(report.to_json(), indent=1, sort_keys=True))

@@ -28,8 +28,6 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 import rankmem
 from rankmem._catalogue import SUMMARY_KEYS, key_of, phase_of_peak
-from rankmem._heartbeat import Heartbeat, heartbeat_dir
-from rankmem._procfs import parse_statm_rss
 from rankmem.engine.data import ArithmeticSFT, CountingTask, group_normalised_advantages
 from rankmem.engine.model import GPT, GPTConfig
 from rankmem.engine.options import add_job_arguments, resolve_job_options
@@ -37,7 +35,6 @@ from rankmem.engine.worker import TrainingWorker, WorkerConfig, make_pg_loss, sf
 from rankmem.errors import RankmemError
 
 StepCallback = Callable[[int, Mapping[str, float]], None]
-BeatCallback = Callable[[int, str | None], None]
 
 # Sizes of the generated tasks: small vocabularies keep the tiny GPT's learning visible in a few steps.
 SFT_VOCAB, SFT_SEQ_LEN = 32, 24
@@ -63,40 +60,30 @@ def init_distributed(device_choice: str, timeout_s: float) -> torch.device:
     return device
 
 
-def _no_beat(step: int, phase: str | None) -> None:
-    pass
-
-
-def run_sft(worker: TrainingWorker, args: argparse.Namespace, on_step: StepCallback,
-            beat: BeatCallback = _no_beat) -> None:
+def run_sft(worker: TrainingWorker, args: argparse.Namespace, on_step: StepCallback) -> None:
     data = ArithmeticSFT(SFT_VOCAB, SFT_SEQ_LEN, args.batch_size, seed=args.seed)
     for step in range(args.steps):
         batch = data.batch(worker.rank, step)
-        beat(step, None)  # TODO(lead): Monitor beats at window edges
         with worker.step(step):
             maybe_fail(args, step, worker.rank)
             out = worker.train_batch(batch, sft_loss)
         on_step(step, worker.finish_step(out))
 
 
-def run_grpo(worker: TrainingWorker, args: argparse.Namespace, on_step: StepCallback,
-             beat: BeatCallback = _no_beat) -> None:
+def run_grpo(worker: TrainingWorker, args: argparse.Namespace, on_step: StepCallback) -> None:
     task = CountingTask(GRPO_VOCAB, PROMPT_LEN, RESPONSE_LEN, args.prompts_per_rank, args.group_size, seed=args.seed)
     pg_loss = make_pg_loss()
     for step in range(args.steps):
         prompts = task.prompts(worker.rank, step)
         mask = task.response_mask(prompts.shape[0])
         with worker.step(step):
-            beat(step, "rollout")  # TODO(lead): Monitor beats at window edges (and the two below)
             with worker.phase("rollout"):
                 seqs = worker.generate(prompts, RESPONSE_LEN)
                 rewards = task.reward(prompts, seqs[:, PROMPT_LEN:])
                 advantages = group_normalised_advantages(rewards, args.group_size)
-            beat(step, "log_prob")
             with worker.phase("log_prob"):
                 old = worker.infer_batch({"input_ids": seqs, "loss_mask": mask}).log_probs
             maybe_fail(args, step, worker.rank)
-            beat(step, "update")
             with worker.phase("update"):
                 batch = {"input_ids": seqs, "loss_mask": mask, "old_log_probs": old, "advantages": advantages}
                 out = worker.train_batch(batch, pg_loss)
@@ -107,37 +94,6 @@ def maybe_fail(args: argparse.Namespace, step: int, rank: int) -> None:
     """The hidden ``--fail-at-step N --fail-rank R``: the tests' stand-in for a rank that crashes."""
     if args.fail_at_step is not None and step == args.fail_at_step and rank == args.fail_rank:
         raise RuntimeError(f"injected failure on rank {rank} at step {step} (--fail-at-step)")
-
-
-class EngineHeartbeat:
-    """This rank's heartbeat for ``rankmem train``'s diagnosis of a killed or stalled rank.
-
-    TODO(lead): Monitor beats at window edges; then this class and the ``beat(...)`` calls above go.
-    """
-
-    def __init__(self, out: str, rank: int) -> None:
-        directory = heartbeat_dir(out)
-        self._heartbeat = Heartbeat(directory, rank) if directory else None
-        self._page = os.sysconf("SC_PAGE_SIZE")
-        try:
-            self._statm: int | None = os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            self._statm = None
-
-    def __call__(self, step: int, phase: str | None) -> None:
-        if self._heartbeat is None:
-            return
-        rss = None
-        if self._statm is not None:
-            rss = parse_statm_rss(os.pread(self._statm, 256, 0), self._page)
-        self._heartbeat.beat(step, phase, rss)
-
-    def close(self, clean: bool) -> None:
-        if self._heartbeat is not None:
-            self._heartbeat.close(clean)
-        if self._statm is not None:
-            os.close(self._statm)
-            self._statm = None
 
 
 # ---- the logging rank's view: progress and summary ----------------------------------------------------
@@ -226,8 +182,6 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
                           micro_batch_size=args.micro_batch_size, peak_tflops=args.peak_tflops)
     run_config = {**vars(args), "params": model.num_params(), "worker": asdict(config)}
     monitor = rankmem.Monitor(out_dir=args.out, sinks=("jsonl",), run_config=run_config)
-    beat = EngineHeartbeat(args.out, dist.get_rank())
-    clean = False
     try:
         worker = TrainingWorker(model, config, device=device, monitor=monitor)
         torch.manual_seed(args.seed * 1000 + worker.rank + 1)  # different sampling per rank, same init
@@ -240,10 +194,8 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
                     tracker.update(step, metrics)
                     progress.advance(step, headline(metrics, args.task))
 
-            (run_sft if args.task == "sft" else run_grpo)(worker, args, on_step, beat)
-        clean = True
+            (run_sft if args.task == "sft" else run_grpo)(worker, args, on_step)
     finally:
-        beat.close(clean)
         monitor.close()  # every line written so far is already flushed
     if logging_rank:
         print(f"rankmem train: {args.task}/{args.engine}, {worker.world_size} ranks, {args.steps} steps, "

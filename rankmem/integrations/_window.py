@@ -41,10 +41,17 @@ class StepWindow:
         self._step = contextlib.ExitStack()
         self._step.enter_context(self._monitor().phase(self.step_phase))
 
-    def _close_step(self) -> None:
+    def _close_step(self, exc: BaseException | None = None) -> None:
+        """Leave the step's phase; with ``exc`` (a framework's exception hook), as that exception would
+        leave a ``with`` block: an out-of-memory error becomes an ``oom`` event at this step and phase."""
         if self._step is not None:
             step, self._step = self._step, None
-            step.close()
+            if exc is None:
+                step.close()
+            else:
+                step.__exit__(type(exc), exc, exc.__traceback__)  # re-raises nothing: the framework does
+        elif exc is not None and self.monitor is not None:
+            self.monitor.record_oom(exc)
 
     def _close_monitor(self) -> None:
         """Close the monitor if this callback built it; one passed in belongs to the caller."""

@@ -76,6 +76,10 @@ class RankmemCallback(StepWindow, Callback):  # type: ignore[misc]
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
 
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        # An OOM in the step's forward/backward reaches here, not on_train_batch_end: record it.
+        self._close_step(exception)
+
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self._close_step()
 
