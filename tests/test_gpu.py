@@ -128,6 +128,27 @@ def test_oom_is_counted_in_its_window() -> None:
     assert monitor.local_metrics()["mem/device/ooms"] == 0
 
 
+def test_a_real_oom_in_a_phase_is_an_event_with_a_snapshot(tmp_path: Any) -> None:
+    import json
+
+    torch.ones(1, device="cuda")  # CUDA initialised: the observer and history attach at the next edge
+    monitor = rankmem.Monitor(out_dir=str(tmp_path), device="cuda", children=False, oom_history=10_000,
+                              near_oom_watch=False)
+    kept = torch.empty(256 * MIB, dtype=torch.uint8, device="cuda")
+    total = torch.cuda.mem_get_info()[1]
+    with pytest.raises(torch.OutOfMemoryError):
+        with monitor.step(3), monitor.phase("update"):
+            torch.empty(2 * total, dtype=torch.uint8, device="cuda")
+    monitor.close()
+    (line,) = (tmp_path / "events" / "rank0.jsonl").read_text().splitlines()
+    event = json.loads(line)
+    assert (event["kind"], event["step"], event["phase"], event["where"]) == ("oom", 3, "update", "device")
+    assert event["requested_bytes"] >= 2 * total * 0.99 and event["device"]["total_bytes"] == total
+    assert event["device"]["top_segments"][0]["allocated_size"] >= 256 * MIB
+    assert os.path.getsize(event["snapshot"]) > 0
+    del kept
+
+
 def test_forensics_hooks_behave_as_the_fake_models_them() -> None:
     """What rankmem.testing.FakeCuda claims about torch: the observer's arguments, the message, history."""
     backend = select_backend("cuda")

@@ -45,3 +45,30 @@ def test_plot_without_matplotlib_names_the_extra(
     assert capsys.readouterr().err == (
         "rankmem plot: error: rankmem plot needs matplotlib, which is not installed: pip install 'rankmem[plot]'\n"
     )
+
+
+def test_plot_marks_events_at_their_step(tmp_path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    import rankmem
+    from rankmem.plot import draw_run
+    from rankmem.runlog import read_run
+
+    monitor = rankmem.Monitor(out_dir=str(tmp_path), device="cpu", children=False, near_oom_watch=False)
+    for step in range(5):
+        try:
+            with monitor.step(step):
+                if step == 3:
+                    raise MemoryError("simulated")
+        except MemoryError:
+            pass
+        monitor.collect()
+    monitor.close()
+    fig = draw_run(read_run(str(tmp_path)), ["mem/host/rss_gib"])
+    try:
+        ax = fig.axes[0]
+        marks = [line for line in ax.get_lines() if line.get_label() == "oom rank 0"]
+        assert len(marks) == 1 and list(marks[0].get_xdata()) == [3, 3]
+        assert "oom rank 0" in [t.get_text() for t in ax.get_legend().get_texts()]
+    finally:
+        plt.close(fig)
