@@ -33,6 +33,8 @@ demo: install
 
 bench: install
 	$(PY) bench/bench_probe.py
+	$(PY) bench/bench_heartbeat.py
+	$(PY) bench/bench_nearoom.py
 	$(PY) bench/bench_gather.py
 	$(PY) bench/bench_leaks.py
 	$(PY) bench/bench_report.py
