@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 import os
+import socket
+import time
 import weakref
 import zlib
 from collections.abc import Mapping, Sequence
@@ -17,9 +19,9 @@ from typing import Any
 import numpy as np
 
 from rankmem._catalogue import AGGREGATES
-from rankmem._records import RankInfo
+from rankmem._records import RankInfo, RunHeader
 from rankmem._scalars import to_float
-from rankmem.errors import WarnOnce
+from rankmem.errors import RankmemError, WarnOnce
 
 _SIG_MASK = (1 << 52) - 1  # a float64 holds integers up to 2**53 exactly
 
@@ -419,9 +421,16 @@ class Exchange:
                         f"ranks reported different keys {list(differing)}; each is aggregated over the ranks that have it")
 
 
-def gather_rank_infos(me: RankInfo, group: Any = None) -> list[RankInfo]:
-    """Who every rank is, once per run (pickled: two collectives, not worth a packed layout)."""
-    return [RankInfo(**info) for info in all_gather_objects(asdict(me), group)]
+def run_header(group: Any, log_rank: int, config: dict[str, Any], device: str, peak_scope: str) -> RunHeader:
+    """Who every rank is, once per run, at the first collect (pickled: two collectives, not worth a
+    packed layout). A collective; a ``log_rank`` outside the group raises on every rank alike."""
+    rank, world = rank_and_world(group)
+    if log_rank >= world:  # every rank knows the world size: all raise together
+        raise RankmemError(f"log_rank={log_rank} but the group has {world} rank(s): use 0..{world - 1}")
+    me = RankInfo(rank=rank, local_rank=int(os.environ.get("LOCAL_RANK", "0")), host=socket.gethostname(),
+                  pid=os.getpid(), device=device, peak_rss_scope=peak_scope)
+    ranks = [RankInfo(**info) for info in all_gather_objects(asdict(me), group)]
+    return RunHeader(world_size=world, ranks=ranks, config=config, started=time.time())
 
 
 _NUMBER = (int, float)

@@ -16,11 +16,10 @@ Build one on every rank after ``init_process_group``::
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -32,8 +31,8 @@ from rankmem._forensics import Forensics
 from rankmem._guard import Guard
 from rankmem._host import HostProbe, make_host_probe
 from rankmem._publish import Publisher
-from rankmem._records import RankInfo, RunHeader, StepRecord
-from rankmem._scalars import to_float
+from rankmem._records import RunHeader, StepRecord
+from rankmem._scalars import scalar_items
 from rankmem._windows import Windows
 from rankmem.errors import RankmemError
 from rankmem.sinks import Sink, check_sink_specs, make_sink
@@ -202,13 +201,8 @@ class Monitor:
         out.update(self._callers(metrics))
         return out
 
-    def _callers(self, metrics: Mapping[str, Any] | None) -> Iterator[tuple[str, float]]:
-        for key, value in (metrics or {}).items():
-            number = to_float(value)
-            if number is None:
-                self._guard.warn_once(f"metric:{key}", f"metric {key!r} is not a scalar ({type(value).__name__}); left out")
-            else:
-                yield str(key), number
+    def _callers(self, metrics: Mapping[str, Any] | None) -> dict[str, float]:
+        return scalar_items(metrics, self._guard.warn_once)
 
     def collect(self, metrics: Mapping[str, Any] | None = None, step: int | None = None) -> dict[str, float]:
         """Aggregate this window's per-rank figures and ``metrics`` across ranks in one collective.
@@ -227,17 +221,12 @@ class Monitor:
             self._collecting.release()
 
     def _collect(self, metrics: Mapping[str, Any] | None, step: int | None) -> dict[str, float]:
-        if metrics is not None and not isinstance(metrics, Mapping):
-            # Raising here on one rank would leave the others waiting in the collective.
-            self._guard.warn_once("metrics-type", f"collect() takes a dict of metrics, got {type(metrics).__name__}; "
-                                  "its values are left out")
-            metrics = None
         # A telemetry bug must not leave the other ranks waiting: this rank then sends the caller's keys.
         local = self._guard.call("local", "measuring this rank failed, it sends only the caller's metrics",
                                  self.local_metrics, metrics, default=None)
         if local is None:
             self._windows.discard()
-            local = dict(self._callers(metrics))
+            local = self._callers(metrics)
         explicit = step is not None or self._windows.step_n is not None
         if step is None:
             step = self._windows.step_n if self._windows.step_n is not None else self._collects
@@ -255,16 +244,10 @@ class Monitor:
 
     def _start(self) -> None:
         """The first collect: every rank learns who every rank is; the logging rank opens the sinks."""
-        rank, world = _collective.rank_and_world(self.group)
-        if self.config.log_rank >= world:  # every rank knows the world size: all raise together
-            raise RankmemError(f"log_rank={self.config.log_rank} but the group has {world} rank(s): use 0..{world - 1}")
         device = self._windows.device
-        me = RankInfo(rank=rank, local_rank=int(os.environ.get("LOCAL_RANK", "0")), host=socket.gethostname(),
-                      pid=os.getpid(), device=device.device_name() if device else "none",
-                      peak_rss_scope=self.peak_rss_scope)
-        ranks = _collective.gather_rank_infos(me, self.group)
-        self._header = RunHeader(world_size=world, ranks=ranks, config=self.config.to_header(), started=time.time())
-        if rank == self.config.log_rank:
+        self._header = _collective.run_header(self.group, self.config.log_rank, self.config.to_header(),
+                                              device.device_name() if device else "none", self.peak_rss_scope)
+        if self.rank == self.config.log_rank:
             self._publisher.open(self._header)
 
     def _check_call(self) -> None:

@@ -4,6 +4,7 @@ and the one JSON cleaning (NaN and inf become null) that the run log and the eve
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from typing import Any
 
 
@@ -27,6 +28,25 @@ def to_float(value: Any) -> float | None:
     except (TypeError, ValueError, RuntimeError):  # a multi-element array or tensor
         return None
     return to_float(number) if isinstance(number, (bool, int, float)) else None
+
+
+def scalar_items(metrics: Any, warn_once: Callable[[str, str], None]) -> dict[str, float]:
+    """The caller's metrics as ``{key: float}``: a value that is not a number, or a ``metrics`` that is
+    not a dict, is left out with one warning (raising on one rank would leave the others waiting in
+    the collective)."""
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, Mapping):
+        warn_once("metrics-type", f"collect() takes a dict of metrics, got {type(metrics).__name__}; its values are left out")
+        return {}
+    out: dict[str, float] = {}
+    for key, value in metrics.items():
+        number = to_float(value)
+        if number is None:
+            warn_once(f"metric:{key}", f"metric {key!r} is not a scalar ({type(value).__name__}); left out")
+        else:
+            out[str(key)] = number
+    return out
 
 
 def to_float_or_nan(value: Any) -> float:
