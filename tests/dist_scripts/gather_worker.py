@@ -1,4 +1,4 @@
-"""Run under torchrun by tests/test_core_gather.py: each rank writes what it got to OUT/rank<r>.json.
+"""Run under torchrun by tests/test_collective.py: each rank writes what it got to OUT/rank<r>.json.
 
     python -m torch.distributed.run --nproc-per-node 3 tests/dist_scripts/gather_worker.py OUT
 """
