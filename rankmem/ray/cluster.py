@@ -132,7 +132,7 @@ def _last_message(path: str) -> str:
     return rest.split(": ", 1)[-1] if bracket else last
 
 
-def disconnect(cluster: Cluster | None) -> None:
+def disconnect() -> None:
     """Leave the cluster; a local cluster started for the job stops with it (gcs_server, raylet, workers)."""
     import ray
 

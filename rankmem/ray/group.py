@@ -99,16 +99,17 @@ class WorkerGroup:
 
         self.world_size = world_size
         self.actors: list[Any] = []
+        self.where: list[str] = [""] * world_size  # " (pid P on HOST)" once known, for messages
         self.pg: Any = placement_group([resources.bundle() for _ in range(world_size)],
                                   strategy="STRICT_PACK" if pack else "PACK", name=f"{name}-ranks")
         try:
             ray.get(self.pg.ready(), timeout=ready_timeout_s)
         except ray.exceptions.GetTimeoutError:
             self.shutdown()
-            raise RankmemError(
-                f"the Ray cluster did not grant {world_size} actors of {resources.bundle()} "
-                f"{'on one node ' if pack else ''}within {ready_timeout_s:g} s: its free resources are "
-                f"{_short(ray.available_resources())}") from None  # type: ignore[no-untyped-call]
+            free = _short(ray.available_resources())  # type: ignore[no-untyped-call]
+            raise RankmemError(f"the Ray cluster did not grant {world_size} actors of {resources.bundle()} "
+                               f"{'on one node ' if pack else ''}within {ready_timeout_s:g} s: its free resources "
+                               f"are {free}") from None
         self.placements = placements(placement_group_table(self.pg)["bundles_to_node_id"])
         remote: Any = ray.remote(actor_cls)
         for rank, where in enumerate(self.placements):
@@ -118,7 +119,6 @@ class WorkerGroup:
                            scheduling_strategy=strategy, name=f"{name}-rank{rank}")
             self.actors.append(remote.options(**options).remote(rank, world_size, where.local_rank,
                                                                 where.local_world_size))
-        self.where: list[str] = [""] * world_size  # " (pid P on HOST)" once known, for messages
 
     def setup(self, device_choice: str, timeout_s: float) -> list[str]:
         """Locate every actor, then join them into one process group at rank 0's address. Returns each

@@ -4,7 +4,9 @@
     rankmem train --launcher ray --ray-address 10.0.0.1:6379 --nnodes 2 --nproc-per-node 8 --out /shared/runs/big
 
 The driver starts a local Ray cluster (or joins ``--ray-address``), reserves one actor per rank
-(``--ray-cpus-per-actor``, ``--ray-gpus-per-actor``), joins the actors into one process group, and
+(``--ray-cpus-per-actor``, ``--ray-gpus-per-actor``; ``--nnodes N`` makes N x ``--nproc-per-node``
+ranks, packed onto as few nodes as hold them, one node when N is 1), joins the actors into one
+process group, and
 calls every rank's ``step`` once per step, keeping rank 0's result as verl's driver keeps
 ``data[0]``: the metrics are gathered across ranks inside the step, so that one result already names
 the worst rank. Progress, summary and run log are the torchrun path's. A rank that fails or dies ends
@@ -47,7 +49,6 @@ def run(args: argparse.Namespace) -> int:
     world = args.nproc_per_node * int(args.nnodes)
     deadline = None if args.timeout_s is None else time.monotonic() + args.timeout_s
     previous = signal.getsignal(signal.SIGTERM)
-    cluster = None
     try:
         cluster = clusters.connect(args.ray_address, clusters.driver_env())
         # SIGTERM (a scheduler, a timeout) unwinds like Ctrl-C, so the actors are killed and a local cluster
@@ -67,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     except SystemExit as exc:  # SIGTERM
         return int(exc.code or 143)
     finally:
-        clusters.disconnect(cluster)
+        clusters.disconnect()
         signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
