@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint typecheck demo bench clean
+.PHONY: install test lint typecheck demo bench clean verl-check
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -41,5 +41,26 @@ bench: install
 	$(PY) bench/bench_overhead.py
 	$(PY) bench/bench_hf_overhead.py
 
+# verl 0.9.1's own TrainingWorker._postprocess_output with rankmem's change, on 2 ranks of verl's Ray worker
+# group (scripts/verl_check.py says what is verl's). verl's requirements (transformers < 5.11) conflict with
+# the test extra, so it gets its own venv; not part of `make test`. ~80 s to build with a warm pip cache,
+# ~20 s to run on 2 cores. Skipped, saying so, when the package index cannot be reached.
+VERL_VENV ?= .venv-verl
+VERL_STAMP := $(VERL_VENV)/.installed
+
+$(VERL_STAMP): pyproject.toml
+	python3 -m venv $(VERL_VENV)
+	$(VERL_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VERL_VENV)/bin/python -m pip install -q torch==2.13.0
+	# uvicorn and fastapi: verl imports them without declaring them.
+	$(VERL_VENV)/bin/python -m pip install -q verl==0.9.1 ray==2.60.0 uvicorn fastapi
+	$(VERL_VENV)/bin/python -m pip install -q -e .
+	touch $(VERL_STAMP)
+
+verl-check:
+	@if [ ! -f $(VERL_STAMP) ] && ! python3 -m pip index versions verl >/dev/null 2>&1; then \
+		echo "verl-check: skipped: the package index is unreachable (pip cannot list verl)"; exit 0; fi; \
+	$(MAKE) --no-print-directory $(VERL_STAMP) && OMP_NUM_THREADS=1 $(VERL_VENV)/bin/python scripts/verl_check.py
+
 clean:
-	rm -rf $(VENV) runs .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(VERL_VENV) runs .mypy_cache .ruff_cache .pytest_cache

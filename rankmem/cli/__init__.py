@@ -16,7 +16,7 @@ from rankmem.errors import RankmemError
 
 # name -> (module, one-line help)
 COMMANDS = {
-    "train": ("rankmem.cli._train", "launch the reference engine worker under torchrun"),
+    "train": ("rankmem.cli._train", "launch the reference engine worker under torchrun or Ray"),
     "report": ("rankmem.cli._report", "summarise a run log: peaks with their step, rank and phase"),
     "plot": ("rankmem.cli._plot", "plot per-rank memory against step to a PNG"),
     "leaks": ("rankmem.cli._leaks", "detect steadily growing memory per rank (exit 1 when found)"),

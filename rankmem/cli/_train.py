@@ -37,6 +37,7 @@ from rankmem._events import EventWriter
 from rankmem.cli import _diagnose
 from rankmem.engine.options import add_job_arguments, job_argv, resolve_job_options
 from rankmem.errors import MissingExtraError, RankmemError
+from rankmem.ray import options as ray_options
 
 ENTRY = "rankmem.engine.train"
 GRACE_S = 10.0  # after SIGTERM, how long torchrun gets to stop its workers
@@ -48,12 +49,15 @@ FAILURE_STARTS = re.compile(r"failed \(exitcode: -?\d+\) local_rank: \d+ \(pid: 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     launch = parser.add_argument_group("launch (passed to torchrun)")
+    launch.add_argument("--launcher", choices=("torchrun", "ray"), default="torchrun",
+                        help="torchrun (default), or ray: one Ray actor per rank, driven by this process")
     launch.add_argument("--nproc-per-node", type=int, default=2, help="ranks on this node (default 2)")
     launch.add_argument("--nnodes", default="1", help="number of nodes, or MIN:MAX (default 1)")
     launch.add_argument("--node-rank", type=int, default=0, help="this node's rank (default 0)")
     launch.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the c10d rendezvous, the same on every node")
     launch.add_argument("--rdzv-id", default="rankmem", help="job id shared by the nodes (default rankmem)")
     launch.add_argument("--timeout-s", type=float, default=None, help="stop the launch after this many seconds")
+    ray_options.add_arguments(parser.add_argument_group("ray (with --launcher ray)"))
     add_job_arguments(parser.add_argument_group("job"))  # type: ignore[arg-type]
 
 
@@ -178,6 +182,11 @@ def wait_sampling(proc: subprocess.Popen[bytes], timeout_s: float | None, sample
 def run(args: argparse.Namespace) -> int:
     if importlib.util.find_spec("torch") is None:
         raise MissingExtraError("rankmem train", "torch", "torch")
+    if args.launcher == "ray":
+        from rankmem.ray.launcher import run as run_on_ray
+
+        return run_on_ray(args)
+    ray_options.check_unused(args)
     cmd = torchrun_command(args)
     heartbeat_dir = prepare_heartbeat_dir(args.out)
     # One thread per rank: ranks share the node's cores, and oversubscription slows every step.

@@ -28,17 +28,13 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 import rankmem
 from rankmem._catalogue import SUMMARY_KEYS, key_of, phase_of_peak
-from rankmem.engine.data import ArithmeticSFT, CountingTask, group_normalised_advantages
 from rankmem.engine.model import GPT, GPTConfig
 from rankmem.engine.options import add_job_arguments, resolve_job_options
-from rankmem.engine.worker import TrainingWorker, WorkerConfig, make_pg_loss, sft_loss
+from rankmem.engine.tasks import task_steps, vocab_size
+from rankmem.engine.worker import TrainingWorker, WorkerConfig
 from rankmem.errors import RankmemError
 
 StepCallback = Callable[[int, Mapping[str, float]], None]
-
-# Sizes of the generated tasks: small vocabularies keep the tiny GPT's learning visible in a few steps.
-SFT_VOCAB, SFT_SEQ_LEN = 32, 24
-GRPO_VOCAB, PROMPT_LEN, RESPONSE_LEN = 16, 4, 6
 
 
 def init_distributed(device_choice: str, timeout_s: float) -> torch.device:
@@ -60,40 +56,10 @@ def init_distributed(device_choice: str, timeout_s: float) -> torch.device:
     return device
 
 
-def run_sft(worker: TrainingWorker, args: argparse.Namespace, on_step: StepCallback) -> None:
-    data = ArithmeticSFT(SFT_VOCAB, SFT_SEQ_LEN, args.batch_size, seed=args.seed)
+def run_task(worker: TrainingWorker, args: argparse.Namespace, on_step: StepCallback) -> None:
+    steps = task_steps(worker, args)  # the step bodies live in engine.tasks, shared with the Ray launcher
     for step in range(args.steps):
-        batch = data.batch(worker.rank, step)
-        with worker.step(step):
-            maybe_fail(args, step, worker.rank)
-            out = worker.train_batch(batch, sft_loss)
-        on_step(step, worker.finish_step(out))
-
-
-def run_grpo(worker: TrainingWorker, args: argparse.Namespace, on_step: StepCallback) -> None:
-    task = CountingTask(GRPO_VOCAB, PROMPT_LEN, RESPONSE_LEN, args.prompts_per_rank, args.group_size, seed=args.seed)
-    pg_loss = make_pg_loss()
-    for step in range(args.steps):
-        prompts = task.prompts(worker.rank, step)
-        mask = task.response_mask(prompts.shape[0])
-        with worker.step(step):
-            with worker.phase("rollout"):
-                seqs = worker.generate(prompts, RESPONSE_LEN)
-                rewards = task.reward(prompts, seqs[:, PROMPT_LEN:])
-                advantages = group_normalised_advantages(rewards, args.group_size)
-            with worker.phase("log_prob"):
-                old = worker.infer_batch({"input_ids": seqs, "loss_mask": mask}).log_probs
-            maybe_fail(args, step, worker.rank)
-            with worker.phase("update"):
-                batch = {"input_ids": seqs, "loss_mask": mask, "old_log_probs": old, "advantages": advantages}
-                out = worker.train_batch(batch, pg_loss)
-        on_step(step, worker.finish_step(out, {"reward": rewards.mean()}))
-
-
-def maybe_fail(args: argparse.Namespace, step: int, rank: int) -> None:
-    """The hidden ``--fail-at-step N --fail-rank R``: the tests' stand-in for a rank that crashes."""
-    if args.fail_at_step is not None and step == args.fail_at_step and rank == args.fail_rank:
-        raise RuntimeError(f"injected failure on rank {rank} at step {step} (--fail-at-step)")
+        on_step(step, steps.step(step))
 
 
 # ---- the logging rank's view: progress and summary ----------------------------------------------------
@@ -177,7 +143,7 @@ class Progress:
 def train(args: argparse.Namespace, device: torch.device) -> None:
     """Build the model, worker and monitor, run the task, and on the logging rank print the summary.
     ``args`` as :func:`resolve_job_options` leaves them (task defaults filled in)."""
-    model = GPT(GPTConfig(vocab_size=SFT_VOCAB if args.task == "sft" else GRPO_VOCAB))
+    model = GPT(GPTConfig(vocab_size=vocab_size(args.task)))
     config = WorkerConfig(engine=args.engine, lr=args.lr, total_steps=args.steps,
                           micro_batch_size=args.micro_batch_size, peak_tflops=args.peak_tflops)
     run_config = {**vars(args), "params": model.num_params(), "worker": asdict(config)}
@@ -194,7 +160,7 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
                     tracker.update(step, metrics)
                     progress.advance(step, headline(metrics, args.task))
 
-            (run_sft if args.task == "sft" else run_grpo)(worker, args, on_step)
+            run_task(worker, args, on_step)
     finally:
         monitor.close()  # every line written so far is already flushed
     if logging_rank:

@@ -1,0 +1,83 @@
+"""One optimizer step of each reference task, shared by every launcher.
+
+Under torchrun each rank loops over the steps itself (:func:`rankmem.engine.train.run_task`); under
+Ray the driver calls an actor's step method once per step (:mod:`rankmem.ray.actor`). Both run the
+same :meth:`TaskSteps.step`, so the two launches train the same model on the same data.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Protocol
+
+from rankmem.engine.data import ArithmeticSFT, CountingTask, group_normalised_advantages
+from rankmem.engine.worker import TrainingWorker, make_pg_loss, sft_loss
+
+# Sizes of the generated tasks: small vocabularies keep the tiny GPT's learning visible in a few steps.
+SFT_VOCAB, SFT_SEQ_LEN = 32, 24
+GRPO_VOCAB, PROMPT_LEN, RESPONSE_LEN = 16, 4, 6
+
+
+class TaskSteps(Protocol):
+    def step(self, step: int) -> dict[str, float]:
+        """Run step ``step`` inside the monitor's step window and return the gathered metrics. A
+        collective: every rank calls it with the same ``step``."""
+        ...
+
+
+def vocab_size(task: str) -> int:
+    return SFT_VOCAB if task == "sft" else GRPO_VOCAB
+
+
+class SFTSteps:
+    """Next-token training on generated arithmetic sequences."""
+
+    def __init__(self, worker: TrainingWorker, args: argparse.Namespace) -> None:
+        self.worker, self.args = worker, args
+        self.data = ArithmeticSFT(SFT_VOCAB, SFT_SEQ_LEN, args.batch_size, seed=args.seed)
+
+    def step(self, step: int) -> dict[str, float]:
+        worker = self.worker
+        batch = self.data.batch(worker.rank, step)
+        with worker.step(step):
+            maybe_fail(self.args, step, worker.rank)
+            out = worker.train_batch(batch, sft_loss)
+        return worker.finish_step(out)
+
+
+class GRPOSteps:
+    """Toy RL: rollout, log-probs of the rollout, then a PPO-clip update, each its own telemetry phase."""
+
+    def __init__(self, worker: TrainingWorker, args: argparse.Namespace) -> None:
+        self.worker, self.args = worker, args
+        self.task = CountingTask(GRPO_VOCAB, PROMPT_LEN, RESPONSE_LEN, args.prompts_per_rank, args.group_size,
+                                 seed=args.seed)
+        self.pg_loss = make_pg_loss()
+
+    def step(self, step: int) -> dict[str, float]:
+        worker, task, args = self.worker, self.task, self.args
+        prompts = task.prompts(worker.rank, step)
+        mask = task.response_mask(prompts.shape[0])
+        with worker.step(step):
+            with worker.phase("rollout"):
+                seqs = worker.generate(prompts, RESPONSE_LEN)
+                rewards = task.reward(prompts, seqs[:, PROMPT_LEN:])
+                advantages = group_normalised_advantages(rewards, args.group_size)
+            with worker.phase("log_prob"):
+                old = worker.infer_batch({"input_ids": seqs, "loss_mask": mask}).log_probs
+            maybe_fail(args, step, worker.rank)
+            with worker.phase("update"):
+                batch = {"input_ids": seqs, "loss_mask": mask, "old_log_probs": old, "advantages": advantages}
+                out = worker.train_batch(batch, self.pg_loss)
+        return worker.finish_step(out, {"reward": rewards.mean()})
+
+
+def task_steps(worker: TrainingWorker, args: argparse.Namespace) -> TaskSteps:
+    """The steps of ``args.task`` (``args`` as :func:`rankmem.engine.options.resolve_job_options` leaves them)."""
+    return SFTSteps(worker, args) if args.task == "sft" else GRPOSteps(worker, args)
+
+
+def maybe_fail(args: argparse.Namespace, step: int, rank: int) -> None:
+    """The hidden ``--fail-at-step N --fail-rank R``: the tests' stand-in for a rank that crashes."""
+    if args.fail_at_step is not None and step == args.fail_at_step and rank == args.fail_rank:
+        raise RuntimeError(f"injected failure on rank {rank} at step {step} (--fail-at-step)")
