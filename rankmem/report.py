@@ -23,6 +23,7 @@ import numpy as np
 from rankmem._capacity import capacities
 from rankmem._catalogue import (
     HEADLINE,
+    OUTSIDE_PHASES,
     PHASE_PREFIX,
     PHASE_SUFFIX,
     is_memory_key,
@@ -347,7 +348,7 @@ def worst_lines(report: Report) -> list[str]:
     lines = []
     for label, k in report.worst():
         unit = " GiB" if k.key.endswith("_gib") else ""
-        phase = f" (phase {k.phase})" if k.phase else ""
+        phase = "" if not k.phase else f" ({k.phase})" if k.phase == OUTSIDE_PHASES else f" (phase {k.phase})"
         lines.append(f"worst {label}: rank {k.rank}, {k.worst} {_fmt(k.value, k.key)}{unit} at step {k.step}{phase}")
     return lines
 
