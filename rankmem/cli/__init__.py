@@ -18,8 +18,8 @@ from rankmem.errors import RankmemError
 # name -> (module, one-line help)
 COMMANDS = {
     "train": ("rankmem.cli._train", "launch the reference engine worker under torchrun"),
-    "report": ("rankmem.cli._report", "summarise a run log: peaks with their step, rank and phase"),
-    "plot": ("rankmem.cli._plot", "plot per-rank memory against step to a PNG"),
+    "report": ("rankmem.cli._report", "summarise a run log: events, leaks, the worst rank per key and per phase, capacity and headroom"),
+    "plot": ("rankmem.cli._plot", "plot per-rank memory against step, capacity drawn, to a PNG (default RUN/rankmem.png)"),
     "leaks": ("rankmem.cli._leaks", "detect steadily growing memory per rank (exit 1 when found)"),
     "watch": ("rankmem.cli._watch", "a live per-rank view of a running job: memory, step, phase, events"),
     "doctor": ("rankmem.cli._doctor", "check this install: versions, device backend, peak scope, cgroup, extras"),
