@@ -39,9 +39,8 @@ COLUMNS = (
     ("headroom", "headroom"),
     ("children", "children_rss"),
 )
-# Capacity figures for the title: (label, field, which end across ranks is the one that binds).
-CAPACITY = (("device total", "total", "min"), ("node available", "node_available", "min"),
-            ("cgroup limit", "cgroup_limit", "min"))
+# What bounds the ranks, for the title: (label, field); the least over ranks binds first.
+CAPACITY = (("device total", "total"), ("node available", "node_available"), ("cgroup limit", "cgroup_limit"))
 EVENTS_SHOWN = 5
 WORST_MARK = "*"
 
@@ -83,6 +82,7 @@ class Frame:
     worst: dict[str, int]
     """Column key -> the worst rank (only with more than one rank reporting it)."""
     capacity: list[tuple[str, float]]
+    """(label, GiB) of what bounds the ranks (:data:`CAPACITY`), the least over ranks."""
     events: list[dict[str, Any]]
     """The newest events, oldest first (at most :data:`EVENTS_SHOWN`)."""
     event_count: int
@@ -144,7 +144,7 @@ def build_frame(run_dir: str, tail: Tail, beats: dict[int, HeartbeatRecord], eve
     worst = {key: r for key, vec in vectors.items() if (r := worst_rank(key, vec)) is not None}
     capacity = []
     if last is not None:
-        for label, name, _ in CAPACITY:
+        for label, name in CAPACITY:
             present = [v for v in _vector(last, key_of(name), world) if v is not None]
             if present:
                 capacity.append((label, min(present)))
@@ -203,7 +203,7 @@ def title_lines(frame: Frame) -> list[str]:
             head += f", step time {frame.step_time_s:.3f} s"
     lines = [head]
     if frame.capacity:
-        lines.append("capacity: " + ", ".join(f"{label} {value:.3f} GiB" for label, value in frame.capacity))
+        lines.append("limits: " + ", ".join(f"{label} {value:.3f} GiB" for label, value in frame.capacity))
     return lines
 
 
