@@ -1,5 +1,6 @@
 # `make test` and `make demo` work on a fresh machine: both create the virtual environment first.
 VENV ?= .venv
+TORCH_INDEX ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
@@ -8,8 +9,9 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# The CPU build of torch; an unpinned torch pulls a multi-GB CUDA build.
-	$(PY) -m pip install -q torch==2.13.0
+	# torch pinned. From PyPI on Linux x86 that is the CUDA build (several GB); for the CPU build:
+	# make install TORCH_INDEX=https://download.pytorch.org/whl/cpu
+	$(PY) -m pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -e '.[test]'
 	# verl's own reduce_metrics / allgather_dict_into_dict for tests/test_integrations_verl.py; its
 	# requirements (ray, an older transformers) are not needed for that, hence --no-deps.

@@ -2,7 +2,9 @@
 
 Run:  python -m torch.distributed.run --nproc-per-node 2 examples/hf_example.py --out runs/hf
 (or plain ``python examples/hf_example.py`` for one process). The Trainer's logs, and
-``<out>/log_history.json``, carry ``mem/host/peak_rss_gib/max``, ``.../max_rank``, ... per log step.
+``<out>/log_history.json``, carry the keys ``log_keys`` picks (the peak RSS and the train step's peak,
+worst rank included) per log step; the run log ``<out>/rankmem.jsonl`` has every key per rank:
+``rankmem report <out>``.
 """
 
 from __future__ import annotations
@@ -32,10 +34,12 @@ training_args = TrainingArguments(
     save_strategy="no", disable_tqdm=True,
 )
 trainer = Trainer(model=model, args=training_args, train_dataset=data)
-attach(trainer, out_dir=args.out, sinks=("jsonl",))  # ahead of report_to trackers; also writes the run log
+# Ahead of the report_to trackers; writes the run log; only these keys go to the Trainer's logs.
+attach(trainer, out_dir=args.out, sinks=("jsonl",),
+       log_keys=("mem/host/peak_rss_gib/*", "mem/phase/train_step/peak_rss_gib/max*"))
 trainer.train()
 
 if trainer.is_world_process_zero():
     with open(f"{args.out}/log_history.json", "w") as f:
         json.dump(trainer.state.log_history, f)
-    print({k: v for k, v in trainer.state.log_history[0].items() if k.startswith("mem/host/rss")})
+    print({k: v for k, v in trainer.state.log_history[0].items() if k.startswith("mem/")})

@@ -36,12 +36,12 @@ def main() -> None:
                 spike = torch.ones(128 * MIB // 4)
                 del spike
         metrics = monitor.collect({"held_mib": sum(t.numel() * 4 for t in held) / MIB})
+    monitor.close()  # first: the console sink writes on its own thread, and its lines come before ours
     if rank == 0:
         for key in ("mem/host/rss_gib", "mem/phase/spike/peak_rss_gib", "held_mib"):
             print(f"{key}: max={metrics[key + '/max']:.3f} (rank {int(metrics[key + '/max_rank'])}) "
                   f"min={metrics[key + '/min']:.3f} mean={metrics[key + '/mean']:.3f}")
         print(f"run log: {args.out}/rankmem.jsonl")
-    monitor.close()
     dist.destroy_process_group()
 
 

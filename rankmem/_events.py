@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from rankmem import _procfs
 from rankmem._scalars import json_safe, to_float
 from rankmem.errors import WarnOnce
 
@@ -85,12 +86,8 @@ class EventWriter:
             return False
 
     def close(self) -> None:
-        if self._fd is not None:
-            try:
-                os.close(self._fd)
-            except OSError:
-                pass
-            self._fd = None
+        _procfs.close_fd(self._fd)
+        self._fd = None
 
 
 @dataclass

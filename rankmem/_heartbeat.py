@@ -25,6 +25,7 @@ import struct
 import time
 from dataclasses import dataclass
 
+from rankmem import _procfs
 from rankmem.errors import WarnOnce
 
 __all__ = ["ENV_DIR", "Heartbeat", "HeartbeatRecord", "heartbeat_dir", "heartbeat_path", "read_heartbeats"]
@@ -114,12 +115,8 @@ class Heartbeat:
     def close(self, clean: bool = True) -> None:
         """Mark the exit (``clean``: a normal one) and close the file; later beats are dropped."""
         self._write(_CLEAN if clean else 0)
-        if self._fd is not None:
-            try:
-                os.close(self._fd)
-            except OSError:
-                pass
-            self._fd = None
+        _procfs.close_fd(self._fd)
+        self._fd = None
 
     def _write(self, flags: int) -> None:
         if self._fd is None:

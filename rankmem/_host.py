@@ -19,22 +19,6 @@ _STATUS_BUF = 4096  # /proc/self/status is ~1.4 KB; VmHWM sits in its first half
 _MEMINFO_BUF = 8192
 
 
-def _open_ro(path: str) -> int | None:
-    try:
-        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return None
-
-
-def _pread(fd: int | None, size: int) -> bytes | None:
-    if fd is None:
-        return None
-    try:
-        return os.pread(fd, size, 0)
-    except OSError:
-        return None
-
-
 class LinuxHostProbe:
     """Reads ``/proc`` and cgroup files through descriptors kept open for the life of the probe.
 
@@ -56,9 +40,9 @@ class LinuxHostProbe:
 
     def _open(self) -> None:
         me = f"{self._proc}/{self._pid}"
-        self._statm = _open_ro(f"{me}/statm")
-        self._status = _open_ro(f"{me}/status")
-        self._meminfo = _open_ro(f"{self._proc}/meminfo")
+        self._statm = _procfs.open_ro(f"{me}/statm")
+        self._status = _procfs.open_ro(f"{me}/status")
+        self._meminfo = _procfs.open_ro(f"{self._proc}/meminfo")
         self._clear_refs: int | None
         try:
             # Writing "5" resets VmHWM to the current RSS (Linux >= 4.0). Opening does not reset; the
@@ -77,8 +61,8 @@ class LinuxHostProbe:
         except OSError:
             files = None
         if files is not None:
-            self._cgroup_current = _open_ro(files.current)
-            self._cgroup_limit = _open_ro(files.limit)
+            self._cgroup_current = _procfs.open_ro(files.current)
+            self._cgroup_limit = _procfs.open_ro(files.limit)
 
     def check_fork(self) -> None:
         # Descriptors opened on /proc/PID follow the PID, not the caller: a forked child must reopen.
@@ -89,7 +73,7 @@ class LinuxHostProbe:
             self._open()
 
     def rss(self) -> int | None:
-        data = _pread(self._statm, 256)
+        data = _procfs.pread(self._statm, 256)
         return None if data is None else _procfs.parse_statm_rss(data, self._page)
 
     def peak_rss(self) -> int | None:
@@ -104,7 +88,7 @@ class LinuxHostProbe:
     def rss_and_peak(self) -> tuple[int | None, int | None]:
         """Current RSS and the peak since the last reset from one read of ``status`` (``VmRSS``,
         ``VmHWM``): the kernel formats the whole file on every read (~5 us), so read it once."""
-        data = _pread(self._status, _STATUS_BUF)
+        data = _procfs.pread(self._status, _STATUS_BUF)
         if data is None:
             return self.rss(), None
         rss, hwm = _procfs.parse_status_rss_hwm(data)
@@ -139,7 +123,7 @@ class LinuxHostProbe:
             self._refresh_children()
         total = 0
         for pid, fd in list(self._children_fds.items()):
-            data = _pread(fd, 256)
+            data = _procfs.pread(fd, 256)
             rss = None if not data else _procfs.parse_statm_rss(data, self._page)
             if rss is None:  # the child exited: its statm reads ESRCH or nothing
                 os.close(fd)
@@ -165,12 +149,12 @@ class LinuxHostProbe:
         for gone in set(self._children_fds) - pids:
             os.close(self._children_fds.pop(gone))
         for pid in pids - set(self._children_fds):
-            fd = _open_ro(f"{self._proc}/{pid}/statm")
+            fd = _procfs.open_ro(f"{self._proc}/{pid}/statm")
             if fd is not None:
                 self._children_fds[pid] = fd
 
     def node(self) -> tuple[int | None, int | None]:
-        data = _pread(self._meminfo, _MEMINFO_BUF)
+        data = _procfs.pread(self._meminfo, _MEMINFO_BUF)
         if data is None:
             return None, None
         total, available = _procfs.parse_meminfo(data)
@@ -180,11 +164,11 @@ class LinuxHostProbe:
 
     def cgroup(self) -> tuple[int | None, int | None]:
         """``(used, limit)``, both ``None`` when no memory limit applies."""
-        data = _pread(self._cgroup_limit, 64)
+        data = _procfs.pread(self._cgroup_limit, 64)
         limit = None if data is None else _procfs.parse_cgroup_limit(data)
         if limit is None:
             return None, None
-        data = _pread(self._cgroup_current, 64)
+        data = _procfs.pread(self._cgroup_current, 64)
         return (None if data is None else _procfs.parse_int(data)), limit
 
     def read(self) -> HostReading:

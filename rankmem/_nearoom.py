@@ -34,22 +34,6 @@ _MEMINFO = 8192
 _STAT = 8192  # v1 memory.stat is ~1.3 KB, v2 ~1.5 KB
 
 
-def _open_ro(path: str) -> int | None:
-    try:
-        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return None
-
-
-def _pread(fd: int | None, size: int) -> bytes | None:
-    if fd is None:
-        return None
-    try:
-        return os.pread(fd, size, 0)
-    except OSError:  # e.g. EOPNOTSUPP from /proc/pressure/memory when booted with psi=0
-        return None
-
-
 def _read(path: str, size: int = _STAT) -> bytes | None:
     try:
         with open(path, "rb") as f:
@@ -133,15 +117,15 @@ class NearOomWatch:
         self._warn_once = WarnOnce()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._meminfo = _open_ro(f"{proc}/meminfo")
+        self._meminfo = _procfs.open_ro(f"{proc}/meminfo")
         self.cgroup = _procfs.own_cgroup_files(proc, cgroup_root)
         cg = self.cgroup
-        self._cg_usage = _open_ro(cg.current) if cg else None
-        self._cg_limit = _open_ro(cg.limit) if cg else None
-        self._cg_stat = _open_ro(os.path.join(cg.dir, "memory.stat")) if cg else None
+        self._cg_usage = _procfs.open_ro(cg.current) if cg else None
+        self._cg_limit = _procfs.open_ro(cg.limit) if cg else None
+        self._cg_stat = _procfs.open_ro(os.path.join(cg.dir, "memory.stat")) if cg else None
         # Pressure of the cgroup where v2 gives it, else of the node.
-        cg_pressure = _open_ro(os.path.join(cg.dir, "memory.pressure")) if cg and cg.version == 2 else None
-        self._pressure = cg_pressure if cg_pressure is not None else _open_ro(f"{proc}/pressure/memory")
+        cg_pressure = _procfs.open_ro(os.path.join(cg.dir, "memory.pressure")) if cg and cg.version == 2 else None
+        self._pressure = cg_pressure if cg_pressure is not None else _procfs.open_ro(f"{proc}/pressure/memory")
         self.pressure_scope = "cgroup" if cg_pressure is not None else "node"
 
     # ---- thread ------------------------------------------------------------------------------------
@@ -180,18 +164,18 @@ class NearOomWatch:
     # ---- one poll ----------------------------------------------------------------------------------
     def _read_figures(self) -> _Reading:
         usage = limit = working = None
-        data = _pread(self._cg_limit, _SMALL)
+        data = _procfs.pread(self._cg_limit, _SMALL)
         limit = None if data is None else _procfs.parse_cgroup_limit(data)
         if limit is not None:
-            data = _pread(self._cg_usage, _SMALL)
+            data = _procfs.pread(self._cg_usage, _SMALL)
             usage = None if data is None else _procfs.parse_int(data)
-            data = _pread(self._cg_stat, _STAT)
+            data = _procfs.pread(self._cg_stat, _STAT)
             inactive = None if data is None else _procfs.inactive_file(_procfs.parse_keyed(data))
             if usage is not None:
                 working = max(0, usage - inactive) if inactive is not None else usage
-        data = _pread(self._meminfo, _MEMINFO)
+        data = _procfs.pread(self._meminfo, _MEMINFO)
         total, available = (None, None) if data is None else _procfs.parse_meminfo(data)
-        data = _pread(self._pressure, 256)
+        data = _procfs.pread(self._pressure, 256)
         pressure = None if data is None else _procfs.parse_pressure(data)
         return _Reading(usage, limit, working, total, available, pressure)
 

@@ -269,3 +269,31 @@ def own_cgroup_files(proc: str = "/proc", root: str = "/sys/fs/cgroup") -> Cgrou
     except OSError:
         return None
     return find_cgroup_files(text, root)
+
+
+def open_ro(path: str) -> int | None:
+    """A descriptor kept open for repeated ``pread`` (a few microseconds a read); None if it cannot open."""
+    try:
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+
+
+def pread(fd: int | None, size: int) -> bytes | None:
+    """The first ``size`` bytes of the file behind ``fd``; None when closed or unreadable (a child that
+    exited, EOPNOTSUPP from /proc/pressure/memory when booted with psi=0)."""
+    if fd is None:
+        return None
+    try:
+        return os.pread(fd, size, 0)
+    except OSError:
+        return None
+
+
+def close_fd(fd: int | None) -> None:
+    """Close ``fd`` if open, ignoring errors: closing is the last thing a probe or writer does."""
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass

@@ -5,10 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from rankmem._catalogue import window_metrics
+from rankmem._catalogue import MEMORY_PREFIX, key_of, window_metrics
 from rankmem._device import select_backend
 from rankmem._host import make_host_probe
 from rankmem._records import DeviceReading, HostReading, WindowBytes
+
+GIB_SUFFIX = "_gib"
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +28,23 @@ class MemorySample:
         out: dict[str, float] = {}
         window_metrics(WindowBytes.of(self.host, self.device), out)
         return out
+
+    def __repr__(self) -> str:
+        # GiB at the edge, as everywhere a person reads figures; the fields keep their bytes.
+        parts = [f"device={self.device_name!r}"]
+        if self.device is not None and self.device.before_init:
+            parts.append("device figures=None (not initialised yet: reading would create a context)")
+        for key, value in self.to_metrics().items():
+            name = key.removeprefix(MEMORY_PREFIX)
+            if name.endswith(GIB_SUFFIX):
+                parts.append(f"{name.removesuffix(GIB_SUFFIX)}={value:.3f} GiB")
+            else:
+                parts.append(f"{name}={value:g}")
+            if key == key_of("peak_rss") and self.host.peak_rss_is_lifetime:
+                parts[-1] += " (lifetime)"
+        return f"MemorySample({', '.join(parts)})"
+
+    __str__ = __repr__
 
 
 def sample(device: str = "auto", device_module: Any = None, children: bool = True) -> MemorySample:

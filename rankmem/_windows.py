@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -155,21 +155,8 @@ class Windows:
             self._open.remove(self._implicit)
             self._implicit = None
         self._step = n
-        window = self._begin()
-        error: BaseException | None = None
-        try:
+        with self._window(lambda window, rss, dev: self._close_step(window, rss, dev, n)):
             yield
-        except BaseException as exc:
-            error = exc
-            raise
-        finally:
-            rss, dev = self._end(window, error is not None)
-            if error is not None:
-                self._failed(error, window, rss, dev)
-            closed = self._bytes(window, rss, dev)
-            self._closed = closed if self._closed is None else _merge(self._closed, closed)
-            if n is not None:
-                self.step_n = n
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -177,6 +164,15 @@ class Windows:
         if not isinstance(name, str) or not PHASE_NAME.match(name):
             raise RankmemError(f"phase name must match [A-Za-z0-9_.-]+ (it becomes part of metric keys); got {name!r}")
         self._phase_stack.append(name)  # the edges at entry and exit both belong to this phase
+        try:
+            with self._window(lambda window, rss, dev: self._close_phase(name, window, rss, dev)):
+                yield
+        finally:
+            self._phase_stack.pop()
+
+    @contextlib.contextmanager
+    def _window(self, close: Callable[[_Open, int | None, DeviceReading | None], None]) -> Iterator[None]:
+        """Open a window; at its end read the edge, tell the listener about a failure, then ``close``."""
         window = self._begin()
         error: BaseException | None = None
         try:
@@ -188,14 +184,22 @@ class Windows:
             rss, dev = self._end(window, error is not None)
             if error is not None:
                 self._failed(error, window, rss, dev)
-            self._phase_stack.pop()
-            p = self._phases.setdefault(name, PhaseBytes())
-            p.peak_rss = _max(p.peak_rss, window.peak_rss)
-            p.rss_delta = _sum(p.rss_delta, _delta(rss, window.start_rss))
-            if dev is not None:
-                p.peak_allocated = _max(p.peak_allocated, window.peak_allocated)
-                p.peak_reserved = _max(p.peak_reserved, window.peak_reserved)
-                p.allocated_delta = _sum(p.allocated_delta, _delta(dev.allocated, window.start_allocated))
+            close(window, rss, dev)
+
+    def _close_step(self, window: _Open, rss: int | None, dev: DeviceReading | None, n: int | None) -> None:
+        closed = self._bytes(window, rss, dev)
+        self._closed = closed if self._closed is None else _merge(self._closed, closed)
+        if n is not None:
+            self.step_n = n
+
+    def _close_phase(self, name: str, window: _Open, rss: int | None, dev: DeviceReading | None) -> None:
+        p = self._phases.setdefault(name, PhaseBytes())
+        p.peak_rss = _max(p.peak_rss, window.peak_rss)
+        p.rss_delta = _sum(p.rss_delta, _delta(rss, window.start_rss))
+        if dev is not None:
+            p.peak_allocated = _max(p.peak_allocated, window.peak_allocated)
+            p.peak_reserved = _max(p.peak_reserved, window.peak_reserved)
+            p.allocated_delta = _sum(p.allocated_delta, _delta(dev.allocated, window.start_allocated))
 
     def take(self) -> tuple[WindowBytes, dict[str, PhaseBytes]]:
         """Close what ran since the last take: the merged steps, or (with no step closed) the implicit

@@ -1,10 +1,14 @@
 """``rankmem report``: what a run log says about each memory key, worst rank first.
 
-Per key: the worst value over the run (the peak, or the minimum for keys where low is bad, such as
-device headroom), the step and rank that hold it, the phase that set it (when the run has phases),
-and the imbalance across ranks (max over mean of the per-rank peaks). Then device headroom, host RSS
-growth and the leak verdicts of :mod:`rankmem.leaks`. Everything is computed on the arrays of
+The lines a user needs first come first: the forensic events (an OOM, a kill), then the leak verdicts
+of :mod:`rankmem.leaks`, then the worst rank of each headline key. Then, per key: the worst value over
+the run (the peak, or the minimum for keys where low is bad, such as device headroom), the step and
+rank that hold it, the phase that set it (when the run has phases), and the imbalance across ranks
+(max over mean of the per-rank peaks); per phase (:mod:`rankmem._phases`): its peak, what it leaves
+behind, the worst rank and the per-step mean; capacity (:mod:`rankmem._capacity`) and the headroom
+left under each; host RSS growth. Everything is computed on the arrays of
 :func:`rankmem.runlog.read_run`, so a 100k-step log costs little more than reading it.
+:mod:`rankmem._html` writes the same as one self-contained page.
 """
 
 from __future__ import annotations
@@ -16,8 +20,19 @@ from typing import Any
 
 import numpy as np
 
-from rankmem._catalogue import PHASE_PREFIX, PHASE_SUFFIX, is_memory_key, key_of, phase_of_peak, worst_stat
+from rankmem._capacity import capacities
+from rankmem._catalogue import (
+    HEADLINE,
+    OUTSIDE_PHASES,
+    PHASE_PREFIX,
+    PHASE_SUFFIX,
+    is_memory_key,
+    key_of,
+    phase_of_peak,
+    worst_stat,
+)
 from rankmem._events import read_events
+from rankmem._phases import PhaseRow, phase_rows
 from rankmem._scalars import json_safe
 from rankmem.leaks import LeakConfig, Trend, detect_leaks
 from rankmem.runlog import Run
@@ -56,6 +71,19 @@ class Growth:
 
 
 @dataclass
+class Limit:
+    """A capacity and the least room left under it over the run."""
+
+    label: str
+    capacity: float
+    """GiB; the smallest over ranks and steps."""
+    headroom: float | None = None
+    """GiB; the least left, at ``step`` on ``rank`` (None where it is not measured)."""
+    step: int | None = None
+    rank: int | None = None
+
+
+@dataclass
 class Report:
     path: str
     world_size: int
@@ -72,6 +100,17 @@ class Report:
     events: list[dict[str, Any]] = field(default_factory=list)
     """Every rank's forensic events (``oom``, ``near_oom``, ``killed``, ``stalled``), by time."""
     corrupt_events: int = 0
+    phases: list[PhaseRow] = field(default_factory=list)
+    """Per phase and key: the worst value, its step and rank, the per-step mean, a delta's total."""
+    limits: list[Limit] = field(default_factory=list)
+    """Device total, node total, cgroup limit, where measured, with the least headroom under each."""
+
+    def worst(self) -> list[tuple[str, KeyReport]]:
+        """(headline label, report) of the catalogue's headline keys present: who is closest to trouble."""
+        by_key = {k.key: k for k in self.keys}
+        # A peak of 0 everywhere (no dataloader workers) has no worst rank worth a line.
+        return [(label, by_key[s.key]) for label, s in HEADLINE
+                if s.key in by_key and not (by_key[s.key].worst == "max" and by_key[s.key].value == 0)]
 
     @property
     def leaks(self) -> list[Trend]:
@@ -80,6 +119,7 @@ class Report:
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["leaks"] = [asdict(t) for t in self.leaks]
+        out["worst"] = [{"label": label, **asdict(k)} for label, k in self.worst()]
         if self.host_growth is not None:
             out["host_growth"]["growth"] = self.host_growth.growth
         cleaned: dict[str, Any] = json_safe(out)
@@ -172,7 +212,38 @@ def build_report(run: Run, leak_config: LeakConfig | None = None) -> Report:
                 report.headroom = kr
     report.host_growth = growth(run, key_of("rss"))
     report.trends = detect_leaks(run, config=leak_config)
+    report.phases = phase_rows(run)
+    report.limits = limits(run, report)
     return report
+
+
+def _least(run: Run, matrix: np.ndarray) -> tuple[float, int, int] | None:
+    """(value, step, rank) of the smallest finite value of a steps x ranks matrix."""
+    if not np.isfinite(matrix).any():
+        return None
+    row, rank = divmod(int(np.where(np.isfinite(matrix), matrix, np.inf).argmin()), matrix.shape[1])
+    return float(matrix[row, rank]), int(run.steps[row]), rank
+
+
+def limits(run: Run, report: Report) -> list[Limit]:
+    """Each measured capacity with the least headroom under it: the device's own headroom key, the
+    node's available memory, the cgroup limit minus its usage."""
+    under = {
+        "device total": run.series.get(key_of("headroom")),
+        "node total": run.series.get(key_of("node_available")),
+    }
+    used, limit = run.series.get(key_of("cgroup_used")), run.series.get(key_of("cgroup_limit"))
+    if used is not None and limit is not None:
+        under["cgroup limit"] = limit - used
+    out = []
+    for cap in capacities(run):
+        item = Limit(cap.label, cap.value)
+        matrix = under.get(cap.label)
+        least = _least(run, matrix) if matrix is not None else None
+        if least is not None:
+            item.headroom, item.step, item.rank = least
+        out.append(item)
+    return out
 
 
 def _fmt(value: float, key: str) -> str:
@@ -189,28 +260,50 @@ def render(report: Report) -> None:
 
     # A fixed width off a terminal keeps piped output and tests stable.
     console = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 120, highlight=False)
-    for line in event_lines(report):  # what happened comes first: it is why the report is opened
+    # What happened, whether anything leaks, and who is worst come first: they are why it is opened.
+    for line in [*event_lines(report), *leak_lines(report), *worst_lines(report), *summary_lines(report)]:
         console.print(line, markup=False)
-    for line in summary_lines(report):
-        console.print(line, markup=False)
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
-    for name, justify in (("key", "left"), ("worst", "right"), ("unit", "left"), ("step", "right"),
-                          ("rank", "right"), ("phase", "left"), ("max/mean", "right")):
-        table.add_column(name, justify=justify)  # type: ignore[arg-type]
-    for k in report.keys:
-        table.add_row(
-            k.key,
-            f"{k.worst} {_fmt(k.value, k.key)}",
-            "GiB" if k.key.endswith("_gib") else "",
-            str(k.step),
-            str(k.rank),
-            k.phase or "",
-            f"{k.imbalance:.2f}" if k.imbalance is not None else "",
-        )
-    if report.keys:
+    for title, (columns, rows) in (("", key_table(report)), ("per phase", phase_table(report))):
+        if not rows:
+            continue
+        table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, title=title or None,
+                      title_justify="left")
+        for name, justify in columns:
+            table.add_column(name, justify=justify)  # type: ignore[arg-type]
+        for row in rows:
+            table.add_row(*row)
+        console.print()
         console.print(table)
+    console.print()
     for line in verdict_lines(report):
         console.print(line, markup=False)
+
+
+Columns = list[tuple[str, str]]
+
+
+def key_table(report: Report) -> tuple[Columns, list[list[str]]]:
+    """(name, justify) columns and rows of the per-key table, for the terminal and the HTML page."""
+    columns = [("key", "left"), ("worst", "right"), ("unit", "left"), ("step", "right"), ("rank", "right"),
+               ("phase", "left"), ("max/mean", "right")]
+    rows = [[k.key, f"{k.worst} {_fmt(k.value, k.key)}", "GiB" if k.key.endswith("_gib") else "", str(k.step),
+             str(k.rank), k.phase or "", f"{k.imbalance:.2f}" if k.imbalance is not None else ""]
+            for k in report.keys]
+    return columns, rows
+
+
+def phase_table(report: Report) -> tuple[Columns, list[list[str]]]:
+    """The per-phase table: a phase's peak and what it leaves behind (``*_delta``), each with the worst
+    rank and step, the mean per step, and for a delta its largest per-rank total over the run."""
+    columns = [("phase", "left"), ("key", "left"), ("worst GiB", "right"), ("step", "right"), ("rank", "right"),
+               ("mean/step", "right"), ("total (rank)", "right")]
+    rows = []
+    for p in report.phases:
+        signed = p.total is not None  # a delta: its sign says grown or given back
+        fmt = "+.3f" if signed else ".3f"
+        total = f"{p.total:+.3f} ({p.total_rank})" if p.total is not None else ""
+        rows.append([p.phase, p.key, f"{p.worst:{fmt}}", str(p.step), str(p.rank), f"{p.mean_per_step:{fmt}}", total])
+    return columns, rows
 
 
 def event_lines(report: Report) -> list[str]:
@@ -249,6 +342,24 @@ def describe_event(e: Mapping[str, Any]) -> str:
     return where
 
 
+def worst_lines(report: Report) -> list[str]:
+    """The worst rank of each headline key, one line each: ``worst peak_rss: rank 2, max 4.500 GiB at
+    step 7 (phase update)``."""
+    lines = []
+    for label, k in report.worst():
+        unit = " GiB" if k.key.endswith("_gib") else ""
+        phase = "" if not k.phase else f" ({k.phase})" if k.phase == OUTSIDE_PHASES else f" (phase {k.phase})"
+        lines.append(f"worst {label}: rank {k.rank}, {k.worst} {_fmt(k.value, k.key)}{unit} at step {k.step}{phase}")
+    return lines
+
+
+def limit_lines(report: Report) -> list[str]:
+    lines = []
+    if report.limits:
+        lines.append("capacity: " + ", ".join(f"{lim.label} {lim.capacity:.3f} GiB" for lim in report.limits))
+    return lines
+
+
 def summary_lines(report: Report) -> list[str]:
     lines = [f"run log: {report.path}"]
     span = f"steps {report.first_step}..{report.last_step}" if report.steps else "no steps"
@@ -259,20 +370,33 @@ def summary_lines(report: Report) -> list[str]:
             f"skipped: {report.corrupt} corrupt line{'s' if report.corrupt != 1 else ''}, "
             f"{'a truncated last line' if report.truncated else 'no truncated last line'}"
         )
-    return lines
+    return lines + limit_lines(report)
+
+
+HEADROOM_LABELS = {"node total": "node available", "cgroup limit": "cgroup headroom (limit - used)"}
 
 
 def verdict_lines(report: Report) -> list[str]:
+    """Headroom under each capacity and host RSS growth (the leak verdicts are among the top lines)."""
     lines = []
     if report.headroom is not None:
         h = report.headroom
         lines.append(f"device headroom: min {h.value:.3f} GiB at step {h.step} on rank {h.rank}")
+    for lim in report.limits:
+        if lim.label in HEADROOM_LABELS and lim.headroom is not None:
+            lines.append(f"{HEADROOM_LABELS[lim.label]}: min {lim.headroom:.3f} GiB at step {lim.step} on rank "
+                         f"{lim.rank} (of {lim.capacity:.3f} GiB)")
     if report.host_growth is not None:
         g = report.host_growth
         lines.append(
             f"host RSS growth (first to last step): {g.growth * 1024:+.1f} MiB on rank {g.rank} "
             f"(mean over ranks {g.mean_growth * 1024:+.1f} MiB)"
         )
+    return lines
+
+
+def leak_lines(report: Report) -> list[str]:
+    lines = []
     leaks = report.leaks
     if leaks:
         lines += [f"LEAK {t.describe()}" for t in leaks]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -117,6 +118,35 @@ def test_train_summary_names_the_peak_report_names(grpo_run: tuple[str, Path]) -
     lines = [line.split() for line in stdout.splitlines() if line.startswith("  mem/host/peak_rss_gib ")]
     assert lines == [["mem/host/peak_rss_gib", f"{peak.value:.3f}", "GiB", "rank", str(peak.rank),
                       "step", str(peak.step), "phase", peak.phase]], stdout
+    # What a GRPO user reads: reward, and the policy loss with digits (it is ~0 by construction);
+    # a row of zeros (no dataloader workers) is left out; then what to run next.
+    text = stdout.splitlines()
+    assert any(line.startswith("reward (mean over ranks): 0.") for line in text), stdout
+    assert any(re.fullmatch(r"pg_loss \(mean over ranks\): [+-]\d\.\d{3}e[+-]\d\d at step 0 -> .* at step 39", line)
+               for line in text), stdout
+    assert "children_rss_gib" not in stdout and "loss -0.000" not in stdout
+    assert text[-4:] == ["next:", f"  rankmem report {out}   # per key and phase: the worst rank, step and phase; "
+                         "leaks (--html FILE: a page)",
+                         f"  rankmem plot {out}     # per-rank memory against step, capacity drawn: {out}/rankmem.png",
+                         f"  rankmem watch {out}    # a live per-rank view, while a job writes there"]
+
+
+def test_a_launch_into_an_earlier_runs_out_rotates_it_in_one_line(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    from rankmem.cli._train import rotate_earlier_run
+
+    (tmp_path / "rankmem.jsonl").write_text("{}\n")
+    (tmp_path / "events").mkdir()
+    (tmp_path / "events" / "rank0.jsonl").write_text("{}\n")
+    rotate_earlier_run(str(tmp_path))
+    why = "was from an earlier run (a restart into the same out_dir?); rotated it to"
+    assert capsys.readouterr().err.splitlines() == [
+        f"rankmem train: {tmp_path}/rankmem.jsonl {why} {tmp_path}/rankmem.jsonl.1",
+        f"rankmem train: {tmp_path}/events {why} {tmp_path}/events.1",
+    ]
+    assert (tmp_path / "events.1" / "rank0.jsonl").exists() and not (tmp_path / "rankmem.jsonl").exists()
+    rotate_earlier_run(str(tmp_path))  # nothing left to move: silent
+    assert capsys.readouterr().err == ""
 
 
 def test_two_torchrun_agents_form_one_job(tmp_path: Path) -> None:

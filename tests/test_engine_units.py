@@ -101,6 +101,11 @@ def test_job_defaults_follow_the_task() -> None:
     assert (mine.steps, mine.lr) == (7, 0.01)
 
 
+def test_fsdp2_names_the_fsdp_engine_and_sft_ignores_the_group_size() -> None:
+    assert _job("--engine", "fsdp2").engine == "fsdp"  # README calls it FSDP2
+    assert _job("--task", "sft", "--group-size", "1").group_size == 1  # only GRPO groups responses
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

@@ -158,3 +158,41 @@ def test_a_bug_while_measuring_still_sends_the_callers_metrics(monkeypatch: pyte
     assert out["loss/max"] == 3.0 and not any(k.startswith("mem/") for k in out)
     monkeypatch.undo()
     assert "mem/host/rss_gib/max" in monitor.collect({"loss": 3.0})  # the next step measures again
+
+
+def test_sample_shows_gib_not_bytes() -> None:
+    from rankmem._records import HostReading
+
+    host = HostReading(rss=3 * 2**29, peak_rss=2**31, peak_rss_is_lifetime=True, children_rss=None,
+                       node_total=2**35, node_available=2**34, cgroup_used=None, cgroup_limit=None)
+    s = rankmem.MemorySample(host=host, device=None, device_name="none")
+    assert repr(s) == str(s) == (
+        "MemorySample(device='none', host/rss=1.500 GiB, host/peak_rss=2.000 GiB (lifetime), "
+        "node/used=16.000 GiB, node/available=16.000 GiB)"
+    )
+    assert s.host.rss == 3 * 2**29  # the record keeps its bytes
+    assert " GiB" in repr(rankmem.sample(device="cpu"))
+
+
+def test_warnings_name_the_callers_line(tmp_path: object) -> None:
+    class Broken:
+        def open(self, header: object) -> None:
+            pass
+
+        def write(self, record: object) -> None:
+            raise OSError("disk full")
+
+        def close(self) -> None:
+            pass
+
+    monitor = rankmem.Monitor(sinks=(Broken(),), device="cpu", children=False, sink_thread=False)
+    with pytest.warns(RuntimeWarning, match="Broken failed in write") as caught:
+        line = sys._getframe().f_lineno + 1
+        monitor.collect({"loss": 1.0})
+    assert (caught[0].filename, caught[0].lineno) == (__file__, line)
+    # On rankmem's own sink thread no line is the caller's: one line naming rankmem instead.
+    monitor = rankmem.Monitor(sinks=(Broken(),), device="cpu", children=False)
+    with pytest.warns(RuntimeWarning, match="Broken failed in write") as caught:
+        monitor.collect({"loss": 1.0})
+        assert monitor.flush(30)
+    assert (caught[0].filename, caught[0].lineno) == ("rankmem", 0)

@@ -1,4 +1,5 @@
-"""The ``rankmem`` command: ``train`` (launch the reference worker), ``report``, ``plot``, ``leaks``.
+"""The ``rankmem`` command: ``train`` (launch the reference worker), ``report``, ``plot``, ``leaks``,
+``watch`` (a live view of a running job) and ``doctor`` (check the install).
 
 Each subcommand lives in its own module with ``add_arguments(parser)`` and ``run(args) -> int``,
 imported only when chosen. User errors (:class:`rankmem.RankmemError`, a missing file) print one line
@@ -17,9 +18,11 @@ from rankmem.errors import RankmemError
 # name -> (module, one-line help)
 COMMANDS = {
     "train": ("rankmem.cli._train", "launch the reference engine worker under torchrun or Ray"),
-    "report": ("rankmem.cli._report", "summarise a run log: peaks with their step, rank and phase"),
-    "plot": ("rankmem.cli._plot", "plot per-rank memory against step to a PNG"),
+    "report": ("rankmem.cli._report", "summarise a run log: events, leaks, the worst rank per key and per phase, capacity and headroom"),
+    "plot": ("rankmem.cli._plot", "plot per-rank memory against step, capacity drawn, to a PNG (default RUN/rankmem.png)"),
     "leaks": ("rankmem.cli._leaks", "detect steadily growing memory per rank (exit 1 when found)"),
+    "watch": ("rankmem.cli._watch", "a live per-rank view of a running job: memory, step, phase, events"),
+    "doctor": ("rankmem.cli._doctor", "check this install: versions, device backend, peak scope, cgroup, extras"),
 }
 
 

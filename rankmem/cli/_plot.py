@@ -1,10 +1,14 @@
-"""``rankmem plot RUN -o FILE.png``: per-rank memory against step, phase peaks marked, worst rank named."""
+"""``rankmem plot RUN [-o FILE.png]``: per-rank memory against step, capacity drawn, the phase that set
+each peak marked, the worst rank named. The PNG goes next to the run log unless ``-o`` says where."""
 
 from __future__ import annotations
 
 import argparse
+import os
 
 from rankmem.cli._common import add_run_argument
+
+DEFAULT_NAME = "rankmem.png"
 
 
 def _size(text: str) -> tuple[int, int]:
@@ -19,7 +23,8 @@ def _size(text: str) -> tuple[int, int]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_run_argument(parser)
-    parser.add_argument("-o", "--output", required=True, metavar="FILE.png", help="where to write the PNG")
+    parser.add_argument("-o", "--output", default=None, metavar="FILE.png",
+                        help="where to write the PNG (default: rankmem.png in the run directory)")
     parser.add_argument("--keys", nargs="+", default=None, metavar="KEY",
                         help="per-rank keys to plot, one panel each (default: host rss, host peak rss, "
                              "device peak reserved when present)")
@@ -31,6 +36,8 @@ def run(args: argparse.Namespace) -> int:
     from rankmem.plot import plot_run
     from rankmem.runlog import read_run
 
-    keys = plot_run(read_run(args.run), args.output, keys=args.keys, size=args.size)
-    print(f"wrote {args.output} ({', '.join(keys)})")
+    the_run = read_run(args.run)
+    output = args.output or os.path.join(os.path.dirname(the_run.path), DEFAULT_NAME)
+    keys = plot_run(the_run, output, keys=args.keys, size=args.size)
+    print(f"wrote {output} ({', '.join(keys)})")
     return 0

@@ -1,4 +1,5 @@
-"""``rankmem report RUN``: peaks per key with their step, rank and phase; headroom, growth, leaks."""
+"""``rankmem report RUN``: events, leaks and the worst rank first; then per key and per phase the worst
+value with its step, rank and phase; capacity and headroom; ``--html FILE`` writes it as one page."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from rankmem.cli._common import add_leak_options, add_run_argument, leak_config,
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_run_argument(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.add_argument("--html", default=None, metavar="FILE",
+                        help="also write the report, with its plots, as one self-contained HTML file")
     add_leak_options(parser)
 
 
@@ -27,4 +30,10 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report.to_json(), indent=1, sort_keys=True))
     else:
         render(report)
+    if args.html:
+        from rankmem._html import write_html
+
+        write_html(report, the_run, args.html)
+        if not args.json:  # stdout stays one JSON object with --json
+            print(f"wrote {args.html}")
     return 0

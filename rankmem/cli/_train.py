@@ -33,11 +33,13 @@ from collections.abc import Callable
 from typing import IO
 
 from rankmem import _heartbeat, _nearoom
-from rankmem._events import EventWriter
+from rankmem._events import EVENTS_DIR, EventWriter
 from rankmem.cli import _diagnose
 from rankmem.engine.options import add_job_arguments, job_argv, resolve_job_options
 from rankmem.errors import MissingExtraError, RankmemError
 from rankmem.ray import options as ray_options
+from rankmem.runlog import RUN_LOG_NAME
+from rankmem.runlog._writer import rotate, rotated_line
 
 ENTRY = "rankmem.engine.train"
 GRACE_S = 10.0  # after SIGTERM, how long torchrun gets to stop its workers
@@ -148,6 +150,19 @@ def prepare_heartbeat_dir(out: str) -> str:
     return directory
 
 
+def rotate_earlier_run(out: str) -> None:
+    """Move an earlier run's log and events in ``OUT`` aside, saying so in one line each: here, before
+    the launch, rather than as a warning from the logging rank's sink thread."""
+    for name in (RUN_LOG_NAME, EVENTS_DIR):
+        path = os.path.join(out, name)
+        try:
+            rotated = rotate(path)
+        except OSError:  # another node's launcher sharing OUT moved it first
+            continue
+        if rotated is not None:
+            print(f"rankmem train: {rotated_line(path, rotated)}", file=sys.stderr)
+
+
 def oom_kills() -> _diagnose.OomKills:
     return _diagnose.OomKills(_nearoom.oom_kill_count(), _nearoom.node_oom_kill_count())
 
@@ -182,6 +197,7 @@ def wait_sampling(proc: subprocess.Popen[bytes], timeout_s: float | None, sample
 def run(args: argparse.Namespace) -> int:
     if importlib.util.find_spec("torch") is None:
         raise MissingExtraError("rankmem train", "torch", "torch")
+    rotate_earlier_run(args.out)
     if args.launcher == "ray":
         from rankmem.ray.launcher import run as run_on_ray
 

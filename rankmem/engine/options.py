@@ -12,6 +12,8 @@ from rankmem.errors import RankmemError
 
 TASKS = ("sft", "grpo")
 ENGINES = ("ddp", "fsdp")
+ENGINE_ALIASES = {"fsdp2": "fsdp"}
+"""Other names users type for an engine: ``fsdp`` is FSDP2 (``fully_shard``), as README says."""
 
 # Options whose default depends on the task (None in the parser until resolve_job_options). GRPO's
 # steps are ``make demo``'s: about two minutes on 2 CPU cores, well past the reward's plateau.
@@ -28,7 +30,8 @@ def _per_task(dest: str) -> str:
 # (flag, argparse keyword arguments); help=SUPPRESS marks the hidden fault-injection options.
 JOB_OPTIONS: list[tuple[str, dict[str, Any]]] = [
     ("--task", dict(choices=TASKS, default="grpo", help="sft: next-token training; grpo: toy RL (default)")),
-    ("--engine", dict(choices=ENGINES, default="ddp", help="data-parallel engine (default ddp)")),
+    ("--engine", dict(choices=(*ENGINES, *ENGINE_ALIASES), default="ddp",
+                      help="data-parallel engine: ddp (default), or fsdp (FSDP2's fully_shard; also spelled fsdp2)")),
     ("--steps", dict(type=int, default=None, help=f"optimizer steps (default: {_per_task('steps')})")),
     ("--out", dict(default="runs/train", help="run directory; the run log is OUT/rankmem.jsonl")),
     ("--device", dict(choices=("auto", "cpu", "cuda"), default="auto",
@@ -67,6 +70,8 @@ def job_argv(args: argparse.Namespace) -> list[str]:
 
 # Lower bounds of the integer options (by dest), and why where the bound is not plain.
 _AT_LEAST = {"steps": 1, "batch_size": 1, "micro_batch_size": 1, "prompts_per_rank": 1, "group_size": 2}
+_ONLY_FOR = {"group_size": "grpo"}
+"""Bounds that hold for one task only: SFT ignores the group size, so ``--group-size 1`` is no error there."""
 _WHY = {"group_size": ": GRPO's advantage is a response's reward against its group's mean and standard "
                       "deviation, which one response per prompt does not have"}
 _POSITIVE = ("lr", "peak_tflops", "pg_timeout_s")
@@ -79,7 +84,10 @@ def resolve_job_options(args: argparse.Namespace) -> None:
     for dest, value in TASK_DEFAULTS[args.task].items():
         if getattr(args, dest) is None:
             setattr(args, dest, value)
+    args.engine = ENGINE_ALIASES.get(args.engine, args.engine)
     for dest, minimum in _AT_LEAST.items():
+        if _ONLY_FOR.get(dest, args.task) != args.task:
+            continue
         if getattr(args, dest) < minimum:
             raise RankmemError(f"{_flag(dest)} must be >= {minimum}, got {getattr(args, dest)}{_WHY.get(dest, '')}")
     for dest in _POSITIVE:

@@ -17,6 +17,7 @@ import argparse
 import datetime
 import gc
 import os
+import shlex
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
@@ -95,14 +96,51 @@ class PeakTracker:
     def lines(self) -> list[str]:
         out = []
         for key, p in self.peaks.items():
+            if p.value < NOTHING_GIB:  # e.g. no dataloader workers: a row of zeros says nothing
+                continue
             out.append(f"  {key:<32} {p.value:8.3f} GiB  rank {p.rank}  step {p.step}  phase {p.phase}")
         return out
 
 
+NOTHING_GIB = 0.0005
+"""A summary row below this prints as 0.000 GiB: it is left out."""
+
+
+# GRPO's loss is the PPO-clip policy loss: on-policy with group-normalised advantages it is ~0 by
+# construction (a few 1e-9 at first), so it is printed with an exponent, not as a "-0.000" that looks
+# broken. Each task's scalars: (key, label, format); no KL term is computed, so none is shown.
+SCALARS = {
+    "grpo": (("reward", "reward", ".3f"), ("loss", "pg_loss", "+.3e")),
+    "sft": (("loss", "loss", ".3f"),),
+}
+
+
+class Trajectory:
+    """First and last value (mean over ranks) of the scalars a user of the task reads, for the summary."""
+
+    def __init__(self, task: str) -> None:
+        self.scalars = SCALARS[task]
+        self.first: dict[str, tuple[int, float]] = {}
+        self.last: dict[str, tuple[int, float]] = {}
+
+    def update(self, step: int, metrics: Mapping[str, float]) -> None:
+        for key, _, _ in self.scalars:
+            value = metrics.get(key + "/mean")
+            if value is not None:
+                self.first.setdefault(key, (step, value))
+                self.last[key] = (step, value)
+
+    def lines(self) -> list[str]:
+        out = []
+        for key, label, fmt in self.scalars:
+            if key in self.first:
+                (s0, v0), (s1, v1) = self.first[key], self.last[key]
+                out.append(f"{label} (mean over ranks): {v0:{fmt}} at step {s0} -> {v1:{fmt}} at step {s1}")
+        return out
+
+
 def headline(metrics: Mapping[str, float], task: str) -> str:
-    parts = [f"loss {metrics['loss/mean']:.3f}"]
-    if task == "grpo":
-        parts.append(f"reward {metrics['reward/mean']:.2f}")
+    parts = [f"{label} {metrics[key + '/mean']:{fmt}}" for key, label, fmt in SCALARS[task] if key + "/mean" in metrics]
     for key, label in ((key_of("peak_reserved"), "dev peak"), (key_of("peak_rss"), "rss peak")):
         if key + "/max" in metrics:
             parts.append(f"{label} {metrics[key + '/max']:.2f} GiB (rank {int(metrics[key + '/max_rank'])})")
@@ -152,12 +190,16 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
         worker = TrainingWorker(model, config, device=device, monitor=monitor)
         torch.manual_seed(args.seed * 1000 + worker.rank + 1)  # different sampling per rank, same init
         tracker = PeakTracker(monitor)
+        trajectory = Trajectory(args.task)
         logging_rank = monitor.is_logging_rank
+        if logging_rank:
+            print(f"rankmem train: live view: rankmem watch {shlex.quote(args.out)}  (in another terminal)", flush=True)
         with Progress(logging_rank, args.steps, args.task, bar=not args.no_progress) as progress:
 
             def on_step(step: int, metrics: Mapping[str, float]) -> None:
                 if logging_rank:
                     tracker.update(step, metrics)
+                    trajectory.update(step, metrics)
                     progress.advance(step, headline(metrics, args.task))
 
             run_task(worker, args, on_step)
@@ -166,9 +208,20 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     if logging_rank:
         print(f"rankmem train: {args.task}/{args.engine}, {worker.world_size} ranks, {args.steps} steps, "
               f"{model.num_params() / 1e6:.2f}M params, device {device.type}")
+        print("\n".join(trajectory.lines()))
         print("peak memory (max over ranks and steps):")
         print("\n".join(tracker.lines()))
-        print(f"run log: {os.path.join(args.out, 'rankmem.jsonl')}", flush=True)
+        print(f"run log: {os.path.join(args.out, 'rankmem.jsonl')}")
+        print("\n".join(next_steps(args.out)), flush=True)
+
+
+def next_steps(out: str) -> list[str]:
+    """What to run after the job: the offline tools on its run directory."""
+    q = shlex.quote(out)
+    return ["next:",
+            f"  rankmem report {q}   # per key and phase: the worst rank, step and phase; leaks (--html FILE: a page)",
+            f"  rankmem plot {q}     # per-rank memory against step, capacity drawn: {os.path.join(out, 'rankmem.png')}",
+            f"  rankmem watch {q}    # a live per-rank view, while a job writes there"]
 
 
 @record  # torchrun's agent then shows the failing rank's traceback as the root cause

@@ -1,9 +1,12 @@
-"""What the Hugging Face and Lightning callbacks share: a monitor built on first use, and the phase
-window held open between a framework's step-begin and step-end hooks."""
+"""What the Hugging Face and Lightning callbacks share: a monitor built on first use, the phase
+window held open between a framework's step-begin and step-end hooks, and the filter on which
+aggregated keys reach the framework's logs."""
 
 from __future__ import annotations
 
 import contextlib
+import fnmatch
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rankmem._monitor import Monitor
@@ -19,13 +22,25 @@ class StepWindow:
     monitor: Monitor | None
     step_phase: str | None
 
-    def _setup_window(self, monitor: Monitor | None, step_phase: str | None, options: dict[str, Any]) -> None:
+    def _setup_window(self, monitor: Monitor | None, step_phase: str | None, options: dict[str, Any],
+                      log_keys: Sequence[str] | None = None) -> None:
         self.monitor = monitor
         self.step_phase = step_phase
+        if isinstance(log_keys, str):
+            log_keys = (log_keys,)
+        self.log_keys = tuple(log_keys) if log_keys is not None else None
         # Trackers are the framework's job: no sinks and no verl keys unless the caller asks.
         self._options: dict[str, Any] = {"sinks": (), "verl_keys": False, **options}
         self._owns_monitor = monitor is None
         self._step: contextlib.ExitStack | None = None
+
+    def _for_logs(self, metrics: Mapping[str, float]) -> dict[str, float]:
+        """The aggregates that go to the framework's logs: those matching a ``log_keys`` pattern
+        (``fnmatch``: ``mem/host/peak_rss_gib/*``), all of them without one. Every rank still measures
+        every key, and the run log (``sinks=("jsonl",)``) keeps them all."""
+        if self.log_keys is None:
+            return dict(metrics)
+        return {k: v for k, v in metrics.items() if any(fnmatch.fnmatchcase(k, p) for p in self.log_keys)}
 
     def _monitor(self) -> Monitor:
         """The monitor, built on first use: after the framework has initialised the process group."""

@@ -19,6 +19,7 @@ Ordering: the Trainer runs its ``report_to`` trackers' callbacks before the ones
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from rankmem._monitor import Monitor
@@ -42,12 +43,17 @@ class RankmemCallback(StepWindow, TrainerCallback):  # type: ignore[misc]
     ``on_train_begin``, after the Trainer has initialised the process group, from ``monitor_options``
     (e.g. ``out_dir="runs/x", sinks=("jsonl",)`` to also write the run log; default: no sinks).
     ``step_phase``: the phase name for each optimizer step, or ``None`` to skip per-step probing.
+    ``log_keys``: ``fnmatch`` patterns of the aggregated keys added to the Trainer's logs (every key has
+    ``/max``, ``/min``, ``/mean``, ``/max_rank``, ``/min_rank``: ~36 keys, ~2 KB per log line); default
+    all. ``("mem/host/peak_rss_gib/*", "mem/device/peak_reserved_gib/max*")`` keeps a few; the run log
+    keeps them all.
     """
 
-    def __init__(self, monitor: Monitor | None = None, *, step_phase: str | None = STEP_PHASE, **monitor_options: Any):
-        self._setup_window(monitor, step_phase, monitor_options)
+    def __init__(self, monitor: Monitor | None = None, *, step_phase: str | None = STEP_PHASE,
+                 log_keys: Sequence[str] | None = None, **monitor_options: Any):
+        self._setup_window(monitor, step_phase, monitor_options, log_keys)
         self.last_metrics: dict[str, float] = {}
-        """The aggregates added at the last ``on_log``, on every rank."""
+        """Every aggregate of the last ``on_log`` (``log_keys`` aside), on every rank."""
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._monitor()
@@ -60,8 +66,8 @@ class RankmemCallback(StepWindow, TrainerCallback):  # type: ignore[misc]
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         # A collective: every process reaches on_log at the same points (see the module docstring).
-        metrics = self._monitor().collect(step=int(state.global_step))
-        self.last_metrics = metrics
+        self.last_metrics = self._monitor().collect(step=int(state.global_step))
+        metrics = self._for_logs(self.last_metrics)
         if logs is not None:
             logs.update(metrics)
         # Trainer.log appended a copy of logs to log_history before calling on_log.

@@ -8,11 +8,14 @@ the window keys cover the whole interval between logs. Every ``every_n_steps`` b
 the Trainer's ``log_every_n_steps``) every rank calls :meth:`rankmem.Monitor.collect`, a collective:
 the hooks run on every rank and DDP ranks run the same number of batches (the distributed sampler
 pads), so the ranks agree on when. The global-zero rank then writes the aggregates to every logger
-with ``log_metrics`` (not ``self.log``, which would reduce the already-reduced values again).
+with ``log_metrics`` (not ``self.log``, which would reduce the already-reduced values again), at the
+step number Lightning's own logging uses for that batch, so memory rows and ``self.log`` rows (the
+loss) carry the same steps; the run log uses it too.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from rankmem._monitor import Monitor
@@ -29,6 +32,14 @@ __all__ = ["RankmemCallback"]
 STEP_PHASE = "train_step"
 
 
+def logging_step(trainer: Any) -> int:
+    """The step Lightning logs this batch's ``self.log`` values at: its fit loop's count of batches that
+    stepped the optimizer, not yet advanced for this batch (``global_step`` already is, one ahead).
+    Lightning keeps that count private; where it is missing, ``global_step``."""
+    count = getattr(getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None), "_batches_that_stepped", None)
+    return int(count) if isinstance(count, int) else int(trainer.global_step)
+
+
 class RankmemCallback(StepWindow, Callback):  # type: ignore[misc]
     """Logs rankmem's cross-rank memory aggregates through the Trainer's loggers.
 
@@ -37,6 +48,8 @@ class RankmemCallback(StepWindow, Callback):  # type: ignore[misc]
     (default: no sinks). ``every_n_steps``: batches between collects (default: the Trainer's
     ``log_every_n_steps``; with ``accumulate_grad_batches > 1`` that counts batches, not the optimizer
     steps Lightning's own logging counts, so pass ``every_n_steps`` to line the two up). ``step_phase``: the phase name per batch, or ``None`` to skip it.
+    ``log_keys``: ``fnmatch`` patterns of the aggregated keys sent to the loggers (default all; the run
+    log keeps them all).
     """
 
     def __init__(
@@ -45,11 +58,12 @@ class RankmemCallback(StepWindow, Callback):  # type: ignore[misc]
         *,
         every_n_steps: int | None = None,
         step_phase: str | None = STEP_PHASE,
+        log_keys: Sequence[str] | None = None,
         **monitor_options: Any,
     ) -> None:
         if every_n_steps is not None and every_n_steps < 1:
             raise RankmemError(f"every_n_steps must be >= 1, got {every_n_steps}")
-        self._setup_window(monitor, step_phase, monitor_options)
+        self._setup_window(monitor, step_phase, monitor_options, log_keys)
         self.every_n_steps = every_n_steps
         self._batches = 0
         self.last_metrics: dict[str, float] = {}
@@ -69,10 +83,10 @@ class RankmemCallback(StepWindow, Callback):  # type: ignore[misc]
             self._collect(trainer)
 
     def _collect(self, trainer: Any) -> None:
-        step = int(trainer.global_step)
-        metrics = self._monitor().collect(step=step)  # a collective: every rank is here (module docstring)
-        self.last_metrics = metrics
+        step = logging_step(trainer)
+        self.last_metrics = self._monitor().collect(step=step)  # a collective: every rank is here (docstring)
         if trainer.is_global_zero:
+            metrics = self._for_logs(self.last_metrics)
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
 

@@ -18,16 +18,22 @@ from rankmem.errors import warn
 from rankmem.runlog._layout import HEADER_KIND, SCHEMA, SEPARATORS, step_object
 
 
-def _rotate(path: str) -> str | None:
-    """Move an existing non-empty log aside (``rankmem.jsonl.1``, ``.2``, ...) so that a restarted job
-    with the same ``out_dir`` never truncates the records of the run before it."""
-    if not os.path.isfile(path) or os.path.getsize(path) == 0:
+def rotate(path: str) -> str | None:
+    """Move an existing non-empty log (or directory) aside to ``PATH.1``, ``.2``, ... so that a job
+    restarted with the same ``out_dir`` never truncates the records of the run before it; returns
+    where it went, None when there was nothing to move."""
+    if not os.path.exists(path) or (os.path.isfile(path) and os.path.getsize(path) == 0):
         return None
     n = 1
     while os.path.exists(f"{path}.{n}"):
         n += 1
     os.replace(path, f"{path}.{n}")
     return f"{path}.{n}"
+
+
+def rotated_line(path: str, rotated: str) -> str:
+    """The one line that says so: a restart is normal, the earlier run's records are kept."""
+    return f"{path} was from an earlier run (a restart into the same out_dir?); rotated it to {rotated}"
 
 
 def header_to_json(header: RunHeader) -> dict[str, Any]:
@@ -61,13 +67,13 @@ class RunLogWriter:
     def open(self, header: RunHeader) -> None:
         parent = os.path.dirname(os.path.abspath(self.path))
         os.makedirs(parent, exist_ok=True)
-        rotated = _rotate(self.path)
+        rotated = rotate(self.path)
         self._file = open(self.path, "w", encoding="utf-8")
         # default=str: the caller's config may hold paths; they become strings, not a lost header.
         self._write_line(json.dumps(json_safe(header_to_json(header)), allow_nan=False, separators=SEPARATORS,
                                     default=str))
         if rotated:
-            warn(f"rankmem: {self.path} existed (a restarted job?); kept it as {rotated}")
+            warn(f"rankmem: {rotated_line(self.path, rotated)}")
 
     def write(self, record: StepRecord) -> None:
         # Hot path: encode as is, and only when the text holds a non-finite token (NaN, Infinity,

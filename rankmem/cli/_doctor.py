@@ -1,0 +1,192 @@
+"""``rankmem doctor``: one screen that says what rankmem will measure here, and what to install.
+
+Versions (rankmem, Python, torch), the device backend and what it reads, the host peak's scope
+(``window``, ``lifetime`` or ``sampled``), the cgroup seen, whether a run directory can be written,
+and which optional extras are installed, each missing one with the ``pip install`` that adds it.
+
+It never creates a device context: :func:`rankmem.sample` reads the device only where the program has
+initialised it (this process has not), so the device line says what will be read once the training
+code makes its first device call. ``--init-device`` initialises it here and reads it after. Extras are
+looked up, not imported (importing lightning alone takes seconds). Exit status 0: it reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import os
+import sys
+import tempfile
+from typing import Any
+
+from rankmem._heartbeat import ENV_DIR
+from rankmem._units import GIB
+
+# (extra, the modules it provides, what they enable); pyproject.toml's extras, in its order.
+EXTRAS = (
+    ("tensorboard", ("tensorboard",), "the tensorboard sink"),
+    ("wandb", ("wandb",), "the wandb sink"),
+    ("mlflow", ("mlflow",), "the mlflow sink"),
+    ("plot", ("matplotlib",), "rankmem plot, and the plots in report --html"),
+    ("hf", ("transformers", "accelerate"), "rankmem.integrations.hf"),
+    ("lightning", ("lightning",), "rankmem.integrations.lightning"),
+    ("verl", ("verl",), "checks against verl's own functions (the verl integration itself needs none)"),
+    ("ray", ("ray",), "rankmem train --launcher ray"),
+)
+SCOPES = {
+    "window": "window (VmHWM reset at each window edge through /proc/self/clear_refs)",
+    "lifetime": "lifetime (this kernel cannot reset VmHWM: peak RSS is the process's lifetime peak)",
+    "sampled": "sampled (no /proc: peak RSS is the max of the RSS read at window edges)",
+}
+DEVICE_READS = ("allocated, reserved and their window peaks (the allocator), device used and total "
+                "(mem_get_info), alloc retries and OOMs")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", default="runs/train", metavar="DIR",
+                        help="the run directory to check for writing (default runs/train, rankmem train's)")
+    parser.add_argument("--init-device", action="store_true",
+                        help="initialise the device in this process (creates a context, a few hundred MiB) "
+                             "and show what rankmem reads after")
+
+
+def _gib(n: int | None) -> str:
+    return "?" if n is None else f"{n / GIB:.3f} GiB"
+
+
+def _version(module: str) -> str | None:
+    """The installed version of the distribution that provides ``module`` (mlflow-skinny provides mlflow)."""
+    dists = importlib.metadata.packages_distributions().get(module, [])
+    for dist in [module, *dists]:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def torch_line() -> tuple[str, Any]:
+    if importlib.util.find_spec("torch") is None:
+        return "torch: not installed: pip install 'rankmem[torch]' (rankmem then reads host memory only)", None
+    import torch
+
+    cuda = getattr(torch.version, "cuda", None)
+    build = f"CUDA {cuda} build" if cuda else "no CUDA in this build"
+    return f"torch: {torch.__version__} ({build})", torch
+
+
+def device_lines(torch: Any, init: bool) -> list[str]:
+    import rankmem
+
+    if torch is None:
+        return ["device backend: none (no torch)"]
+    before = rankmem.sample(children=False)
+    name = before.device_name
+    if name == "none":
+        return ["device backend: none: torch sees no cuda, npu or xpu device; rankmem reports host memory only"]
+    module = getattr(torch, name)
+    count = module.device_count()
+    lines = [f"device backend: {name}, {count} device{'s' if count != 1 else ''} visible"]
+    reading = before.device
+    if reading is None or reading.before_init:
+        lines.append(f"device before init: nothing read (rankmem never creates a context); after your code's "
+                     f"first {name} call it reads {DEVICE_READS}")
+    if init:
+        module.init()
+        if hasattr(module, "current_device"):
+            torch.empty(1, device=f"{name}:{module.current_device()}")  # the first allocation makes the context
+        after = rankmem.sample(children=False).device
+        if after is None or after.before_init:
+            lines.append("device after init: still nothing read: this torch build hides the context from rankmem")
+        else:
+            lines.append(f"device after init ({name}:{module.current_device()}): allocated {_gib(after.allocated)}, "
+                         f"reserved {_gib(after.reserved)}, used {_gib(after.used)} of {_gib(after.total)}")
+    return lines
+
+
+def host_lines() -> list[str]:
+    import rankmem
+
+    # A doctor run inside a job's environment must not write a heartbeat as if it were a rank.
+    heartbeat_env = os.environ.pop(ENV_DIR, None)
+    try:
+        monitor = rankmem.Monitor(device="cpu", sinks=(), children=False, leak_check=False, near_oom_watch=False,
+                                  sink_thread=False)
+        try:
+            with monitor.step(0):  # the first reset of VmHWM is what tells whether the kernel allows it
+                pass
+            scope = monitor.peak_rss_scope
+        finally:
+            monitor.close()
+    finally:
+        if heartbeat_env is not None:
+            os.environ[ENV_DIR] = heartbeat_env
+    host = rankmem.sample(device="cpu", children=False).host
+    node = (f"node available {_gib(host.node_available)} of {_gib(host.node_total)}"
+            if host.node_total is not None else "node memory unknown")
+    return [f"host peak RSS scope: {SCOPES.get(scope, scope)}",
+            f"host now: this process's RSS {_gib(host.rss)}, {node}",
+            cgroup_line(host.cgroup_limit, host.cgroup_used)]
+
+
+def cgroup_line(limit: int | None, used: int | None) -> str:
+    from rankmem._procfs import own_cgroup_files
+
+    files = own_cgroup_files()
+    if files is None:
+        return "cgroup: none found (no container memory limit is reported)"
+    where = f"v{files.version} at {files.dir}"
+    if limit is None:
+        return f"cgroup: {where}, no memory limit"
+    return f"cgroup: {where}, limit {_gib(limit)} (used {_gib(used)})"
+
+
+def out_line(out: str) -> str:
+    """Whether the run log, heartbeats and events could be written under ``out``, checked by writing."""
+    heartbeat_env = os.environ.get(ENV_DIR)
+    existing = out
+    while not os.path.exists(existing):
+        existing = os.path.dirname(os.path.abspath(existing))
+    if not os.path.isdir(existing):
+        return f"run directory {out}: NOT writable (not a directory: {existing}): choose another --out"
+    targets = [existing] + [d for d in (os.path.join(out, "heartbeat"), os.path.join(out, "events")) if os.path.isdir(d)]
+    for directory in targets:
+        try:
+            fd, probe = tempfile.mkstemp(prefix=".rankmem-doctor-", dir=directory)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as exc:
+            return f"run directory {out}: NOT writable ({exc.strerror}: {directory}): choose another --out"
+    created = "" if existing == out else f" (to be created under {existing})"
+    line = f"run directory {out}: writable{created}: rankmem.jsonl, heartbeat/ and events/"
+    if heartbeat_env:
+        line += f"; heartbeats go to $RANKMEM_HEARTBEAT_DIR={heartbeat_env}"
+    return line
+
+
+def extra_lines() -> list[str]:
+    lines = ["extras:"]
+    for extra, modules, what in EXTRAS:
+        missing = [m for m in modules if importlib.util.find_spec(m) is None]
+        if not missing:
+            versions = ", ".join(f"{m} {_version(m) or '(version unknown)'}" for m in modules)
+            lines.append(f"  {extra:<12} ok ({versions}): {what}")
+        else:
+            lines.append(f"  {extra:<12} missing {', '.join(missing)}: pip install 'rankmem[{extra}]' for {what}")
+    return lines
+
+
+def run(args: argparse.Namespace) -> int:
+    import rankmem
+
+    lines = [f"rankmem: {rankmem.__version__} at {os.path.dirname(os.path.abspath(rankmem.__file__))} "
+             f"(python {sys.version.split()[0]})"]
+    text, torch = torch_line()
+    lines.append(text)
+    lines += device_lines(torch, args.init_device)
+    lines += host_lines()
+    lines.append(out_line(args.out))
+    lines += extra_lines()
+    print("\n".join(lines))
+    return 0
