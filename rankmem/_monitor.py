@@ -126,7 +126,8 @@ class Monitor:
                                     oom_history=self.config.oom_history, near_oom_watch=self.config.near_oom_watch,
                                     flush=lambda: self.flush(2.0))
         self._windows.listener = self._forensics
-        self._exchange = _collective.Exchange(group, device.name if device else None, device.module if device else None)
+        self._exchange = _collective.Exchange(group, device.name if device else None, device.module if device else None,
+                                              detail_rank=self.config.log_rank)
         sinks = [make_sink(spec, self.config.out_dir) for spec in self.config.sinks or ()]
         self._publisher = Publisher(sinks, self.config.leak_check, self._guard, background=self.config.sink_thread)
         self._header: RunHeader | None = None
