@@ -371,7 +371,7 @@ def _env_int(name: str, default: int) -> int:
         raise RankmemError(f"{name}={text!r}: expected an integer") from None
 
 
-REDUCE_ABOVE = 512
+REDUCE_ABOVE = 128
 """Default crossover world size: above it the aggregates travel by all-reduce (bench/RESULTS.md, "Scale")."""
 DETAIL_EVERY = 100
 """Default cadence of the per-rank detail on the all-reduce path, in collects."""

@@ -104,3 +104,29 @@ def test_run_log_without_per_rank_vectors_reads_back(results: tuple[list[dict[st
     assert all(math.isnan(v) for v in tokens[1].tolist() + tokens[3].tolist())
     assert run.metrics is not None and run.metrics["tokens/max"].tolist() == [40.0] * 5
     assert run.metrics["tokens/max_rank"].tolist() == [3.0] * 5
+
+
+def test_a_collect_without_detail_builds_an_aggregates_only_record() -> None:
+    from rankmem._collective import Gathered
+    from rankmem._guard import Guard
+    from rankmem._publish import Publisher
+
+    gathered = Gathered(["mem/host/rss_gib"], None, {"mem/host/rss_gib/max": 1.0}, mixed=False)
+    assert gathered.columns() == {}
+    publisher = Publisher([], leak_check=True, guard=Guard(), background=False)
+    publisher.publish(3, 0.0, gathered)  # no matrix: the leak watch skips it and stays on
+    assert publisher._leak_check
+
+
+def test_the_crossover_knobs_read_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rankmem._collective import DETAIL_EVERY, REDUCE_ABOVE, Exchange
+    from rankmem.errors import RankmemError
+
+    assert (Exchange().reduce_above, Exchange().detail_every) == (REDUCE_ABOVE, DETAIL_EVERY)
+    monkeypatch.setenv("RANKMEM_REDUCE_ABOVE", "2")
+    monkeypatch.setenv("RANKMEM_DETAIL_EVERY", "5")
+    assert (Exchange().reduce_above, Exchange().detail_every) == (2, 5)
+    assert Exchange(reduce_above=7).reduce_above == 7
+    monkeypatch.setenv("RANKMEM_REDUCE_ABOVE", "many")
+    with pytest.raises(RankmemError, match="RANKMEM_REDUCE_ABOVE"):
+        Exchange()
