@@ -57,6 +57,11 @@ def main(out: str) -> None:
     monitor._exchange.reduce_above, monitor._exchange.detail_every = 1, 2
     for step in range(5):
         monitor.collect({"tokens": 10.0 * (rank + 1)}, step=step)
+    if rank == world - 1:
+        monitor.request_detail()  # off cadence (collect 5 of detail_every=2): one rank asks
+    monitor.collect({"tokens": 10.0 * (rank + 1)}, step=5)
+    monitor.collect({"tokens": 10.0 * (rank + 1)}, step=6)  # on cadence again
+    monitor.collect({"tokens": 10.0 * (rank + 1)}, step=7)  # none
     monitor.close()
 
     with open(f"{out}/rank{rank}.json", "w") as f:
