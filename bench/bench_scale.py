@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable
 
 KEYS = 64
+BINS = 32  # Exchange's default quantile_bins: the SUM vector carries K x BINS histogram counts
 ROUNDS = 5
 
 
@@ -181,7 +182,7 @@ def model_nccl(world: int, k: int, gamma_us: float, reduce_local_us: float) -> d
     ring_steps = (nodes - 1) * NCCL_ALPHA_NET_US + (min(world, GPUS_PER_NODE) - 1) * NCCL_ALPHA_NVL_US
     tree_steps = 2 * math.log2(max(nodes, 1)) * NCCL_ALPHA_NET_US + 2 * math.log2(min(world, GPUS_PER_NODE)) * NCCL_ALPHA_NVL_US
     ag = ring_steps + (world - 1) * s / NCCL_BW_NET * 1e6 + D2H_US + gamma_us * world * k
-    ar_bytes = 8 * (6 + 3 * k + 2 * k + 3 * k)
+    ar_bytes = 8 * (6 + 3 * k + (2 + BINS) * k + 3 * k)
     red = 3 * (min(ring_steps * 2, tree_steps) + 2 * ar_bytes / 3 / NCCL_BW_NET * 1e6 + D2H_US) + reduce_local_us
     # Gather to the logging rank: its receive is serial in W (NCCL gather is W-1 sends to one peer);
     # the other ranks still need the aggregates back: one broadcast of 5K floats.
@@ -195,7 +196,7 @@ def model_nccl(world: int, k: int, gamma_us: float, reduce_local_us: float) -> d
 def bytes_per_rank(world: int, k: int) -> dict[str, float]:
     """Bytes a rank receives per collect (ring algorithms; the root's receive for gather-to-one)."""
     s = 8 * (k + 3)
-    ar = 8 * (6 + 3 * k + 2 * k + 3 * k)
+    ar = 8 * (6 + 3 * k + (2 + BINS) * k + 3 * k)
     return {"allgather": (world - 1) * s, "reduce": 2 * (world - 1) / world * ar,
             "gather_to_one": (world - 1) * s, "hierarchical": (GPUS_PER_NODE - 1) * s + (world // GPUS_PER_NODE) * 40 * k}
 

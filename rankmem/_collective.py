@@ -280,6 +280,22 @@ def _aggregate_names(keys: Sequence[str]) -> list[str]:
     return names
 
 
+_quantile_cache: dict[tuple[str, ...], list[str]] = {}
+
+
+def _quantile_names(keys: Sequence[str]) -> list[str]:
+    """``K/p50``, ``K/p90``, ``K/p99`` per key (the all-reduce path only), cached as the aggregate names are."""
+    from rankmem._reduce import QUANTILE_NAMES
+
+    key_tuple = tuple(keys)
+    names = _quantile_cache.get(key_tuple)
+    if names is None:
+        if len(_quantile_cache) > 64:
+            _quantile_cache.clear()
+        names = _quantile_cache[key_tuple] = [f"{k}/{q}" for k in key_tuple for q in QUANTILE_NAMES]
+    return names
+
+
 def aggregate(keys: Sequence[str], matrix: np.ndarray, nan_is_absent: bool = False,
               absent: np.ndarray | None = None) -> dict[str, float]:
     """``K/max``, ``K/min``, ``K/mean``, ``K/max_rank``, ``K/min_rank`` per column of a ranks x keys matrix.
@@ -393,7 +409,8 @@ class Exchange:
     take :class:`rankmem._reduce.PackedReduce` instead: three all-reduces whose size does not grow with
     the world, and the per-rank matrix gathered to ``detail_rank`` only, every ``detail_every`` collects
     (``RANKMEM_DETAIL_EVERY``) or when any rank passes ``detail=True``; on the other collects
-    :attr:`Gathered.matrix` is None. Every rank must be given the same knobs (torchrun passes the same
+    :attr:`Gathered.matrix` is None. That path adds ``K/p50``, ``K/p90``, ``K/p99`` across ranks, exact to
+    one of ``quantile_bins`` buckets over ``[K/min, K/max]`` (0: none). Every rank must be given the same knobs (torchrun passes the same
     environment to all).
     """
 
@@ -401,12 +418,13 @@ class Exchange:
     MAX_KEY_WARNINGS = 8
 
     def __init__(self, group: Any = None, device_type: str | None = None, device_module: Any = None, *,
-                 reduce_above: int | None = None, detail_every: int | None = None, detail_rank: int = 0) -> None:
+                 reduce_above: int | None = None, detail_every: int | None = None, detail_rank: int = 0,
+                 quantile_bins: int = 32) -> None:
         from rankmem._reduce import PackedReduce  # imports this module's names: not at the top
 
         # The gather's device is resolved at the first collect, from the backend's current device.
         self.packed = PackedGather(group, device_type, device_module=device_module)
-        self.reduce = PackedReduce(self.packed, detail_rank)
+        self.reduce = PackedReduce(self.packed, detail_rank, quantile_bins)
         self.reduce_above = reduce_above if reduce_above is not None else _env_int("RANKMEM_REDUCE_ABOVE", REDUCE_ABOVE)
         self.detail_every = max(1, detail_every if detail_every is not None
                                 else _env_int("RANKMEM_DETAIL_EVERY", DETAIL_EVERY))
@@ -436,13 +454,13 @@ class Exchange:
             if reduced is not None:
                 return self._from_reduced(schema, reduced)
             schemas, rows = self.packed.fallback(schema, row, self.reduce.need)
-        else:
-            schemas, rows = self.packed.gather(schema, row, step_f)
+            return self._from_rows(schema, schemas, rows, self.reduce.bins)
+        schemas, rows = self.packed.gather(schema, row, step_f)
         return self._from_rows(schema, schemas, rows)
 
     def _from_reduced(self, schema: tuple[str, ...], reduced: Any) -> Gathered:
         keys: Sequence[str] = schema
-        stats, counts, matrix = reduced.stats, reduced.counts, reduced.detail
+        stats, counts, matrix, quantiles = reduced.stats, reduced.counts, reduced.detail, reduced.quantiles
         world = self.packed._world
         mixed = bool(self._layout) and bool((counts < world).any())
         if mixed:
@@ -450,13 +468,32 @@ class Exchange:
             if not kept.all():
                 keys = [k for k, keep in zip(keys, kept.tolist(), strict=True) if keep]
                 stats, counts = stats[kept], counts[kept]
+                quantiles = None if quantiles is None else quantiles[kept]
                 matrix = None if matrix is None else matrix[:, kept]
             self._warn_mixed(keys, counts < world)
         if matrix is not None:
             matrix[absent_mask(matrix)] = math.nan  # downstream (run log, leak watch) reads NaN as absent
-        return Gathered(keys, matrix, dict(zip(_aggregate_names(keys), stats.ravel().tolist(), strict=True)), mixed)
+        aggregated = dict(zip(_aggregate_names(keys), stats.ravel().tolist(), strict=True))
+        if quantiles is not None:
+            aggregated.update(zip(_quantile_names(keys), quantiles.ravel().tolist(), strict=True))
+        return Gathered(keys, matrix, aggregated, mixed)
 
-    def _from_rows(self, schema: tuple[str, ...], schemas: Sequence[Schema], rows: Sequence[np.ndarray]) -> Gathered:
+    def _from_rows(self, schema: tuple[str, ...], schemas: Sequence[Schema], rows: Sequence[np.ndarray],
+                   bins: int = 0) -> Gathered:
+        """The aggregates from every rank's values; with ``bins``, the all-reduce path's quantiles too."""
+        gathered = self._aggregate_rows(schema, schemas, rows)
+        if bins and gathered.matrix is not None:
+            from rankmem._reduce import matrix_quantiles
+
+            absent = np.isnan(gathered.matrix) if gathered.mixed else None  # absent is NaN by now
+            quantiles = matrix_quantiles(gathered.matrix, absent, bins)
+            if absent is not None:  # NaN cells of a mixed matrix may be a caller's NaN: aggregate knows
+                quantiles[np.isnan([gathered.aggregated[k + "/max"] for k in gathered.keys])] = math.nan
+            gathered.aggregated.update(zip(_quantile_names(gathered.keys), quantiles.ravel().tolist(), strict=True))
+        return gathered
+
+    def _aggregate_rows(self, schema: tuple[str, ...], schemas: Sequence[Schema], rows: Sequence[np.ndarray]
+                        ) -> Gathered:
         if all(s == schema for s in schemas):
             keys: Sequence[str] = schema
             matrix = np.vstack(rows) if rows else np.zeros((0, 0))

@@ -6,7 +6,9 @@ whatever ``W`` (see ``bench/RESULTS.md``, "Scale: the collective's cost model"):
 
 1. all-reduce MAX of ``[sig, -sig, n, step, -step, detail, v, -v, isnan]`` (absent or NaN -> -inf in
    ``v``/``-v``): max, min, whether the layouts agree, whether any rank wants the detail;
-2. all-reduce SUM of ``[v, present]`` (absent or NaN -> 0): mean;
+2. all-reduce SUM of ``[v, present, histogram]`` (absent or NaN -> 0): mean, and p50/p90/p99 across
+   ranks from a histogram of ``bins`` buckets per key over ``[min, max]`` (so a quantile is exact to
+   one bucket, ``(max - min) / bins``: the upper edge of the bucket holding the nearest-rank value);
 3. all-reduce MIN of ``[r if v == max, r if v == min, r if isnan]`` (else ``W``): the ranks.
 
 Every rank decides from the same reduced vectors, so all take the same branch: a disagreement seen
@@ -39,6 +41,12 @@ class Reduced:
     """Per key, how many ranks have it."""
     detail: np.ndarray | None
     """ranks x keys on the detail rank when this collect carries the detail (NaN where absent)."""
+    quantiles: np.ndarray | None
+    """keys x len(QUANTILES): p50, p90, p99 across ranks (upper bucket edges), or None with ``bins=0``."""
+
+
+QUANTILES = (0.5, 0.9, 0.99)
+QUANTILE_NAMES = ("p50", "p90", "p99")
 
 
 class PackedReduce:
@@ -48,9 +56,12 @@ class PackedReduce:
     collectives have the same shape even when their layouts differ.
     """
 
-    def __init__(self, packed: PackedGather, detail_rank: int = 0) -> None:
+    def __init__(self, packed: PackedGather, detail_rank: int = 0, bins: int = 32) -> None:
         self.packed = packed
         self.detail_rank = detail_rank
+        self.bins = bins
+        """Histogram buckets per key for p50/p90/p99 (0: none). 32 doubles the SUM vector at most:
+        K x 32 floats, still constant in W."""
         self.reduces = 0
         self.details = 0
         self.need = 0
@@ -115,13 +126,19 @@ class PackedReduce:
         any_nan = got[_HEAD + 2 * cap : _HEAD + 2 * cap + n] > 0
         detail = bool(got[5] > 0)
 
-        total, buf = self._buffer("sum", 2 * cap)
+        bins = self.bins
+        total, buf = self._buffer("sum", (2 + bins) * cap)
         total[:] = 0.0
         present = ~absent
         total[:n] = np.where(present & ~isnan, values, 0.0)
         total[cap : cap + n] = present
+        if bins:
+            where = _bucket(values, bottom, top, bins)
+            counted = np.flatnonzero(present & ~isnan)
+            total[2 * cap :].reshape(cap, bins)[counted, where[counted]] = 1.0
         got = self._all_reduce(buf, dist.ReduceOp.SUM)
         sums, counts = got[:n].copy(), got[cap : cap + n].copy()
+        quantiles = self._quantiles(got[2 * cap :].reshape(cap, bins)[:n], counts, bottom, top) if bins else None
 
         rank = float(dist.get_rank(packed.group))
         low, buf = self._buffer("min", 3 * cap)
@@ -142,7 +159,12 @@ class PackedReduce:
         none = counts == 0
         stats[none, :3] = math.nan
         stats[none, 3:] = -1
-        return Reduced(stats, counts, self._gather_detail(values, cap) if detail else None)
+        if quantiles is not None:
+            quantiles[any_nan | none] = math.nan
+        return Reduced(stats, counts, self._gather_detail(values, cap) if detail else None, quantiles)
+
+    def _quantiles(self, hist: np.ndarray, counts: np.ndarray, bottom: np.ndarray, top: np.ndarray) -> np.ndarray:
+        return bucket_quantiles(hist, counts, bottom, top, self.bins)
 
     def _gather_detail(self, values: np.ndarray, cap: int) -> np.ndarray | None:
         """Every rank's row to the detail rank only (one ``gather``); None on the other ranks."""
@@ -171,3 +193,43 @@ class PackedReduce:
             self.packed._warn_once("steps", f"ranks met in one collect() at different steps (from {earliest:.0f} "
                                    f"to {latest:.0f}): a rank called collect() more or fewer times than the "
                                    "others; the last one to call it waits for the process-group timeout")
+
+
+def _bucket(values: np.ndarray, bottom: np.ndarray, top: np.ndarray, bins: int) -> np.ndarray:
+    """Each value's bucket of ``bins`` over ``[bottom, top]`` (bucket 0 where the range is empty or not finite)."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        where = np.floor((values - bottom) / (top - bottom) * bins)
+    clipped: np.ndarray = np.nan_to_num(where, nan=0.0, posinf=bins - 1, neginf=0.0).clip(0, bins - 1)
+    return clipped.astype(np.intp)
+
+
+def bucket_quantiles(hist: np.ndarray, counts: np.ndarray, bottom: np.ndarray, top: np.ndarray, bins: int
+                     ) -> np.ndarray:
+    """Nearest-rank p50/p90/p99 per key from keys x ``bins`` histograms: the upper edge of the bucket
+    holding the ``ceil(q n)``-th value (never below it, at most one bucket above it); NaN where the
+    range is not finite (an infinite value leaves the buckets no width)."""
+    cum = hist.cumsum(axis=1)
+    width = (top - bottom) / bins
+    out = np.empty((hist.shape[0], len(QUANTILES)))
+    for j, q in enumerate(QUANTILES):
+        target = np.maximum(np.ceil(q * counts), 1.0)
+        bucket = (cum < target[:, None]).sum(axis=1)
+        out[:, j] = np.minimum(bottom + (bucket + 1) * width, top)
+    out[~np.isfinite(width) | (counts == 0)] = math.nan
+    return out
+
+
+def matrix_quantiles(matrix: np.ndarray, absent: np.ndarray | None, bins: int) -> np.ndarray:
+    """The same bucketed quantiles from a whole ranks x keys matrix (a fallback collect of the all-reduce
+    path), so that the figures do not change with the way one collect travelled."""
+    present = ~np.isnan(matrix) if absent is None else ~absent & ~np.isnan(matrix)
+    caller_nan = np.isnan(matrix) if absent is None else np.isnan(matrix) & ~absent
+    bottom = np.where(present, matrix, math.inf).min(axis=0)
+    top = np.where(present, matrix, -math.inf).max(axis=0)
+    where = _bucket(matrix, bottom, top, bins)
+    hist = np.zeros((matrix.shape[1], bins))
+    ranks, keys = np.nonzero(present)
+    np.add.at(hist, (keys, where[ranks, keys]), 1.0)
+    out = bucket_quantiles(hist, present.sum(axis=0).astype(float), bottom, top, bins)
+    out[caller_nan.any(axis=0)] = math.nan
+    return out

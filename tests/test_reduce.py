@@ -13,6 +13,8 @@ from rankmem.runlog import read_run
 from tests.conftest import REPO, torchrun
 
 WORLD = 4
+QUANTILES = {"p50": 0.5, "p90": 0.9, "p99": 0.99}
+BINS = 32
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +41,7 @@ def _same(x: float, y: float, key: str) -> bool:
 def test_reduce_gives_the_gather_aggregates(results: tuple[list[dict[str, Any]], Any]) -> None:
     for name, case in _cases(results).items():
         assert case["reduce_keys"] == case["gather_keys"], name
-        assert case["reduce"].keys() == case["gather"].keys(), name
+        assert {k for k in case["reduce"] if k.rsplit("/", 1)[1] not in QUANTILES} == case["gather"].keys(), name
         for key, value in case["gather"].items():
             assert _same(value, case["reduce"][key], key), (name, key, value, case["reduce"][key])
         assert case["mixed"][0] == case["mixed"][1], name
@@ -135,3 +137,19 @@ def test_the_crossover_knobs_read_the_environment(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("RANKMEM_REDUCE_ABOVE", "many")
     with pytest.raises(RankmemError, match="RANKMEM_REDUCE_ABOVE"):
         Exchange()
+
+
+def test_quantiles_are_exact_to_one_bucket(results: tuple[list[dict[str, Any]], Any]) -> None:
+    for name, case in _cases(results).items():
+        columns = dict(zip(case["gather_keys"], zip(*case["gather_matrix"], strict=True), strict=True))
+        for key, column in columns.items():
+            got = [case["reduce"][f"{key}/{p}"] for p in QUANTILES]
+            values = sorted(v for v in column if not math.isnan(v))
+            lo, hi = case["gather"][f"{key}/min"], case["gather"][f"{key}/max"]
+            if len(values) < len(column) and not case["mixed"][0] or not math.isfinite(hi - lo):
+                assert all(math.isnan(g) for g in got), (name, key)  # a caller's NaN, or no finite range
+                continue
+            width = (hi - lo) / BINS
+            for g, q in zip(got, QUANTILES.values(), strict=True):
+                true = values[max(math.ceil(q * len(values)), 1) - 1]  # nearest rank
+                assert true <= g <= true + width * (1 + 1e-9), (name, key, q, g, true)
