@@ -20,6 +20,7 @@ import numpy as np
 
 from rankmem._catalogue import AGGREGATES
 from rankmem._records import RankInfo, RunHeader
+from rankmem._reduce import QUANTILE_NAMES, PackedReduce, Reduced, matrix_quantiles
 from rankmem._scalars import to_float
 from rankmem.errors import RankmemError, WarnOnce
 
@@ -285,8 +286,6 @@ _quantile_cache: dict[tuple[str, ...], list[str]] = {}
 
 def _quantile_names(keys: Sequence[str]) -> list[str]:
     """``K/p50``, ``K/p90``, ``K/p99`` per key (the all-reduce path only), cached as the aggregate names are."""
-    from rankmem._reduce import QUANTILE_NAMES
-
     key_tuple = tuple(keys)
     names = _quantile_cache.get(key_tuple)
     if names is None:
@@ -420,8 +419,6 @@ class Exchange:
     def __init__(self, group: Any = None, device_type: str | None = None, device_module: Any = None, *,
                  reduce_above: int | None = None, detail_every: int | None = None, detail_rank: int = 0,
                  quantile_bins: int = 32) -> None:
-        from rankmem._reduce import PackedReduce  # imports this module's names: not at the top
-
         # The gather's device is resolved at the first collect, from the backend's current device.
         self.packed = PackedGather(group, device_type, device_module=device_module)
         self.reduce = PackedReduce(self.packed, detail_rank, quantile_bins)
@@ -450,7 +447,10 @@ class Exchange:
             # The same collect count on every rank: every rank asks for the detail on the same collects.
             want = detail or self._collects % self.detail_every == 0
             self._collects += 1
-            reduced = self.reduce.reduce(schema, row, step_f, want)
+            if schema != packed._last_schema:
+                packed._last_schema, packed._last_sig = schema, schema_signature(schema)
+            array = np.asarray(row, dtype=np.float64)
+            reduced = self.reduce.reduce(packed._last_sig, array, absent_mask(array), step_f, want)
             if reduced is not None:
                 return self._from_reduced(schema, reduced)
             schemas, rows = self.packed.fallback(schema, row, self.reduce.need)
@@ -458,7 +458,7 @@ class Exchange:
         schemas, rows = self.packed.gather(schema, row, step_f)
         return self._from_rows(schema, schemas, rows)
 
-    def _from_reduced(self, schema: tuple[str, ...], reduced: Any) -> Gathered:
+    def _from_reduced(self, schema: tuple[str, ...], reduced: Reduced) -> Gathered:
         keys: Sequence[str] = schema
         stats, counts, matrix, quantiles = reduced.stats, reduced.counts, reduced.detail, reduced.quantiles
         world = self.packed._world
@@ -483,8 +483,6 @@ class Exchange:
         """The aggregates from every rank's values; with ``bins``, the all-reduce path's quantiles too."""
         gathered = self._aggregate_rows(schema, schemas, rows)
         if bins and gathered.matrix is not None:
-            from rankmem._reduce import matrix_quantiles
-
             absent = np.isnan(gathered.matrix) if gathered.mixed else None  # absent is NaN by now
             quantiles = matrix_quantiles(gathered.matrix, absent, bins)
             if absent is not None:  # NaN cells of a mixed matrix may be a caller's NaN: aggregate knows

@@ -18,13 +18,10 @@ in (1) makes every rank skip (2) and (3) and take the pickled fallback together;
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
-
-from rankmem._collective import ABSENT_BITS, PackedGather, Schema, schema_signature
 
 _HEAD = 6
 """``[sig, -sig, n, step, -step, detail]`` ahead of the values in the MAX vector."""
@@ -49,6 +46,18 @@ QUANTILES = (0.5, 0.9, 0.99)
 QUANTILE_NAMES = ("p50", "p90", "p99")
 
 
+class _Group(Protocol):
+    """What this module reads of :class:`rankmem._collective.PackedGather` (typed structurally: the
+    exchange layer imports this module, not the other way round)."""
+
+    group: Any
+    capacity: int
+    _world: int
+    _device: Any
+
+    def _warn_once(self, key: str, message: str, stacklevel: int = 3) -> None: ...
+
+
 class PackedReduce:
     """Three fixed-size all-reduces over a :class:`PackedGather`'s group, device and learned capacity.
 
@@ -56,7 +65,7 @@ class PackedReduce:
     collectives have the same shape even when their layouts differ.
     """
 
-    def __init__(self, packed: PackedGather, detail_rank: int = 0, bins: int = 32) -> None:
+    def __init__(self, packed: _Group, detail_rank: int = 0, bins: int = 32) -> None:
         self.packed = packed
         self.detail_rank = detail_rank
         self.bins = bins
@@ -92,22 +101,23 @@ class PackedReduce:
         dist.all_reduce(sent, op=op, group=self.packed.group)
         return np.asarray(sent.cpu().numpy())  # on CPU tensors this is the staging memory itself
 
-    def reduce(self, schema: Schema, row: Sequence[float], step: float, want_detail: bool) -> Reduced | None:
-        """The aggregates of this collect, or None when every rank must take the pickled fallback."""
+    def reduce(self, sig: float, values: np.ndarray, absent: np.ndarray, step: float, want_detail: bool
+               ) -> Reduced | None:
+        """The aggregates of this collect, or None when every rank must take the pickled fallback.
+
+        ``sig`` is the layout's checksum, ``values`` the row over the layout, ``absent`` where it holds
+        the ABSENT marker.
+        """
         import torch.distributed as dist
 
         packed = self.packed
-        if schema != packed._last_schema:
-            packed._last_schema, packed._last_sig = schema, schema_signature(schema)
-        cap, n, world = packed.capacity, len(row), packed._world
-        values = np.asarray(row, dtype=np.float64)
-        absent = values.view(np.uint64) == ABSENT_BITS
+        cap, n, world = packed.capacity, values.size, packed._world
         isnan = np.isnan(values) & ~absent
         fits = n <= cap
         high, buf = self._buffer("max", _HEAD + 3 * cap)
         step_hi = step if step == step else -math.inf  # a NaN step is unknown: it must not win MAX
         step_lo = -step if step == step else -math.inf
-        high[:_HEAD] = (packed._last_sig, -packed._last_sig, n, step_hi, step_lo, 1.0 if want_detail else 0.0)
+        high[:_HEAD] = (sig, -sig, n, step_hi, step_lo, 1.0 if want_detail else 0.0)
         high[_HEAD:] = -math.inf
         if fits:
             clean = np.where(absent | isnan, -math.inf, values)
