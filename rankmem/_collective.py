@@ -20,6 +20,7 @@ import numpy as np
 
 from rankmem._catalogue import AGGREGATES
 from rankmem._records import RankInfo, RunHeader
+from rankmem._reduce import QUANTILE_NAMES, PackedReduce, Reduced, matrix_quantiles
 from rankmem._scalars import to_float
 from rankmem.errors import RankmemError, WarnOnce
 
@@ -234,9 +235,15 @@ class PackedGather:
         # the payload); all that must hold is that every rank's values fit.
         if (sigs == sigs[0]).all() and lengths.max() <= self.capacity:
             return [schema] * world, [rows[r, _HEAD : _HEAD + int(lengths[r])] for r in range(world)]
+        return self.fallback(schema, values, int(lengths.max()))
+
+    def fallback(self, schema: Schema, values: Sequence[float], need: int
+                 ) -> tuple[list[Schema], list[np.ndarray]]:
+        """The pickled gather every rank takes together when layouts disagree or values outgrow the
+        capacity; ``need`` (the most values any rank sent, known alike on every rank) is the new one."""
         self.fallbacks += 1
         gathered = all_gather_objects((schema, list(map(float, values))), self.group)
-        self.capacity = int(lengths.max())
+        self.capacity = need
         return [g[0] for g in gathered], [np.asarray(g[1], dtype=np.float64) for g in gathered]
 
     def _check_steps(self, steps: np.ndarray) -> None:
@@ -271,6 +278,20 @@ def _aggregate_names(keys: Sequence[str]) -> list[str]:
         if len(_names_cache) > 64:  # layouts rarely change; keep the cache from growing without bound
             _names_cache.clear()
         names = _names_cache[key_tuple] = [k + suffix for k in key_tuple for suffix in _SUFFIXES]
+    return names
+
+
+_quantile_cache: dict[tuple[str, ...], list[str]] = {}
+
+
+def _quantile_names(keys: Sequence[str]) -> list[str]:
+    """``K/p50``, ``K/p90``, ``K/p99`` per key (the all-reduce path only), cached as the aggregate names are."""
+    key_tuple = tuple(keys)
+    names = _quantile_cache.get(key_tuple)
+    if names is None:
+        if len(_quantile_cache) > 64:
+            _quantile_cache.clear()
+        names = _quantile_cache[key_tuple] = [f"{k}/{q}" for k in key_tuple for q in QUANTILE_NAMES]
     return names
 
 
@@ -335,21 +356,40 @@ def union_matrix(schemas: Sequence[Sequence[str]], rows: Sequence[np.ndarray]) -
 
 @dataclass(slots=True)
 class Gathered:
-    """Every rank's values of one collect, the same on every rank."""
+    """One collect's aggregates, the same on every rank, and (when this collect carries it) the per-rank detail."""
 
     keys: Sequence[str]
     """Sorted per-rank keys (the union over ranks when they disagreed)."""
-    matrix: np.ndarray
-    """ranks x keys, float64; NaN where a rank lacked a key (only when ``mixed``) or sent NaN."""
+    matrix: np.ndarray | None
+    """ranks x keys, float64; NaN where a rank lacked a key (only when ``mixed``) or sent NaN. None on
+    purpose where this collect carries no per-rank detail: past :attr:`Exchange.reduce_above` ranks the
+    detail reaches only the detail rank, every ``detail_every`` collects (see :mod:`rankmem._reduce`)."""
     aggregated: dict[str, float]
     """``K/max``, ``K/min``, ``K/mean``, ``K/max_rank``, ``K/min_rank`` for every key."""
     mixed: bool
     """True when ranks sent different keys (each key aggregated over the ranks that have it)."""
 
     def columns(self) -> dict[str, list[float | None]]:
-        """Per key, each rank's value (``None`` where absent): the run log's per-rank part."""
+        """Per key, each rank's value (``None`` where absent): the run log's per-rank part; empty when
+        this collect carries no detail (the run log line then holds the aggregates only)."""
+        if self.matrix is None:
+            return {}
         cols = self.matrix.T.tolist()
         return {k: [None if math.isnan(v) else v for v in col] for k, col in zip(self.keys, cols, strict=True)}
+
+
+def _env_int(name: str, default: int) -> int:
+    text = os.environ.get(name, "")
+    try:
+        return int(text) if text else default
+    except ValueError:
+        raise RankmemError(f"{name}={text!r}: expected an integer") from None
+
+
+REDUCE_ABOVE = 128
+"""Default crossover world size: above it the aggregates travel by all-reduce (bench/RESULTS.md, "Scale")."""
+DETAIL_EVERY = 100
+"""Default cadence of the per-rank detail on the all-reduce path, in collects."""
 
 
 class Exchange:
@@ -363,27 +403,95 @@ class Exchange:
     the one-tensor path and only a key never seen before costs a pickled gather. The union is capped at
     :data:`MAX_LAYOUT` keys (beyond it, it restarts from the current step's keys), and the mixed-keys
     warning is given for at most :data:`MAX_KEY_WARNINGS` different key sets.
+
+    Worlds larger than ``reduce_above`` ranks (default :data:`REDUCE_ABOVE`, or ``RANKMEM_REDUCE_ABOVE``)
+    take :class:`rankmem._reduce.PackedReduce` instead: three all-reduces whose size does not grow with
+    the world, and the per-rank matrix gathered to ``detail_rank`` only, every ``detail_every`` collects
+    (``RANKMEM_DETAIL_EVERY``) or when any rank passes ``detail=True``; on the other collects
+    :attr:`Gathered.matrix` is None. That path adds ``K/p50``, ``K/p90``, ``K/p99`` across ranks, exact to
+    one of ``quantile_bins`` buckets over ``[K/min, K/max]`` (0: none). Every rank must be given the same knobs (torchrun passes the same
+    environment to all).
     """
 
     MAX_LAYOUT = 4096
     MAX_KEY_WARNINGS = 8
 
-    def __init__(self, group: Any = None, device_type: str | None = None, device_module: Any = None) -> None:
+    def __init__(self, group: Any = None, device_type: str | None = None, device_module: Any = None, *,
+                 reduce_above: int | None = None, detail_every: int | None = None, detail_rank: int = 0,
+                 quantile_bins: int = 32) -> None:
         # The gather's device is resolved at the first collect, from the backend's current device.
         self.packed = PackedGather(group, device_type, device_module=device_module)
+        self.reduce = PackedReduce(self.packed, detail_rank, quantile_bins)
+        self.reduce_above = reduce_above if reduce_above is not None else _env_int("RANKMEM_REDUCE_ABOVE", REDUCE_ABOVE)
+        self.detail_every = max(1, detail_every if detail_every is not None
+                                else _env_int("RANKMEM_DETAIL_EVERY", DETAIL_EVERY))
+        self._collects = 0
         self._layout: tuple[str, ...] = ()
         self._layout_set: frozenset[str] = frozenset()
         self._warned: set[tuple[str, ...]] = set()
         self._warn_once = WarnOnce()
 
-    def gather_aggregate(self, values: Mapping[str, float], step: int | None = None) -> Gathered:
+    def gather_aggregate(self, values: Mapping[str, float], step: int | None = None, detail: bool = False
+                         ) -> Gathered:
+        """``detail=True`` on any rank makes this collect carry the per-rank matrix on the reduce path
+        (a rank that just recorded an event); the all-gather path always carries it."""
         if self._layout_set and self._layout_set.issuperset(values):
             schema = self._layout
             row = [values.get(k, ABSENT) for k in schema]
         else:
             schema = tuple(sorted(values))
             row = [values[k] for k in schema]
-        schemas, rows = self.packed.gather(schema, row, math.nan if step is None else float(step))
+        step_f = math.nan if step is None else float(step)
+        packed = self.packed
+        if (packed._world or (packed._setup() and packed._world)) > self.reduce_above and packed._setup():
+            # The same collect count on every rank: every rank asks for the detail on the same collects.
+            want = detail or self._collects % self.detail_every == 0
+            self._collects += 1
+            if schema != packed._last_schema:
+                packed._last_schema, packed._last_sig = schema, schema_signature(schema)
+            array = np.asarray(row, dtype=np.float64)
+            reduced = self.reduce.reduce(packed._last_sig, array, absent_mask(array), step_f, want)
+            if reduced is not None:
+                return self._from_reduced(schema, reduced)
+            schemas, rows = self.packed.fallback(schema, row, self.reduce.need)
+            return self._from_rows(schema, schemas, rows, self.reduce.bins)
+        schemas, rows = self.packed.gather(schema, row, step_f)
+        return self._from_rows(schema, schemas, rows)
+
+    def _from_reduced(self, schema: tuple[str, ...], reduced: Reduced) -> Gathered:
+        keys: Sequence[str] = schema
+        stats, counts, matrix, quantiles = reduced.stats, reduced.counts, reduced.detail, reduced.quantiles
+        world = self.packed._world
+        mixed = bool(self._layout) and bool((counts < world).any())
+        if mixed:
+            kept = counts > 0  # keys of the agreed layout that no rank has this time
+            if not kept.all():
+                keys = [k for k, keep in zip(keys, kept.tolist(), strict=True) if keep]
+                stats, counts = stats[kept], counts[kept]
+                quantiles = None if quantiles is None else quantiles[kept]
+                matrix = None if matrix is None else matrix[:, kept]
+            self._warn_mixed(keys, counts < world)
+        if matrix is not None:
+            matrix[absent_mask(matrix)] = math.nan  # downstream (run log, leak watch) reads NaN as absent
+        aggregated = dict(zip(_aggregate_names(keys), stats.ravel().tolist(), strict=True))
+        if quantiles is not None:
+            aggregated.update(zip(_quantile_names(keys), quantiles.ravel().tolist(), strict=True))
+        return Gathered(keys, matrix, aggregated, mixed)
+
+    def _from_rows(self, schema: tuple[str, ...], schemas: Sequence[Schema], rows: Sequence[np.ndarray],
+                   bins: int = 0) -> Gathered:
+        """The aggregates from every rank's values; with ``bins``, the all-reduce path's quantiles too."""
+        gathered = self._aggregate_rows(schema, schemas, rows)
+        if bins and gathered.matrix is not None:
+            absent = np.isnan(gathered.matrix) if gathered.mixed else None  # absent is NaN by now
+            quantiles = matrix_quantiles(gathered.matrix, absent, bins)
+            if absent is not None:  # NaN cells of a mixed matrix may be a caller's NaN: aggregate knows
+                quantiles[np.isnan([gathered.aggregated[k + "/max"] for k in gathered.keys])] = math.nan
+            gathered.aggregated.update(zip(_quantile_names(gathered.keys), quantiles.ravel().tolist(), strict=True))
+        return gathered
+
+    def _aggregate_rows(self, schema: tuple[str, ...], schemas: Sequence[Schema], rows: Sequence[np.ndarray]
+                        ) -> Gathered:
         if all(s == schema for s in schemas):
             keys: Sequence[str] = schema
             matrix = np.vstack(rows) if rows else np.zeros((0, 0))
@@ -402,13 +510,11 @@ class Exchange:
         if not kept.all():
             keys = [k for k, keep in zip(keys, list(kept), strict=True) if keep]
             matrix, absent = matrix[:, kept], absent[:, kept]
-        self._warn_mixed(keys, absent)
-        gathered = Gathered(keys, matrix, aggregate(keys, matrix, absent=absent), mixed=True)
-        gathered.matrix[absent] = math.nan  # downstream (run log, leak watch) reads NaN as absent
-        return gathered
+        self._warn_mixed(keys, np.asarray(absent.any(axis=0)))
+        matrix[absent] = math.nan  # downstream (run log, leak watch) reads NaN as absent
+        return Gathered(keys, matrix, aggregate(keys, matrix, absent=absent), mixed=True)
 
-    def _warn_mixed(self, keys: Sequence[str], absent: np.ndarray) -> None:
-        some_absent = np.asarray(absent.any(axis=0))
+    def _warn_mixed(self, keys: Sequence[str], some_absent: np.ndarray) -> None:
         differing = tuple(k for k, some in zip(keys, list(some_absent), strict=True) if some)
         if differing in self._warned or len(self._warned) > self.MAX_KEY_WARNINGS:
             return

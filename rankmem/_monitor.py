@@ -126,13 +126,15 @@ class Monitor:
                                     oom_history=self.config.oom_history, near_oom_watch=self.config.near_oom_watch,
                                     flush=lambda: self.flush(2.0))
         self._windows.listener = self._forensics
-        self._exchange = _collective.Exchange(group, device.name if device else None, device.module if device else None)
+        self._exchange = _collective.Exchange(group, device.name if device else None, device.module if device else None,
+                                              detail_rank=self.config.log_rank)
         sinks = [make_sink(spec, self.config.out_dir) for spec in self.config.sinks or ()]
         self._publisher = Publisher(sinks, self.config.leak_check, self._guard, background=self.config.sink_thread)
         self._header: RunHeader | None = None
         self._last: tuple[int, float, _collective.Gathered] | None = None
         self._last_record: StepRecord | None = None
         self._collects = 0
+        self._detail = False
         self._closed = False
         self._pid = os.getpid()
         self._collecting = threading.Lock()
@@ -234,7 +236,8 @@ class Monitor:
         self._collects += 1
         if self._header is None:
             self._start()
-        gathered = self._exchange.gather_aggregate(local, step if explicit else None)
+        detail, self._detail = self._detail, False
+        gathered = self._exchange.gather_aggregate(local, step if explicit else None, detail=detail)
         if self.config.verl_keys:
             gathered.aggregated.update(verl_metrics(gathered.aggregated))
         self._last, self._last_record = (int(step), time.time(), gathered), None
@@ -270,6 +273,13 @@ class Monitor:
         exception hook) as an ``oom`` event at the current step and phase. Local; never raises."""
         self._guard.call("forensics", "recording the OOM failed", self._forensics.record, exc, self._windows.where,
                          default=None)
+        self._detail = True
+
+    def request_detail(self) -> None:
+        """Make the next collect carry every rank's values to the logging rank, whatever the cadence
+        (past ``RANKMEM_REDUCE_ABOVE`` ranks the per-rank detail is logged every ``detail_every``
+        collects only). Local: one rank asking is enough; smaller worlds log the detail every collect."""
+        self._detail = True
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until the sinks have written every collect so far (they write on a background thread);

@@ -117,8 +117,10 @@ class Publisher:
 
                 self._leak_watch = LeakWatch()
             # The gathered matrix, not a StepRecord: the watch reads 3 columns, and building every
-            # key's per-rank lists each collect would be wasted where no sink needs them.
-            self._leak_watch.feed_matrix(step, gathered.keys, gathered.matrix)
+            # key's per-rank lists each collect would be wasted where no sink needs them. At large
+            # worlds most collects carry no per-rank detail: the watch sees the detail collects only.
+            if gathered.matrix is not None:
+                self._leak_watch.feed_matrix(step, gathered.keys, gathered.matrix)
             return
         self._leak_check = False
 
