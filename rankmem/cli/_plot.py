@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from rankmem.cli._common import add_run_argument
+from rankmem.errors import RankmemError
 
 
 def _size(text: str) -> tuple[int, int]:
@@ -31,6 +33,12 @@ def run(args: argparse.Namespace) -> int:
     from rankmem.plot import plot_run
     from rankmem.runlog import read_run
 
-    keys = plot_run(read_run(args.run), args.output, keys=args.keys, size=args.size)
+    the_run = read_run(args.run)
+    try:
+        keys = plot_run(the_run, args.output, keys=args.keys, size=args.size)
+    except OSError as exc:  # a full disk, /dev/full, a read-only directory: one line, not a traceback
+        if os.path.isfile(args.output):
+            os.unlink(args.output)  # what was written of it is a broken PNG
+        raise RankmemError(f"cannot write {args.output}: {exc.strerror or exc}") from None
     print(f"wrote {args.output} ({', '.join(keys)})")
     return 0
