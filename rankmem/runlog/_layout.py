@@ -63,7 +63,10 @@ def split_step(line: str) -> tuple[int, float, str] | None:
     if not line.startswith(STEP_PREFIX) or not line.endswith("}\n"):
         return None
     cut = line.find(RANKS_MARK)  # a JSON string cannot hold it (its quotes would be escaped)
-    if cut < 0:
+    if cut < 0 or line.find(STEP_PREFIX, 1, cut) > 0:
+        # The second test: a torn line (a crash mid-write) with a whole one appended after it would
+        # otherwise give the torn line's step with the whole line's per-rank values. (Torn after its
+        # own ranks mark, the per-rank text holds two unclosed objects and fails to parse.)
         return None
     comma = line.find(",", len(STEP_PREFIX))
     head = line[len(STEP_PREFIX) : comma]

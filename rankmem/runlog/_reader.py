@@ -276,25 +276,23 @@ class _Lines:
         self.slow = 0
 
     def add(self, lineno: int, line: str) -> None:
-        if line.find(STEP_PREFIX, 1) > 0:  # a torn line, then a whole one: read the whole one
-            self.corrupt.append(lineno)
-            line = line[line.rfind(STEP_PREFIX) :]
-        parsed = None if self.metrics else _fast_step(line)
-        obj = None
+        parsed, obj = self._parse(line)
         if parsed is None:
             if not line.rstrip("\r\n"):
                 return
-            obj = _slow_step(line)
-            if obj is None:
-                if line.endswith("\n"):
-                    self.corrupt.append(lineno)
-                else:
-                    self.truncated = True
+            cut = line.rfind(STEP_PREFIX)
+            if cut > 0:  # a torn line, then a whole one: the torn part is corrupt, the whole one is read
+                self.corrupt.append(lineno)
+                parsed, obj = self._parse(line[cut:])
+            elif line.endswith("\n"):
+                self.corrupt.append(lineno)
+            if parsed is None:
+                self.truncated = self.truncated or not line.endswith("\n")
                 return
-            parsed = (obj["step"], to_float_or_nan(obj.get("time")), obj["ranks"])
         step, time, ranks = parsed
         if not STEP_MIN <= step <= STEP_MAX or not self.columns.add(ranks):
-            self.corrupt.append(lineno)
+            if not self.corrupt or self.corrupt[-1] != lineno:
+                self.corrupt.append(lineno)
             return
         if obj is not None:
             self.slow += 1
@@ -302,6 +300,17 @@ class _Lines:
                 self._add_aggregates(self.columns.rows - 1, obj["metrics"])
         self.steps.append(step)
         self.times.append(time if math.isfinite(time) else math.nan)
+
+    def _parse(self, line: str) -> tuple[tuple[int, float, Any] | None, dict[str, Any] | None]:
+        """(step, time, ranks) of a step line by the fast path, else the slow one (which also returns
+        the parsed object); (None, None) when neither reads it."""
+        parsed = None if self.metrics else _fast_step(line)
+        if parsed is not None:
+            return parsed, None
+        obj = _slow_step(line)
+        if obj is None:
+            return None, None
+        return (obj["step"], to_float_or_nan(obj.get("time")), obj["ranks"]), obj
 
     def _add_aggregates(self, row: int, metrics: dict[str, Any]) -> None:
         for key, value in metrics.items():
