@@ -151,7 +151,7 @@ def test_a_sink_that_keeps_failing_is_retried_with_backoff_and_closed() -> None:
         "rankmem: sink _Boom failed in write() at step 0: OSError('disk full'); retrying it with backoff "
         "(the steps lost are reported when it recovers)",
         "rankmem: sink _Boom was still failing when closed; 3 logged step(s) lost (steps 0..10) over 2 failed "
-        "tries in write(), the last with OSError('disk full')",
+        "tries, the last in write() with OSError('disk full')",
     ]
 
 

@@ -142,7 +142,7 @@ class SafeSink:
                      "(the steps lost are reported when it recovers)", stacklevel=4)
         outage.tries += 1
         outage.skip = min(2 ** (outage.tries - 1), self.MAX_SKIP)
-        outage.error = exc
+        outage.method, outage.error = method, exc
         if step is not None:
             outage.lose(step)
             self.lost += 1
@@ -186,5 +186,5 @@ class _Outage:
     def describe(self) -> str:
         span = "no step" if self.first is None else (
             f"step {self.first}" if self.first == self.last else f"steps {self.first}..{self.last}")
-        return (f"{self.lost} logged step(s) lost ({span}) over {self.tries} failed tr{'y' if self.tries == 1 else 'ies'}"
-                f" in {self.method}(), the last with {self.error!r}")
+        return (f"{self.lost} logged step(s) lost ({span}) over {self.tries} failed tr{'y' if self.tries == 1 else 'ies'},"
+                f" the last in {self.method}() with {self.error!r}")

@@ -73,7 +73,7 @@ def _kill_all(tree: dict[int, int]) -> None:
             pass
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
 def test_a_signal_to_the_launcher_stops_every_process_of_the_job(tmp_path: Path, sig: signal.Signals) -> None:
     out = tmp_path / "run"
     stderr = (tmp_path / "stderr").open("wb")

@@ -62,7 +62,7 @@ def test_a_sink_down_for_a_span_of_steps_comes_back_and_reports_the_span() -> No
         "rankmem: sink _FullFor failed in write() at step 21: OSError(28, 'No space left on device'); retrying it "
         "with backoff (the steps lost are reported when it recovers)",
         "rankmem: sink _FullFor is writing again from step 155; 134 logged step(s) lost (steps 21..154) over 7 "
-        "failed tries in write(), the last with OSError(28, 'No space left on device')",
+        "failed tries, the last in write() with OSError(28, 'No space left on device')",
     ]
 
 
@@ -86,7 +86,7 @@ def test_a_sink_that_could_not_open_is_opened_at_its_next_try() -> None:
         safe.close()
     assert sink.opens == 2 and sink.written == [1, 2, 3]  # step 0 skipped (backoff 1), then opened and written
     assert _messages(caught)[-1] == ("rankmem: sink DownAtStart is writing again from step 1; 1 logged step(s) lost "
-                                     "(step 0) over 1 failed try in open(), the last with "
+                                     "(step 0) over 1 failed try, the last in open() with "
                                      "ConnectionError('tracker server unreachable')")
 
 
