@@ -19,12 +19,14 @@ import errno
 import fcntl
 import os
 import socket
+import time
 
 from rankmem.errors import RankmemError
 
 __all__ = ["ENV_HELD", "LOCK_NAME", "RunDirLock"]
 
 LOCK_NAME = ".lock"
+_HOLDER_BYTES = 256
 ENV_HELD = "RANKMEM_RUN_LOCK"
 """Set by ``rankmem train`` for its job: the absolute path of the lock file it holds on the job's behalf."""
 
@@ -70,10 +72,11 @@ class RunDirLock:
                     "it to end or choose another run directory"
                 ) from None
             raise RankmemError(f"{self.directory}: cannot lock the run directory ({exc.strerror or exc})") from None
-        # Who holds it, for the message of the job that is refused (best effort: a full disk may refuse).
+        # Who holds it, for the message of a job that is refused: one fixed-width pwrite, so that a
+        # reader sees the old holder or the new one, never a mix (best effort: a full disk may refuse).
+        holder = f"pid {os.getpid()} on {socket.gethostname()}"[: _HOLDER_BYTES - 1]
         try:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+            os.pwrite(fd, holder.encode().ljust(_HOLDER_BYTES - 1) + b"\n", 0)
         except OSError:
             pass
         self._fd = fd
@@ -85,7 +88,14 @@ class RunDirLock:
 
 
 def _read_holder(fd: int) -> str:
-    try:
-        return os.pread(fd, 200, 0).decode("utf-8", "replace").strip()
-    except OSError:
-        return ""
+    # A job that starts at the same instant as the holder can read the file between the holder's
+    # flock and its pwrite: wait a little for the name (a few ms at most in practice).
+    for _ in range(20):
+        try:
+            text = os.pread(fd, _HOLDER_BYTES, 0).decode("utf-8", "replace").strip()
+        except OSError:
+            return ""
+        if text:
+            return text
+        time.sleep(0.01)
+    return ""
