@@ -115,9 +115,9 @@ def test_fsdp2_names_the_fsdp_engine_and_sft_ignores_the_group_size() -> None:
         (["--prompts-per-rank", "0"], "--prompts-per-rank must be >= 1, got 0"),
         (["--group-size", "1"], "--group-size must be >= 2, got 1: GRPO's advantage is a response's reward against "
                                 "its group's mean and standard deviation, which one response per prompt does not have"),
-        (["--lr", "0"], "--lr must be > 0, got 0.0"),
-        (["--peak-tflops", "nan"], "--peak-tflops must be > 0, got nan"),
-        (["--pg-timeout-s", "-1"], "--pg-timeout-s must be > 0, got -1.0"),
+        (["--lr", "0"], "--lr must be a finite number > 0, got 0.0"),
+        (["--peak-tflops", "nan"], "--peak-tflops must be a finite number > 0, got nan"),
+        (["--pg-timeout-s", "-1"], "--pg-timeout-s must be a number of seconds in 1..31536000 (a year), got -1.0"),
         (["--fail-at-step", "2", "--fail-rank", "-1"], "--fail-rank must be >= 0, got -1"),
     ],
 )

@@ -1,4 +1,6 @@
-"""Faults a long job meets, reproduced: misuse of collect() and bad values never hang or kill a rank."""
+"""Faults a long job meets, reproduced: misuse of collect() and bad values never hang or kill a rank
+(issue 11, items 7-11). The launcher, sink, run-log and CLI faults of the same issue are in
+``tests/faults/``."""
 
 from __future__ import annotations
 

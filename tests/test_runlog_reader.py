@@ -147,18 +147,19 @@ def test_keys_that_differ_by_step_nulls_and_odd_vectors(
             {"a": [1.0, 2.0], "b": [3, None]},
             {"a": [4.0, 5.0]},  # b absent
             {"b": [6.0, 7.0], "a": [8.0, 9.0]},  # other key order
-            {"a": [10.0], "b": [11.0, 12.0, 13.0]},  # ragged: keep what fits
-            {"a": None, "b": ["x", True]},  # not a vector; not numbers
-            {"a": [None, None], "b": [14.0, 15.0], "c": [16.0, 17.0]},  # c only here
+            {"a": [10.0], "b": [11.0, 12.0, 13.0]},  # ragged: whose rank is 10.0? the line is corrupt
+            {"a": None, "b": [True, 1.0]},  # not a vector: corrupt
+            {"a": [None, None], "b": ["x", True], "c": [16.0, 17.0]},  # not numbers: nan; c only here
         ],
     )
     run = read_run(str(path))
     nan = math.nan
-    np.testing.assert_array_equal(run.series["a"], [[1, 2], [4, 5], [8, 9], [10, nan], [nan, nan], [nan, nan]])
-    np.testing.assert_array_equal(run.series["b"], [[3, nan], [nan, nan], [6, 7], [11, 12], [nan, 1], [14, 15]])
-    np.testing.assert_array_equal(run.series["c"], [[nan, nan]] * 5 + [[16, 17]])
-    assert run.steps.tolist() == [0, 1, 2, 3, 4, 5] and run.corrupt == 0
+    np.testing.assert_array_equal(run.series["a"], [[1, 2], [4, 5], [8, 9], [nan, nan]])
+    np.testing.assert_array_equal(run.series["b"], [[3, nan], [nan, nan], [6, 7], [nan, 1]])
+    np.testing.assert_array_equal(run.series["c"], [[nan, nan]] * 3 + [[16, 17]])
+    assert run.steps.tolist() == [0, 1, 2, 5] and run.corrupt_lines == [5, 6]
     full = read_run(str(path), metrics=True)  # the slow path agrees
+    assert full.steps.tolist() == run.steps.tolist() and full.corrupt_lines == run.corrupt_lines
     for key, matrix in run.series.items():
         np.testing.assert_array_equal(full.series[key], matrix)
 

@@ -137,18 +137,21 @@ class _Boom:
         self.closes += 1  # a disabled sink still holds its files: it is closed all the same
 
 
-def test_failing_sink_warns_once_and_is_disabled() -> None:
+def test_a_sink_that_keeps_failing_is_retried_with_backoff_and_closed() -> None:
     boom = _Boom()
     safe = SafeSink(boom)
     safe.open(_header())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for r in _records():
+        for r in _records():  # steps 0 (fails), 5 (skipped: backoff 1), 10 (tried again, fails)
             safe.write(r)
         safe.close()
-    assert boom.writes == 1 and safe.disabled and boom.closes == 1
+    assert boom.writes == 2 and safe.lost == 3 and boom.closes == 1
     assert [str(w.message) for w in caught] == [
-        "rankmem: sink _Boom failed in write() and is disabled: OSError('disk full')"
+        "rankmem: sink _Boom failed in write() at step 0: OSError('disk full'); retrying it with backoff "
+        "(the steps lost are reported when it recovers)",
+        "rankmem: sink _Boom was still failing when closed; 3 logged step(s) lost (steps 0..10) over 2 failed "
+        "tries, the last in write() with OSError('disk full')",
     ]
 
 

@@ -1,8 +1,11 @@
-"""What the offline subcommands share: the run argument, the leak options and the no-steps check."""
+"""What the offline subcommands share: the run argument, the leak options and their checks, the
+no-steps check."""
 
 from __future__ import annotations
 
 import argparse
+import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from rankmem.errors import RankmemError
@@ -29,7 +32,20 @@ def add_leak_options(parser: argparse.ArgumentParser) -> None:
 
 
 def leak_config(args: argparse.Namespace) -> LeakConfig:
+    """The leak options as a :class:`LeakConfig`; a non-finite number (``nan`` passes every ``<``
+    comparison) is refused here with the flag's name."""
+    for flag, value in (("--window", args.window), ("--min-growth", args.min_growth), ("--alpha", args.alpha)):
+        if not math.isfinite(value):
+            raise RankmemError(f"{flag} must be a finite number, got {value}")
     return LeakConfig(window=args.window, last=args.last, min_growth_mib=args.min_growth, alpha=args.alpha)
+
+
+def check_keys(run: Run, keys: Sequence[str], flag: str = "--keys") -> None:
+    """Every key asked for must be in the run log: a misspelt one would be silently left out."""
+    missing = [k for k in keys if k not in run.series]
+    if missing:
+        raise RankmemError(f"{flag}: no such key(s) in the run log: {', '.join(missing)}; "
+                           f"it has: {', '.join(sorted(run.series))}")
 
 
 def require_steps(run: Run, command: str) -> None:

@@ -9,8 +9,7 @@ import argparse
 import json
 from dataclasses import asdict
 
-from rankmem.cli._common import add_leak_options, add_run_argument, leak_config, require_steps
-from rankmem.errors import RankmemError
+from rankmem.cli._common import add_leak_options, add_run_argument, check_keys, leak_config, require_steps
 from rankmem.leaks import LEAK_KEYS
 
 
@@ -29,10 +28,10 @@ def run(args: argparse.Namespace) -> int:
 
     the_run = read_run(args.run)
     require_steps(the_run, "leaks")
-    unknown = [k for k in args.keys if k not in the_run.series]
-    if unknown and len(unknown) == len(args.keys):
-        raise RankmemError(f"none of {unknown} is in the run log; it has: {', '.join(sorted(the_run.series))}")
-    trends = detect_leaks(the_run, args.keys, leak_config(args))
+    config = leak_config(args)
+    if args.keys != list(LEAK_KEYS):  # the defaults are each optional (a CPU run has no device keys)
+        check_keys(the_run, args.keys)
+    trends = detect_leaks(the_run, args.keys, config)
     leaks = [t for t in trends if t.leak]
     if args.json:
         print(json.dumps({"leaks": [asdict(t) for t in leaks], "trends": [asdict(t) for t in trends]}, indent=1))

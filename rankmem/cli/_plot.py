@@ -7,6 +7,7 @@ import argparse
 import os
 
 from rankmem.cli._common import add_run_argument
+from rankmem.errors import RankmemError
 
 DEFAULT_NAME = "rankmem.png"
 
@@ -38,6 +39,11 @@ def run(args: argparse.Namespace) -> int:
 
     the_run = read_run(args.run)
     output = args.output or os.path.join(os.path.dirname(the_run.path), DEFAULT_NAME)
-    keys = plot_run(the_run, output, keys=args.keys, size=args.size)
+    try:
+        keys = plot_run(the_run, output, keys=args.keys, size=args.size)
+    except OSError as exc:  # a full disk, /dev/full, a read-only directory: one line, not a traceback
+        if os.path.isfile(output):
+            os.unlink(output)  # what was written of it is a broken PNG
+        raise RankmemError(f"cannot write {output}: {exc.strerror or exc}") from None
     print(f"wrote {output} ({', '.join(keys)})")
     return 0

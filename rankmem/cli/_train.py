@@ -14,6 +14,13 @@ blame the healthy rank that was waiting for it. So the job runs with ``RANKMEM_H
 OUT/heartbeat`` (each rank's last step, phase and RSS), torchrun's stderr passes through this process,
 and when the job fails, one line naming the killed (or stalled) rank is printed before torchrun's
 failure table and written as an event to ``OUT/events/rank<r>.jsonl``.
+
+The whole job ends with this command: SIGTERM, SIGHUP or SIGINT to it (``kill``, ``timeout``, a
+supervisor, an ssh drop, Ctrl-C) is forwarded to every process of the job (:mod:`rankmem.cli._jobtree`:
+torchrun starts its workers in sessions of their own, out of reach of its process group), which get
+:data:`GRACE_S` to exit before SIGKILL; the command then exits with 128 + the signal's number. Every
+option is checked, and the run directory locked (``OUT/.lock``: one job per ``--out``), before torchrun
+starts: a bad one is one line and exit 2.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import argparse
 import collections
 import glob
 import importlib.util
+import math
 import os
 import re
 import signal
@@ -35,14 +43,16 @@ from typing import IO
 from rankmem import _heartbeat, _nearoom
 from rankmem._events import EVENTS_DIR, EventWriter
 from rankmem.cli import _diagnose
+from rankmem.cli._jobtree import JobTree, Signalled, SignalWatch
 from rankmem.engine.options import add_job_arguments, job_argv, resolve_job_options
 from rankmem.errors import MissingExtraError, RankmemError
 from rankmem.ray import options as ray_options
 from rankmem.runlog import RUN_LOG_NAME
+from rankmem.runlog._lock import ENV_HELD, RunDirLock
 from rankmem.runlog._writer import rotate, rotated_line
 
 ENTRY = "rankmem.engine.train"
-GRACE_S = 10.0  # after SIGTERM, how long torchrun gets to stop its workers
+GRACE_S = 10.0  # after SIGTERM (or the signal forwarded), how long the job's processes get to exit
 SAMPLE_S = 1.0  # how often the launcher samples the ranks' process states while the job runs
 TAIL_LINES = 2000  # torchrun's failure table is at the end of its stderr; keep this much to read it
 # torchrun's agent logs this the moment it sees a worker fail; the failure table follows it.
@@ -63,10 +73,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_job_arguments(parser.add_argument_group("job"))  # type: ignore[arg-type]
 
 
-def torchrun_command(args: argparse.Namespace) -> list[str]:
-    """The full torchrun command line for ``args`` (its job options resolved and checked in place)."""
+def check_launch_options(args: argparse.Namespace) -> None:
+    """The launch options of either launcher, checked before anything starts."""
     if args.nproc_per_node < 1:
         raise RankmemError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
+    low, _, high = str(args.nnodes).partition(":")
+    try:
+        nodes = (int(low), int(high or low))
+    except ValueError:
+        nodes = (0, 0)
+    if not 1 <= nodes[0] <= nodes[1]:
+        raise RankmemError(f"--nnodes must be a number of nodes >= 1, or MIN:MAX with 1 <= MIN <= MAX; got {args.nnodes!r}")
+    if not 0 <= args.node_rank < nodes[1]:
+        raise RankmemError(f"--node-rank must be in 0..{nodes[1] - 1} (--nnodes {args.nnodes}), got {args.node_rank}")
+    if args.timeout_s is not None and not 0 < args.timeout_s < math.inf:  # `not` also refuses NaN
+        raise RankmemError(f"--timeout-s must be a number of seconds > 0, got {args.timeout_s}")
+
+
+def torchrun_command(args: argparse.Namespace) -> list[str]:
+    """The full torchrun command line for ``args`` (its options resolved and checked in place)."""
+    check_launch_options(args)
     resolve_job_options(args)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc_per_node),
            "--max-restarts", "0"]
@@ -80,18 +106,26 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
     return [*cmd, "-m", ENTRY, *job_argv(args)]
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the launch's process group (torchrun and its workers), then SIGKILL after a grace period."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=GRACE_S)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+def check_local_device(args: argparse.Namespace) -> None:
+    """``--device cuda`` needs CUDA here: torchrun's ranks run on this node (every rank would fail)."""
+    if args.device != "cuda":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}, no device visible"
+        raise RankmemError(f"--device cuda, but this torch {torch.__version__} has no CUDA device ({build}): "
+                           "use --device cpu, or auto")
+
+
+def lock_run_dir(out: str) -> RunDirLock:
+    """Create ``--out`` and take its lock for the whole job (see :mod:`rankmem.runlog._lock`)."""
+    lock = RunDirLock(out)
+    try:
+        lock.acquire()
+    except RankmemError as exc:
+        raise RankmemError(f"--out {exc}") from None
+    return lock
 
 
 class StderrRelay:
@@ -118,8 +152,16 @@ class StderrRelay:
                 if self._holding:
                     self._held.append(line)
                     continue
-            self._sink.write(line)
+            self._emit(line)
+
+    def _emit(self, text: str) -> None:
+        # Our stderr may be gone (a closed pipe, a dead tee): keep draining torchrun's, or torchrun
+        # blocks on a full pipe and the job with it.
+        try:
+            self._sink.write(text)
             self._sink.flush()
+        except (OSError, ValueError):
+            pass
 
     def wait(self, timeout: float) -> None:
         """Until torchrun's stderr closes (a worker that outlives torchrun may keep it open: bounded)."""
@@ -133,8 +175,7 @@ class StderrRelay:
         """Write what was held and pass everything after it straight through."""
         with self._lock:
             held, self._held, self._holding = self._held, [], False
-        self._sink.write("".join(held))
-        self._sink.flush()
+        self._emit("".join(held))
 
 
 def prepare_heartbeat_dir(out: str) -> str:
@@ -160,7 +201,15 @@ def rotate_earlier_run(out: str) -> None:
         except OSError:  # another node's launcher sharing OUT moved it first
             continue
         if rotated is not None:
-            print(f"rankmem train: {rotated_line(path, rotated)}", file=sys.stderr)
+            say(rotated_line(path, rotated))
+
+
+def say(line: str) -> None:
+    """One line of ours on stderr, which may be closed (we go on without it)."""
+    try:
+        print(f"rankmem train: {line}", file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
 
 
 def oom_kills() -> _diagnose.OomKills:
@@ -173,7 +222,7 @@ def explain(stderr_text: str, heartbeat_dir: str, before: _diagnose.OomKills, ou
     findings = _diagnose.diagnose(stderr_text, _heartbeat.read_heartbeats(heartbeat_dir), before, oom_kills(),
                                   time.time(), states.last)
     for finding in findings:
-        print(f"rankmem train: {finding.line}", file=sys.stderr, flush=True)
+        say(finding.line)
         writer = EventWriter(out, finding.rank)
         writer.write(finding.event)
         writer.close()
@@ -201,43 +250,73 @@ def run(args: argparse.Namespace) -> int:
     if args.launcher == "ray":
         from rankmem.ray.launcher import run as run_on_ray
 
+        check_launch_options(args)
         return run_on_ray(args)
     ray_options.check_unused(args)
     cmd = torchrun_command(args)
+    check_local_device(args)
+    lock = lock_run_dir(args.out)
+    try:
+        return launch(args, cmd, lock)
+    finally:
+        lock.release()
+
+
+def launch(args: argparse.Namespace, cmd: list[str], lock: RunDirLock) -> int:
+    """Run torchrun's ``cmd`` to its end, or stop all of it (timeout, signal); returns the exit status."""
     heartbeat_dir = prepare_heartbeat_dir(args.out)
     # One thread per rank: ranks share the node's cores, and oversubscription slows every step.
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-           _heartbeat.ENV_DIR: heartbeat_dir}
+           _heartbeat.ENV_DIR: heartbeat_dir, ENV_HELD: lock.path}
     before = oom_kills()
-    # Own session: a timeout or Ctrl-C stops torchrun and all of its workers, nothing else.
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stderr=subprocess.PIPE)
-    assert proc.stderr is not None
-    relay = StderrRelay(proc.stderr, sys.stderr)
-    states = _diagnose.RankStates()
+    with SignalWatch() as signals:
+        # Own session: a Ctrl-C at the terminal reaches this process alone, which forwards it to the job.
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True, stderr=subprocess.PIPE)
+        assert proc.stderr is not None
+        tree = JobTree(proc.pid, f"{_heartbeat.ENV_DIR}={heartbeat_dir}")
+        relay = StderrRelay(proc.stderr, sys.stderr)
+        states = _diagnose.RankStates()
 
-    def sample() -> None:
-        states.sample(proc.pid, _heartbeat.read_heartbeats(heartbeat_dir))
+        def sample() -> None:
+            beats = _heartbeat.read_heartbeats(heartbeat_dir)
+            states.sample(proc.pid, beats)
+            tree.refresh(b.pid for b in beats.values())
 
-    try:
-        code = wait_sampling(proc, args.timeout_s, sample)
-    except subprocess.TimeoutExpired:
-        # Read the heartbeats and states before stopping: the stop itself ends every rank's progress.
-        sample()
-        explain(relay.text(), heartbeat_dir, before, args.out, states)
-        _stop(proc)
-        relay.wait(GRACE_S)
-        relay.release()
-        print(f"rankmem train: stopped after --timeout-s {args.timeout_s:g}", file=sys.stderr)
-        return 124
-    except KeyboardInterrupt:
-        _stop(proc)
-        relay.release()
-        return 130
-    relay.wait(GRACE_S)
-    if code != 0:
-        explain(relay.text(), heartbeat_dir, before, args.out, states)
-    relay.release()
-    if code != 0:
-        print(f"rankmem train: the job failed (exit {code}); the failing rank's error is above. "
-              f"Every step logged before it is in {os.path.join(args.out, 'rankmem.jsonl')}", file=sys.stderr)
-    return code
+        def stop(sig: int) -> list[int]:
+            return tree.stop(sig, GRACE_S, proc.poll, signals.hurry)
+
+        try:
+            signals.arm()
+            try:
+                code = wait_sampling(proc, args.timeout_s, sample)
+            except subprocess.TimeoutExpired:
+                # Read the heartbeats and states before stopping: the stop itself ends every rank's progress.
+                sample()
+                explain(relay.text(), heartbeat_dir, before, args.out, states)
+                stop(signal.SIGTERM)
+                relay.wait(GRACE_S)
+                relay.release()
+                say(f"stopped after --timeout-s {args.timeout_s:g}")
+                return 124
+            left = tree.alive()  # ranks that outlive torchrun (it was killed): nothing may outlive us
+            if left:
+                stop(signal.SIGTERM)
+                say(f"{len(left)} process(es) of the job outlived torchrun; stopped them")
+            relay.wait(GRACE_S)
+            if code != 0:
+                explain(relay.text(), heartbeat_dir, before, args.out, states)
+            relay.release()
+            if code != 0:
+                say(f"the job failed (exit {code}); the failing rank's error is above. "
+                    f"Every step logged before it is in {os.path.join(args.out, 'rankmem.jsonl')}")
+            return code
+        except Signalled as exc:
+            name = signal.Signals(exc.signum).name
+            killed = stop(exc.signum)
+            relay.wait(GRACE_S)
+            relay.release()
+            late = f"; {len(killed)} needed SIGKILL after the grace period" if killed else ""
+            say(f"stopped by {name}: sent it to the job's processes (torchrun and every rank){late}")
+            return 128 + exc.signum
+        finally:
+            signals.disarm()

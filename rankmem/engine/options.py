@@ -6,6 +6,8 @@ can build its parser without it.
 from __future__ import annotations
 
 import argparse
+import math
+import os
 from typing import Any
 
 from rankmem.errors import RankmemError
@@ -74,13 +76,17 @@ _ONLY_FOR = {"group_size": "grpo"}
 """Bounds that hold for one task only: SFT ignores the group size, so ``--group-size 1`` is no error there."""
 _WHY = {"group_size": ": GRPO's advantage is a response's reward against its group's mean and standard "
                       "deviation, which one response per prompt does not have"}
-_POSITIVE = ("lr", "peak_tflops", "pg_timeout_s")
+_POSITIVE = ("lr", "peak_tflops")
+# The process-group timeout: below a second every collective (and the rendezvous itself) times out;
+# above a year timedelta and the backends' millisecond counters overflow long before it matters.
+PG_TIMEOUT_RANGE_S = (1.0, 365 * 86400.0)
+SEED_MAX = 2**32 - 1  # the data generator seeds with seed * 1_000_003 + ...: it must stay in int64
 
 
 def resolve_job_options(args: argparse.Namespace) -> None:
     """Fill in the task's defaults and check every job option, in place; a bad one raises RankmemError
     naming the flag. ``rankmem train`` calls it before launching and the entry script before joining the
-    process group, so a bad option is one line, not a traceback from every rank."""
+    process group, so a bad option is one line, not a traceback from every rank (or a NaN run)."""
     for dest, value in TASK_DEFAULTS[args.task].items():
         if getattr(args, dest) is None:
             setattr(args, dest, value)
@@ -92,8 +98,16 @@ def resolve_job_options(args: argparse.Namespace) -> None:
             raise RankmemError(f"{_flag(dest)} must be >= {minimum}, got {getattr(args, dest)}{_WHY.get(dest, '')}")
     for dest in _POSITIVE:
         value = getattr(args, dest)
-        if value is not None and not value > 0:  # `not >` also rejects NaN
-            raise RankmemError(f"{_flag(dest)} must be > 0, got {value}")
+        if value is not None and not 0 < value < math.inf:  # `not` also refuses NaN
+            raise RankmemError(f"{_flag(dest)} must be a finite number > 0, got {value}")
+    low, high = PG_TIMEOUT_RANGE_S
+    if not low <= args.pg_timeout_s <= high:
+        raise RankmemError(f"--pg-timeout-s must be a number of seconds in {low:.0f}..{high:.0f} (a year), "
+                           f"got {args.pg_timeout_s}")
+    if not 0 <= args.seed <= SEED_MAX:
+        raise RankmemError(f"--seed must be in 0..{SEED_MAX}, got {args.seed}")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise RankmemError(f"--out {args.out} is a file: it names the run directory (the run log is OUT/rankmem.jsonl)")
     if args.fail_at_step is not None and args.fail_rank < 0:
         raise RankmemError(f"--fail-rank must be >= 0, got {args.fail_rank}")
 

@@ -29,6 +29,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 import rankmem
 from rankmem._catalogue import SUMMARY_KEYS, key_of, phase_of_peak
+from rankmem._stdout import say
 from rankmem.engine.model import GPT, GPTConfig
 from rankmem.engine.options import add_job_arguments, resolve_job_options
 from rankmem.engine.tasks import task_steps, vocab_size
@@ -171,7 +172,7 @@ class Progress:
         if self._bar is not None and self._id is not None:
             self._bar.update(self._id, advance=1, description=text)
         elif step % max(1, self.total // 10) == 0 or step == self.total - 1:
-            print(f"step {step + 1}/{self.total}: {text}", flush=True)
+            say(f"step {step + 1}/{self.total}: {text}")
 
     def __exit__(self, *exc: object) -> None:
         if self._bar is not None:
@@ -206,13 +207,13 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     finally:
         monitor.close()  # every line written so far is already flushed
     if logging_rank:
-        print(f"rankmem train: {args.task}/{args.engine}, {worker.world_size} ranks, {args.steps} steps, "
-              f"{model.num_params() / 1e6:.2f}M params, device {device.type}")
-        print("\n".join(trajectory.lines()))
-        print("peak memory (max over ranks and steps):")
-        print("\n".join(tracker.lines()))
-        print(f"run log: {os.path.join(args.out, 'rankmem.jsonl')}")
-        print("\n".join(next_steps(args.out)), flush=True)
+        say(f"rankmem train: {args.task}/{args.engine}, {worker.world_size} ranks, {args.steps} steps, "
+            f"{model.num_params() / 1e6:.2f}M params, device {device.type}")
+        say("\n".join(trajectory.lines()))
+        say("peak memory (max over ranks and steps):")
+        say("\n".join(tracker.lines()))
+        say(f"run log: {os.path.join(args.out, 'rankmem.jsonl')}")
+        say("\n".join(next_steps(args.out)))
 
 
 def next_steps(out: str) -> list[str]:

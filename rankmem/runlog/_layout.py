@@ -20,6 +20,7 @@ layout (another writer, hand-edited) is still read, by a full ``json.loads``.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 SCHEMA = 1
@@ -37,11 +38,19 @@ SEPARATORS = (",", ":")
 STEP_PREFIX = '{"kind":"step","step":'
 TIME_FIELD = '"time":'
 RANKS_MARK = ',"ranks":{'
+STEP_MIN, STEP_MAX = -(2**63), 2**63 - 1
+"""Steps are 64-bit integers: the reader holds them in an int64 array."""
 
 
 def step_object(step: int, time: float, metrics: dict[str, float], ranks: dict[str, Any]) -> dict[str, Any]:
     """A step line's object, its fields in :data:`STEP_FIELDS` order (a dict keeps insertion order)."""
     return {"kind": STEP_KIND, "step": step, "time": time, "metrics": metrics, "ranks": ranks}
+
+
+# JSON's own number grammar: Python's int() and float() also take "1_0", " 7", "+7", "nan" and
+# non-ASCII digits, which json.loads (the slow path) refuses; the two paths must read the same lines.
+_JSON_INT = re.compile(r"-?(?:0|[1-9][0-9]*)")
+_JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?")
 
 
 def split_step(line: str) -> tuple[int, float, str] | None:
@@ -54,15 +63,17 @@ def split_step(line: str) -> tuple[int, float, str] | None:
     if not line.startswith(STEP_PREFIX) or not line.endswith("}\n"):
         return None
     cut = line.find(RANKS_MARK)  # a JSON string cannot hold it (its quotes would be escaped)
-    if cut < 0:
+    if cut < 0 or line.find(STEP_PREFIX, 1, cut) > 0:
+        # The second test: a torn line (a crash mid-write) with a whole one appended after it would
+        # otherwise give the torn line's step with the whole line's per-rank values. (Torn after its
+        # own ranks mark, the per-rank text holds two unclosed objects and fails to parse.)
         return None
     comma = line.find(",", len(STEP_PREFIX))
     head = line[len(STEP_PREFIX) : comma]
     rest = line[comma + 1 : line.find(",", comma + 1)]
     if not rest.startswith(TIME_FIELD):
         return None
-    try:
-        step, time = int(head), float(rest[len(TIME_FIELD) :])
-    except ValueError:  # a null time (not finite when written) or another writer's numbers
-        return None
-    return step, time, line[cut + len(RANKS_MARK) - 1 : -2]
+    number = rest[len(TIME_FIELD) :]
+    if not _JSON_INT.fullmatch(head) or not _JSON_NUMBER.fullmatch(number):
+        return None  # a null time (not finite when written), or numbers json.loads would refuse
+    return int(head), float(number), line[cut + len(RANKS_MARK) - 1 : -2]

@@ -2,30 +2,58 @@
 
 Lines in the writer's own layout (:mod:`rankmem.runlog._layout`) take the fast path: only the per-rank
 object is parsed. Anything else (another writer's layout, ``metrics=True``) takes the slow path, a full
-``json.loads`` of the line. Corrupt lines are skipped and counted, a truncated last line is skipped and
-flagged. Offline code: it needs numpy, never torch.
+``json.loads`` of the line. Both paths accept the same lines and file the same values.
+
+Whatever the file holds, reading it never raises anything but :class:`RankmemError` (about the file as
+a whole: no header, a header without a usable world size) and never files a value under another step
+or rank: a line that is not a whole step in the layout (not JSON, nested past the parser's depth, a
+step outside int64, a per-rank vector whose length is not the world size) is skipped and its line
+number kept in :attr:`Run.corrupt_lines`; a truncated last line is skipped and flagged. A torn line (a
+crash mid-write) followed on the same physical line by a whole one is split where the whole one starts
+(no JSON string can hold :data:`~rankmem.runlog._layout.STEP_PREFIX`): the torn part counts as
+corrupt, the whole line is read. A gzip'd log (``rankmem.jsonl.gz``) is read as it is. Offline code: it
+needs numpy, never torch.
 """
 
 from __future__ import annotations
 
+import gzip
 import itertools
 import json
+import math
 import os
+import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
 from rankmem._catalogue import phase_names
 from rankmem._scalars import to_float_or_nan
 from rankmem.errors import RankmemError
-from rankmem.runlog._layout import HEADER_KIND, RUN_LOG_NAME, STEP_KIND, SUPPORTED_SCHEMAS, split_step
+from rankmem.runlog._layout import (
+    HEADER_KIND,
+    RUN_LOG_NAME,
+    STEP_KIND,
+    STEP_MAX,
+    STEP_MIN,
+    STEP_PREFIX,
+    SUPPORTED_SCHEMAS,
+    split_step,
+)
 
 # Rows per numpy block. Pending values wait as one flat list of floats per key set (floats are not tracked
 # by the cyclic GC); 256 rows x 28 keys x 8 ranks is ~1.8 MiB of them, small enough to stay in a core's L2
 # cache. Larger chunks (1024, 4096) measured no faster.
 _CHUNK = 256
 _NUMBER_TYPES = {float, int, type(None)}
+MAX_WORLD = 1 << 20
+"""Most ranks a header may claim without listing them (its ``ranks``): a million, past any cluster
+built, while a bogus ``world_size`` of 10**9 would ask for gigabytes per key."""
+_BAD_JSON = (ValueError, RecursionError)  # json.loads: not JSON; nested past the interpreter's depth
+# Magic bytes of compressed files rankmem does not open itself, and the command that undoes each.
+_COMPRESSED = {b"BZh": ("bzip2", "bunzip2"), b"\xfd7zXZ\x00": ("xz", "unxz"), b"\x28\xb5\x2f\xfd": ("zstd", "unzstd")}
 
 
 @dataclass
@@ -67,9 +95,12 @@ class Run:
 
 
 def resolve_run_path(path: str) -> str:
-    """A run directory or the ``.jsonl`` itself -> the run log's path; RankmemError when there is none."""
+    """A run directory or the ``.jsonl`` itself -> the run log's path; RankmemError when there is none.
+    In a directory, ``rankmem.jsonl`` is looked for first, then ``rankmem.jsonl.gz``."""
     if os.path.isdir(path):
         candidate = os.path.join(path, RUN_LOG_NAME)
+        if not os.path.isfile(candidate) and os.path.isfile(candidate + ".gz"):
+            return candidate + ".gz"
         if not os.path.isfile(candidate):
             raise RankmemError(f"no run log in {path}: expected {candidate} (the Monitor writes it with sinks=('jsonl',))")
         return candidate
@@ -78,12 +109,30 @@ def resolve_run_path(path: str) -> str:
     return path
 
 
+def _open_log(path: str) -> IO[str]:
+    """The log as text: plain, or gzip'd (by its magic bytes, whatever its name)."""
+    with open(path, "rb") as f:
+        magic = f.read(6)
+    if magic.startswith(b"\x1f\x8b"):
+        return gzip.open(path, "rt", encoding="utf-8", errors="replace")
+    for prefix, (name, tool) in _COMPRESSED.items():
+        if magic.startswith(prefix):
+            raise RankmemError(f"{path} is {name}-compressed: rankmem reads plain and gzip'd run logs; "
+                               f"decompress it first ({tool} -k {path})")
+    return open(path, encoding="utf-8", errors="replace")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:30] + f"... ({len(text)} characters)"
+
+
 def _parse_header(first: str, path: str) -> dict[str, Any]:
     if not first.strip():
         raise RankmemError(f"{path} is empty: the run wrote no header (a run log starts at the first collect())")
     try:
         header = json.loads(first)
-    except ValueError:
+    except _BAD_JSON:
         header = None
     if not isinstance(header, dict) or header.get("kind") != HEADER_KIND:
         raise RankmemError(
@@ -94,10 +143,29 @@ def _parse_header(first: str, path: str) -> dict[str, Any]:
     if schema not in SUPPORTED_SCHEMAS:
         supported = ", ".join(str(s) for s in SUPPORTED_SCHEMAS)
         raise RankmemError(
-            f"{path} has run log schema {schema!r}; this rankmem reads schema {supported}: "
+            f"{path} has run log schema {_short(schema)}; this rankmem reads schema {supported}: "
             "read it with the rankmem version that wrote it (see the header's 'rankmem' field)"
         )
+    _world_size(header, path)
     return header
+
+
+def _world_size(header: dict[str, Any], path: str) -> int:
+    """The header's ``world_size``, checked: every row of every series is that wide, so a wrong one
+    would misfile values or allocate without bound."""
+    world, ranks = header.get("world_size"), header.get("ranks")
+    if "ranks" in header and not isinstance(ranks, list):  # absent is fine (another writer); null is not
+        raise RankmemError(f"{path}: the header's 'ranks' must be a list of per-rank records, got {_short(ranks)}")
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise RankmemError(f"{path}: the header's world_size must be the number of ranks (an integer >= 1), "
+                           f"got {_short(world)}; the header is damaged")
+    if ranks and len(ranks) != world:
+        raise RankmemError(f"{path}: the header's world_size is {_short(world)} but it lists {len(ranks)} ranks; "
+                           "the header is damaged")
+    if world > MAX_WORLD and not ranks:
+        raise RankmemError(f"{path}: the header's world_size {_short(world)} is more than {MAX_WORLD} ranks; "
+                           "the header is damaged")
+    return world
 
 
 def _fast_step(line: str) -> tuple[int, float, dict[str, Any]] | None:
@@ -107,7 +175,7 @@ def _fast_step(line: str) -> tuple[int, float, dict[str, Any]] | None:
         return None
     try:
         ranks = json.loads(split[2])
-    except ValueError:
+    except _BAD_JSON:
         return None
     return (split[0], split[1], ranks) if isinstance(ranks, dict) else None
 
@@ -116,13 +184,13 @@ def _slow_step(line: str) -> dict[str, Any] | None:
     """A step line of any layout, fully parsed; None when it is not one."""
     try:
         obj = json.loads(line)
-    except ValueError:
+    except _BAD_JSON:
         return None
     if (
         isinstance(obj, dict)
         and obj.get("kind") == STEP_KIND
         and isinstance(obj.get("ranks"), dict)
-        and isinstance(obj.get("step"), int)
+        and type(obj.get("step")) is int  # not a bool
     ):
         return obj
     return None
@@ -131,12 +199,13 @@ def _slow_step(line: str) -> dict[str, Any] | None:
 class _Columns:
     """Per-rank vectors collected row by row into ``(steps, world)`` float64 arrays, one per key.
 
-    Rows whose vectors are all of length ``world`` go into one flat list of numbers per key set (in
-    practice one or a few key sets per run); every :data:`_CHUNK` rows those lists become numpy blocks.
-    Why plain floats rather than the parsed dicts and lists: live containers are what the cyclic GC
-    scans. Holding 4096 rows x 28 per-rank lists between flushes, the reader ran ~4,000 collections on
-    the 100k-step bench log (the plain json loop: none) and gc.disable() cut its time by a quarter.
-    Anything else (ragged vectors, non-list values) is kept row by row in ``_odd``.
+    A row is accepted only when every value is a vector of exactly ``world`` entries: a shorter or
+    longer one cannot say which entry is whose rank, and cutting or padding it invented growth in the
+    report. Accepted rows go into one flat list of numbers per key set (in practice one or a few key
+    sets per run); every :data:`_CHUNK` rows those lists become numpy blocks. Why plain floats rather
+    than the parsed dicts and lists: live containers are what the cyclic GC scans. Holding 4096 rows x
+    28 per-rank lists between flushes, the reader ran ~4,000 collections on the 100k-step bench log (the
+    plain json loop: none) and gc.disable() cut its time by a quarter.
     """
 
     def __init__(self, world: int) -> None:
@@ -145,29 +214,24 @@ class _Columns:
         self._pending_rows = 0
         self._pending: dict[tuple[str, ...], tuple[list[int], list[Any]]] = {}
         self._blocks: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
-        self._odd: dict[str, list[tuple[int, Any]]] = {}
 
-    def add(self, ranks: dict[str, Any]) -> None:
+    def add(self, ranks: dict[str, Any]) -> bool:
+        """Take one row; False (nothing taken) when a value is not a vector of ``world`` entries."""
+        vectors = ranks.values()
+        if not all(type(v) is list and len(v) == self.world for v in vectors):
+            return False
         row = self.rows
         self.rows += 1
-        vectors = ranks.values()
-        try:
-            regular = set(map(len, vectors)) == {self.world}
-        except TypeError:  # a number or null where a vector belongs
-            regular = False
-        if regular:
-            keys = tuple(ranks)
-            group = self._pending.get(keys)
-            if group is None:
-                group = self._pending[keys] = ([], [])
-            group[0].append(row)
-            group[1].extend(itertools.chain.from_iterable(vectors))
-            self._pending_rows += 1
-            if self._pending_rows >= _CHUNK:
-                self._flush()
-        else:
-            for key, vec in ranks.items():
-                self._odd.setdefault(key, []).append((row, vec))
+        keys = tuple(ranks)
+        group = self._pending.get(keys)
+        if group is None:
+            group = self._pending[keys] = ([], [])
+        group[0].append(row)
+        group[1].extend(itertools.chain.from_iterable(vectors))
+        self._pending_rows += 1
+        if self._pending_rows >= _CHUNK:
+            self._flush()
+        return True
 
     def _flush(self) -> None:
         for keys, (rows, flat) in self._pending.items():
@@ -178,10 +242,10 @@ class _Columns:
     def _blocks_of(self, keys: tuple[str, ...], rows: list[int], flat: list[Any]) -> None:
         try:
             values = np.fromiter(flat, dtype=float, count=len(flat))
-        except (TypeError, ValueError):
-            if set(map(type, flat)) <= _NUMBER_TYPES:
+        except (TypeError, ValueError, OverflowError):
+            if set(map(type, flat)) <= _NUMBER_TYPES and not any(type(v) is int and abs(v) > 2**1023 for v in flat):
                 values = np.array(flat, dtype=float)  # nulls (None) become nan
-            else:  # strings, nested lists...: nan, as on the slow path (bools count as numbers there too)
+            else:  # strings, nested lists, ints past float64...: nan, as on the slow path (bools are numbers)
                 values = np.array([to_float_or_nan(v) for v in flat], dtype=float)
         block = values.reshape(len(rows), len(keys), self.world)
         index = np.asarray(rows, dtype=np.intp)
@@ -191,17 +255,10 @@ class _Columns:
     def arrays(self) -> dict[str, np.ndarray]:
         self._flush()
         series: dict[str, np.ndarray] = {}
-        for key in [*self._blocks, *self._odd]:
-            series.setdefault(key, np.full((self.rows, self.world), np.nan))
         for key, parts in self._blocks.items():
+            out = series[key] = np.full((self.rows, self.world), np.nan)
             for index, block in parts:
-                series[key][index] = block
-        for key, cells in self._odd.items():
-            out = series[key]
-            for row, vec in cells:
-                if isinstance(vec, list):  # ragged: keep what fits, nan elsewhere
-                    for r, v in enumerate(vec[: self.world]):
-                        out[row, r] = to_float_or_nan(v)
+                out[index] = block
         return series
 
 
@@ -219,27 +276,43 @@ class _Lines:
         self.slow = 0
 
     def add(self, lineno: int, line: str) -> None:
-        parsed = None if self.metrics else _fast_step(line)
+        parsed, obj = self._parse(line)
         if parsed is None:
             if not line.rstrip("\r\n"):
                 return
-            obj = _slow_step(line)
-            if obj is None:
-                if line.endswith("\n"):
-                    self.corrupt.append(lineno)
-                else:
-                    self.truncated = True
+            cut = line.rfind(STEP_PREFIX)
+            if cut > 0:  # a torn line, then a whole one: the torn part is corrupt, the whole one is read
+                self.corrupt.append(lineno)
+                parsed, obj = self._parse(line[cut:])
+            elif line.endswith("\n"):
+                self.corrupt.append(lineno)
+            if parsed is None:
+                self.truncated = self.truncated or not line.endswith("\n")
                 return
+        step, time, ranks = parsed
+        if not STEP_MIN <= step <= STEP_MAX or not self.columns.add(ranks):
+            if not self.corrupt or self.corrupt[-1] != lineno:
+                self.corrupt.append(lineno)
+            return
+        if obj is not None:
             self.slow += 1
-            parsed = (obj["step"], to_float_or_nan(obj.get("time")), obj["ranks"])
             if isinstance(obj.get("metrics"), dict):
-                self._add_aggregates(obj["metrics"])
-        self.steps.append(parsed[0])
-        self.times.append(parsed[1])
-        self.columns.add(parsed[2])
+                self._add_aggregates(self.columns.rows - 1, obj["metrics"])
+        self.steps.append(step)
+        self.times.append(time if math.isfinite(time) else math.nan)
 
-    def _add_aggregates(self, metrics: dict[str, Any]) -> None:
-        row = self.columns.rows
+    def _parse(self, line: str) -> tuple[tuple[int, float, Any] | None, dict[str, Any] | None]:
+        """(step, time, ranks) of a step line by the fast path, else the slow one (which also returns
+        the parsed object); (None, None) when neither reads it."""
+        parsed = None if self.metrics else _fast_step(line)
+        if parsed is not None:
+            return parsed, None
+        obj = _slow_step(line)
+        if obj is None:
+            return None, None
+        return (obj["step"], to_float_or_nan(obj.get("time")), obj["ranks"]), obj
+
+    def _add_aggregates(self, row: int, metrics: dict[str, Any]) -> None:
         for key, value in metrics.items():
             a = self.aggregates.get(key)
             if a is None:
@@ -270,16 +343,42 @@ class _Lines:
 
 
 def read_run(path: str, *, metrics: bool = False) -> Run:
-    """Read a run log (a run directory or the ``.jsonl`` path) into a :class:`Run`.
+    """Read a run log (a run directory, the ``.jsonl`` path, or a gzip'd ``.jsonl.gz``) into a :class:`Run`.
 
     Corrupt lines are skipped and counted; a truncated last line is skipped and flagged. An empty file,
-    a missing header and an unknown schema raise :class:`RankmemError`. ``metrics=True`` also parses the
-    aggregated keys of every line (a full parse, about three times slower).
+    a missing or damaged header, an unknown schema and a compressed file rankmem cannot open raise
+    :class:`RankmemError`. ``metrics=True`` also parses the aggregated keys of every line (a full parse,
+    about three times slower).
     """
     path = resolve_run_path(path)
-    with open(path, encoding="utf-8", errors="replace") as f:
-        header = _parse_header(f.readline(), path)
-        lines = _Lines(int(header.get("world_size") or 0), metrics)
-        for lineno, line in enumerate(f, start=2):
+    with _open_log(path) as f:
+        lines_of = _NumberedLines(f, path)
+        header = _parse_header(next(lines_of, (1, ""))[1], path)
+        lines = _Lines(_world_size(header, path), metrics)
+        for lineno, line in lines_of:
             lines.add(lineno, line)
+        lines.truncated = lines.truncated or lines_of.ended_early
     return lines.run(path, header)
+
+
+class _NumberedLines:
+    """``(line number, line)`` of ``f`` from 1; a gzip stream cut short (a log compressed while still
+    being written, a partial copy) ends the lines there and sets :attr:`ended_early`."""
+
+    def __init__(self, f: IO[str], path: str) -> None:
+        self._lines: Iterator[tuple[int, str]] = enumerate(f, start=1)
+        self._path = path
+        self.ended_early = False
+
+    def __iter__(self) -> _NumberedLines:
+        return self
+
+    def __next__(self) -> tuple[int, str]:
+        try:
+            return next(self._lines)
+        except EOFError:
+            self.ended_early = True
+            raise StopIteration from None
+        except (gzip.BadGzipFile, zlib.error) as exc:
+            raise RankmemError(f"{self._path}: the gzip stream is damaged ({exc}); recompress the log from its "
+                               "source, or gunzip what can be read of it") from None

@@ -1,21 +1,27 @@
-"""The run-log writer, on the logging rank: the header once, then one whole, flushed line per step.
+"""The run-log writer, on the logging rank: the header once, then one whole line per step.
 
-Lines follow :mod:`rankmem.runlog._layout`. Each is written whole and flushed, so a crash loses at
-most the line being written; a restart into the same directory first moves the earlier log aside.
+Lines follow :mod:`rankmem.runlog._layout`. Each line is one ``write(2)`` to a file opened for
+appending, with no buffer in between: a crash loses at most the line being written. A write that fails
+part-way (a full disk takes what fits, then says ENOSPC) is cut back to the last whole line, so the
+file never holds half a line followed by later whole ones; the caller (:class:`rankmem.sinks.SafeSink`)
+retries later and reports the steps lost. A restart into the same directory first moves the earlier
+log aside; the run directory is locked (:mod:`rankmem.runlog._lock`) so that two jobs never share it.
 Online code: it imports nothing of the reader.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from dataclasses import asdict
-from typing import IO, Any
+from typing import Any
 
 from rankmem._records import RunHeader, StepRecord
 from rankmem._scalars import json_safe
-from rankmem.errors import warn
-from rankmem.runlog._layout import HEADER_KIND, SCHEMA, SEPARATORS, step_object
+from rankmem.errors import WarnOnce, warn
+from rankmem.runlog._layout import HEADER_KIND, SCHEMA, SEPARATORS, STEP_MAX, STEP_MIN, step_object
+from rankmem.runlog._lock import RunDirLock
 
 
 def rotate(path: str) -> str | None:
@@ -58,24 +64,43 @@ def header_to_json(header: RunHeader) -> dict[str, Any]:
 
 
 class RunLogWriter:
-    """Appends whole, flushed lines to ``path``; the header is written once, by :meth:`open`."""
+    """Appends whole lines to ``path``; the header is written once, by :meth:`open`.
+
+    Both methods raise ``OSError`` when the disk refuses a line (nothing of it stays in the file) and
+    may be called again: :meth:`open` after a failure starts over, :meth:`write` goes on appending.
+    """
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._file: IO[str] | None = None
+        self._fd: int | None = None
+        self._size = 0  # bytes of whole lines in the file: where a failed write is cut back to
+        self._lock = RunDirLock(os.path.dirname(os.path.abspath(path)))
+        self._warn_once = WarnOnce()
 
     def open(self, header: RunHeader) -> None:
-        parent = os.path.dirname(os.path.abspath(self.path))
-        os.makedirs(parent, exist_ok=True)
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        if not self._lock.held_by_launcher():
+            self._lock.acquire()  # before the rotation: a second job must not move this one's log aside
         rotated = rotate(self.path)
-        self._file = open(self.path, "w", encoding="utf-8")
+        self._close_fd()
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        self._size = 0
         # default=str: the caller's config may hold paths; they become strings, not a lost header.
-        self._write_line(json.dumps(json_safe(header_to_json(header)), allow_nan=False, separators=SEPARATORS,
-                                    default=str))
+        line = json.dumps(json_safe(header_to_json(header)), allow_nan=False, separators=SEPARATORS, default=str)
+        try:
+            self._write_line(line)
+        except OSError:
+            self._close_fd()  # the next open() starts over on the empty file
+            raise
         if rotated:
             warn(f"rankmem: {rotated_line(self.path, rotated)}")
 
     def write(self, record: StepRecord) -> None:
+        if not STEP_MIN <= record.step <= STEP_MAX:
+            # The reader holds steps as int64; a line it must count as corrupt is better not written.
+            self._warn_once(f"step-range:{record.step}", f"step {record.step} is outside the run log's 64-bit "
+                                                         f"step range; that record is not written to {self.path}")
+            return
         # Hot path: encode as is, and only when the text holds a non-finite token (NaN, Infinity,
         # which JSON lacks) rebuild the record with nulls. Checking every value in Python first cost
         # more than the encoding itself.
@@ -86,12 +111,29 @@ class RunLogWriter:
         self._write_line(line)
 
     def _write_line(self, line: str) -> None:
-        assert self._file is not None, "RunLogWriter.open() must come first"
-        # One write() of the whole line, then flush: a reader never sees half a line but for a crash.
-        self._file.write(line + "\n")
-        self._file.flush()
+        assert self._fd is not None, "RunLogWriter.open() must come first"
+        data = memoryview((line + "\n").encode("utf-8"))
+        done = 0
+        try:
+            while done < len(data):  # a regular file takes it all in one write but when the disk fills
+                n = os.write(self._fd, data[done:])
+                if n == 0:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.path)
+                done += n
+        except OSError:
+            if done:
+                try:
+                    os.ftruncate(self._fd, self._size)  # O_APPEND: the next line starts where this one did
+                except OSError:
+                    pass
+            raise
+        self._size += done
+
+    def _close_fd(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        self._close_fd()
+        self._lock.release()

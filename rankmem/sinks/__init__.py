@@ -67,32 +67,124 @@ def make_sink(spec: str | Sink, out_dir: str | None = None, **options: Any) -> S
 
 
 class SafeSink:
-    """Telemetry never kills training: the first exception from a sink warns once and disables it."""
+    """Telemetry never kills training, and a brief outage never ends a sink's run.
+
+    An exception from a sink starts an outage: the record is lost, and the sink is tried again after
+    skipping 1, then 2, 4, ... up to :data:`MAX_SKIP` records (a full disk, a tracker's server down).
+    When a try succeeds, one warning reports the outage's span and the steps lost; the first outage
+    also warns when it starts, so that a long one is not silent. A sink whose ``open`` failed is opened
+    again (with the same header) at its next try. A :class:`RankmemError` is a configuration error,
+    not an outage: it warns once and disables the sink (another job's lock on the run directory, say).
+    """
+
+    MAX_SKIP = 64
+    """Most records skipped between two tries: a sink back from an outage loses at most this many more."""
 
     def __init__(self, sink: Sink) -> None:
         self.sink = sink
         self.disabled = False
+        self.lost = 0
+        """Records lost to outages over the run (failed or skipped)."""
+        self._header: RunHeader | None = None
+        self._opened = False
+        self._outage: _Outage | None = None
+        self._outages = 0
 
-    def _call(self, method: str, *args: Any) -> None:
-        if self.disabled:
-            return
-        try:
-            getattr(self.sink, method)(*args)
-        except Exception as exc:  # noqa: BLE001 - any sink failure must stay out of the training loop
-            self.disabled = True
-            warn(f"rankmem: sink {type(self.sink).__name__} failed in {method}() and is disabled: {exc!r}", stacklevel=3)
+    @property
+    def _name(self) -> str:
+        return type(self.sink).__name__
 
     def open(self, header: RunHeader) -> None:
-        self._call("open", header)
+        self._header = header
+        self._try_open(None)
+
+    def _try_open(self, step: int | None) -> bool:
+        assert self._header is not None
+        try:
+            self.sink.open(self._header)
+        except Exception as exc:  # noqa: BLE001 - any sink failure must stay out of the training loop
+            self._failed("open", step, exc)
+            return False
+        self._opened = True
+        return True
 
     def write(self, record: StepRecord) -> None:
-        self._call("write", record)
+        if self.disabled or self._header is None:
+            return
+        outage = self._outage
+        if outage is not None and outage.skip > 0:
+            outage.skip -= 1
+            outage.lose(record.step)
+            self.lost += 1
+            return
+        if not self._opened and not self._try_open(record.step):
+            return
+        try:
+            self.sink.write(record)
+        except Exception as exc:  # noqa: BLE001
+            self._failed("write", record.step, exc)
+            return
+        if self._outage is not None:
+            self._recovered(record.step)
+
+    def _failed(self, method: str, step: int | None, exc: Exception) -> None:
+        if isinstance(exc, RankmemError):
+            self.disabled = True
+            warn(f"rankmem: sink {self._name} failed in {method}() and is disabled: {exc}", stacklevel=4)
+            return
+        outage = self._outage
+        if outage is None:
+            outage = self._outage = _Outage(method, exc)
+            self._outages += 1
+            if self._outages == 1:
+                at = "" if step is None else f" at step {step}"
+                warn(f"rankmem: sink {self._name} failed in {method}(){at}: {exc!r}; retrying it with backoff "
+                     "(the steps lost are reported when it recovers)", stacklevel=4)
+        outage.tries += 1
+        outage.skip = min(2 ** (outage.tries - 1), self.MAX_SKIP)
+        outage.method, outage.error = method, exc
+        if step is not None:
+            outage.lose(step)
+            self.lost += 1
+
+    def _recovered(self, step: int) -> None:
+        outage, self._outage = self._outage, None
+        assert outage is not None
+        warn(f"rankmem: sink {self._name} is writing again from step {step}; {outage.describe()}", stacklevel=4)
 
     def close(self) -> None:
-        # A sink disabled by a failed write still holds files or a tracker run: always try to close it.
+        # A sink in an outage still holds files or a tracker run: always try to close it.
         try:
             self.sink.close()
         except Exception as exc:  # noqa: BLE001
-            if not self.disabled:
-                warn(f"rankmem: sink {type(self.sink).__name__} failed in close(): {exc!r}")
+            if not self.disabled and self._outage is None:
+                warn(f"rankmem: sink {self._name} failed in close(): {exc!r}")
+        if self._outage is not None and not self.disabled:
+            warn(f"rankmem: sink {self._name} was still failing when closed; {self._outage.describe()}")
+        self._outage = None
         self.disabled = True
+
+
+class _Outage:
+    """One span of failures of a sink: the steps it lost, and the last error."""
+
+    def __init__(self, method: str, error: Exception) -> None:
+        self.method = method
+        self.error = error
+        self.tries = 0
+        self.skip = 0
+        self.first: int | None = None
+        self.last: int | None = None
+        self.lost = 0
+
+    def lose(self, step: int) -> None:
+        if self.first is None:
+            self.first = step
+        self.last = step
+        self.lost += 1
+
+    def describe(self) -> str:
+        span = "no step" if self.first is None else (
+            f"step {self.first}" if self.first == self.last else f"steps {self.first}..{self.last}")
+        return (f"{self.lost} logged step(s) lost ({span}) over {self.tries} failed tr{'y' if self.tries == 1 else 'ies'},"
+                f" the last in {self.method}() with {self.error!r}")

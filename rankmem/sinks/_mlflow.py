@@ -8,22 +8,38 @@ store ``<out_dir>/mlruns`` (mlflow-skinny ships no SQL backend). Read it back wi
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import math
 import os
+import posixpath
 import re
 from typing import Any
 
 from rankmem._records import RunHeader, StepRecord
 from rankmem.errors import RankmemError
 
-# MLflow rejects metric names outside letters, digits and "_-. /:" (see its validation module).
+# MLflow's rules for metric names (mlflow.utils.validation): letters, digits and "_-. /:" only; at most
+# MAX_KEY characters; and a name must be its own posixpath.normpath (no "//", no "." or ".." segment, no
+# leading or trailing "/"). One bad key made MLflow refuse the whole batch, and SafeSink then dropped the
+# sink for the run (issue 11): each key is made valid here instead.
 _KEY_BAD = re.compile(r"[^A-Za-z0-9_\-. /:]")
+MAX_KEY = 250
 _BATCH = 1000  # MLflow's limit of metrics per log_batch call
 
 
 def mlflow_key(key: str) -> str:
-    return _KEY_BAD.sub("_", key)
+    """``key`` under MLflow's naming rules: bad characters become ``_``, empty and dot segments are
+    dropped, and a name longer than :data:`MAX_KEY` keeps its head and a hash of the whole (so two long
+    keys that share a head stay apart)."""
+    name = _KEY_BAD.sub("_", key)
+    if posixpath.normpath(name) != name or name.startswith(("/", ".")):
+        parts = [p for p in name.split("/") if p not in ("", ".", "..")]
+        name = "/".join(parts) or "_"
+    if len(name) > MAX_KEY:
+        digest = hashlib.sha1(key.encode("utf-8", "replace")).hexdigest()[:10]
+        name = name[: MAX_KEY - len(digest) - 1].rstrip("/") + "-" + digest
+    return name
 
 
 def local_tracking_uri(out_dir: str) -> str:
@@ -56,6 +72,7 @@ class MlflowSink:
         self.run_name = run_name or (os.path.basename(os.path.abspath(out_dir)) if out_dir else None)
         self.run_id: str | None = None
         self._client: Any = None
+        self._keys: dict[str, str] = {}  # rankmem key -> its MLflow name, computed once per key
 
     def open(self, header: RunHeader) -> None:
         from mlflow.tracking import MlflowClient
@@ -72,9 +89,14 @@ class MlflowSink:
         from mlflow.entities import Metric
 
         ms = int(record.time * 1000)
-        metrics = [
-            Metric(mlflow_key(k), v, ms, record.step) for k, v in record.metrics.items() if math.isfinite(v)
-        ]
+        keys = self._keys
+        metrics = []
+        for k, v in record.metrics.items():
+            if math.isfinite(v):
+                name = keys.get(k)
+                if name is None:
+                    name = keys[k] = mlflow_key(k)
+                metrics.append(Metric(name, v, ms, record.step))
         for i in range(0, len(metrics), _BATCH):
             self._client.log_batch(self.run_id, metrics=metrics[i : i + _BATCH])
 

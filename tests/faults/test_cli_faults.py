@@ -1,0 +1,62 @@
+"""CLI faults (issue 11, item 13): options that would be silently accepted are refused in one line
+(exit 2), an unwritable plot is one line, and a gzip'd run log is read as it is."""
+
+from __future__ import annotations
+
+import gzip
+import shutil
+from pathlib import Path
+
+import pytest
+
+from rankmem.cli import main
+from rankmem.runlog import RUN_LOG_NAME, read_run
+from tests.runlog_helpers import known_run
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["leaks", "{run}", "--min-growth", "nan"], "--min-growth must be a finite number, got nan"),
+        (["leaks", "{run}", "--alpha", "nan"], "--alpha must be a finite number, got nan"),
+        (["report", "{run}", "--window", "nan"], "--window must be a finite number, got nan"),
+        (["leaks", "{run}", "--keys", "mem/host/rss_gib", "nope"],
+         "--keys: no such key(s) in the run log: nope; it has: mem/device/headroom_gib, mem/host/peak_rss_gib, "
+         "mem/host/rss_gib, mem/phase/rollout/peak_rss_gib, mem/phase/update/peak_rss_gib"),
+        (["plot", "{run}", "-o", "/dev/full"], "cannot write /dev/full: No space left on device"),
+    ],
+)
+def test_bad_options_and_outputs_are_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                         args: list[str], message: str) -> None:
+    known_run(tmp_path)
+    args = [a.replace("{run}", str(tmp_path)) for a in args]
+    assert main(args) == 2
+    captured = capsys.readouterr()
+    assert captured.err == f"rankmem {args[0]}: error: {message}\n"
+    assert captured.out == ""
+
+
+def test_a_gzipped_run_log_is_read_directly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plain = known_run(tmp_path / "plain")
+    gz = tmp_path / "gz" / (RUN_LOG_NAME + ".gz")
+    gz.parent.mkdir()
+    with open(plain, "rb") as src, gzip.open(gz, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    assert main(["report", str(plain.parent)]) == 0
+    expected = capsys.readouterr().out.replace(str(plain), str(gz))
+    for where in (gz, gz.parent):  # the file, or the run directory holding only the .gz
+        assert main(["report", str(where)]) == 0
+        assert capsys.readouterr().out == expected
+    # Cut short (compressed while it was still written): the whole lines are read, the end is flagged.
+    data = gz.read_bytes()
+    gz.write_bytes(data[: len(data) * 2 // 3])
+    run = read_run(str(gz))
+    assert run.truncated and 0 < run.steps.size < 40 and run.corrupt == 0
+
+
+def test_a_log_in_another_compression_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / (RUN_LOG_NAME + ".zst")
+    path.write_bytes(b"\x28\xb5\x2f\xfd" + b"\x00" * 20)
+    assert main(["leaks", str(path)]) == 2
+    assert capsys.readouterr().err == (f"rankmem leaks: error: {path} is zstd-compressed: rankmem reads plain and "
+                                       f"gzip'd run logs; decompress it first (unzstd -k {path})\n")
