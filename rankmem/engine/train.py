@@ -194,7 +194,7 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
         trajectory = Trajectory(args.task)
         logging_rank = monitor.is_logging_rank
         if logging_rank:
-            print(f"rankmem train: live view: rankmem watch {shlex.quote(args.out)}  (in another terminal)", flush=True)
+            say(f"rankmem train: live view: rankmem watch {shlex.quote(args.out)}  (in another terminal)")
         with Progress(logging_rank, args.steps, args.task, bar=not args.no_progress) as progress:
 
             def on_step(step: int, metrics: Mapping[str, float]) -> None:
