@@ -78,7 +78,7 @@ CATALOGUE: tuple[KeySpec, ...] = (
     KeySpec("mem/device/used_gib", "used", "GiB", summary=True),
     KeySpec("mem/device/other_gib", "other", "GiB"),
     KeySpec("mem/device/total_gib", "total", "GiB"),
-    KeySpec("mem/device/headroom_gib", "headroom", "GiB", worse="low", headline="dev_headroom"),
+    KeySpec("mem/device/headroom_gib", "headroom", "GiB", worse="low", headline="dev_headroom", summary=True),
     KeySpec("mem/device/alloc_retries", "alloc_retries", "count"),
     KeySpec("mem/device/ooms", "ooms", "count"),
 )
