@@ -63,11 +63,16 @@ CATALOGUE: tuple[KeySpec, ...] = (
     KeySpec("mem/host/peak_rss_gib", "peak_rss", "GiB", phase_suffix="peak_rss_gib", headline="peak_rss",
             summary=True, plot=True),
     KeySpec("mem/host/lifetime_peak_rss_gib", "lifetime_peak_rss", "GiB"),
-    KeySpec("mem/host/children_rss_gib", "children_rss", "GiB", leak=True, headline="children", summary=True),
+    # Summed child RSS counts pages forked workers share with this process once per worker; the console
+    # and the summary show what the workers add (USS). RSS stays the leak baseline: it is read every
+    # collect, and a worker's private growth shows in it all the same.
+    KeySpec("mem/host/children_rss_gib", "children_rss", "GiB", leak=True),
+    KeySpec("mem/host/children_uss_gib", "children_uss", "GiB", headline="children", summary=True),
     KeySpec("mem/node/used_gib", "node_used", "GiB"),
     KeySpec("mem/node/available_gib", "node_available", "GiB", worse="low"),
     KeySpec("mem/node/cgroup_used_gib", "cgroup_used", "GiB"),
     KeySpec("mem/node/cgroup_limit_gib", "cgroup_limit", "GiB"),
+    KeySpec("mem/node/cgroup_working_set_gib", "cgroup_working_set", "GiB"),
     KeySpec("mem/device/allocated_gib", "allocated", "GiB", leak=True),
     KeySpec("mem/device/reserved_gib", "reserved", "GiB"),
     KeySpec("mem/device/peak_allocated_gib", "peak_allocated", "GiB", phase_suffix="peak_allocated_gib",
