@@ -223,6 +223,9 @@ def device_cases() -> None:
     }
     if nested_stats is not None:
         cases["torch._C._cuda_memoryStats(i) (nested, one call)"] = lambda: nested_stats(index)
+    host_stats: Callable[[], object] | None = getattr(torch._C, "_cuda_hostMemoryStats", None)
+    if host_stats is not None:  # the pinned-memory read each device read adds
+        cases["torch._C._cuda_hostMemoryStats() (pinned, nested)"] = host_stats
     print(f"\ndevice: {backend.device_name()} (baseline: torch.cuda.memory_allocated())")
     table(cases, "torch.cuda.memory_allocated()", n=REPEAT // 10)
     monitor.close()

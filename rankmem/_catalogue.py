@@ -68,6 +68,8 @@ CATALOGUE: tuple[KeySpec, ...] = (
     # collect, and a worker's private growth shows in it all the same.
     KeySpec("mem/host/children_rss_gib", "children_rss", "GiB", leak=True),
     KeySpec("mem/host/children_uss_gib", "children_uss", "GiB", headline="children", summary=True),
+    KeySpec("mem/host/pinned_gib", "pinned", "GiB"),
+    KeySpec("mem/host/lifetime_peak_pinned_gib", "lifetime_peak_pinned", "GiB"),
     KeySpec("mem/node/used_gib", "node_used", "GiB"),
     KeySpec("mem/node/available_gib", "node_available", "GiB", worse="low"),
     KeySpec("mem/node/cgroup_used_gib", "cgroup_used", "GiB"),
@@ -80,6 +82,7 @@ CATALOGUE: tuple[KeySpec, ...] = (
     KeySpec("mem/device/peak_reserved_gib", "peak_reserved", "GiB", phase_suffix="peak_reserved_gib",
             headline="dev_peak_res", summary=True, plot=True, verl="perf/max_memory_reserved_gb"),
     KeySpec("mem/device/lifetime_peak_reserved_gib", "lifetime_peak_reserved", "GiB"),
+    KeySpec("mem/device/inactive_split_gib", "inactive_split", "GiB"),
     KeySpec("mem/device/used_gib", "used", "GiB", summary=True),
     KeySpec("mem/device/other_gib", "other", "GiB"),
     KeySpec("mem/device/total_gib", "total", "GiB"),

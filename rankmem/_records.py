@@ -64,6 +64,10 @@ class DeviceReading:
     """Bytes in cached blocks split off in-use segments: reserved, free, yet not releasable (fragmentation)."""
     free: int | None = None
     """Device-wide free bytes as the driver reports them (``total - used``)."""
+    pinned: int | None = None
+    """Page-locked host memory the backend's caching host allocator holds (CUDA), in use and cached."""
+    pinned_peak: int | None = None
+    """Max of ``pinned`` since the process started (rankmem never resets it)."""
     before_init: bool = False
     """True when the read was skipped because the device had no context yet (reading would create one):
     every figure is ``None``, and the allocator had necessarily allocated nothing and counted nothing."""
@@ -96,6 +100,9 @@ class WindowBytes:
     ooms: int | None = None
     lifetime_peak_rss: int | None = None
     lifetime_peak_reserved: int | None = None
+    inactive_split: int | None = None
+    pinned: int | None = None
+    lifetime_peak_pinned: int | None = None
 
     @classmethod
     def of(cls, host: HostReading | None, device: DeviceReading | None) -> WindowBytes:
@@ -109,6 +116,8 @@ class WindowBytes:
             w.allocated, w.reserved = device.allocated, device.reserved
             w.peak_allocated, w.peak_reserved = device.peak_allocated, device.peak_reserved
             w.used, w.total = device.used, device.total
+            w.inactive_split = device.inactive_split
+            w.pinned, w.lifetime_peak_pinned = device.pinned, device.pinned_peak
         return w
 
     def add_node(self, host: HostReading) -> None:
