@@ -44,6 +44,9 @@ class KeySpec:
     """For a step peak, the per-phase key ``mem/phase/P/<suffix>`` that holds the same peak inside P."""
     leak: bool = False
     """A leak baseline: what a leak grows (peaks and reserved memory follow, with more noise)."""
+    phase_delta: str | None = None
+    """The per-phase key ``mem/phase/P/<phase_delta>`` holding what phase P left of this key behind:
+    the leak verdicts name the phase that carries a leak's growth."""
     headline: str | None = None
     """The console label, for the few keys that say who is close to running out."""
     summary: bool = False
@@ -59,7 +62,8 @@ class KeySpec:
 
 
 CATALOGUE: tuple[KeySpec, ...] = (
-    KeySpec("mem/host/rss_gib", "rss", "GiB", leak=True, headline="rss", plot=True, verl="perf/cpu_memory_used_gb"),
+    KeySpec("mem/host/rss_gib", "rss", "GiB", leak=True, phase_delta="rss_delta_gib", headline="rss", plot=True,
+            verl="perf/cpu_memory_used_gb"),
     KeySpec("mem/host/peak_rss_gib", "peak_rss", "GiB", phase_suffix="peak_rss_gib", headline="peak_rss",
             summary=True, plot=True),
     KeySpec("mem/host/lifetime_peak_rss_gib", "lifetime_peak_rss", "GiB"),
@@ -75,7 +79,7 @@ CATALOGUE: tuple[KeySpec, ...] = (
     KeySpec("mem/node/cgroup_used_gib", "cgroup_used", "GiB"),
     KeySpec("mem/node/cgroup_limit_gib", "cgroup_limit", "GiB"),
     KeySpec("mem/node/cgroup_working_set_gib", "cgroup_working_set", "GiB"),
-    KeySpec("mem/device/allocated_gib", "allocated", "GiB", leak=True),
+    KeySpec("mem/device/allocated_gib", "allocated", "GiB", leak=True, phase_delta="allocated_delta_gib"),
     KeySpec("mem/device/reserved_gib", "reserved", "GiB"),
     KeySpec("mem/device/peak_allocated_gib", "peak_allocated", "GiB", phase_suffix="peak_allocated_gib",
             summary=True, verl="perf/max_memory_allocated_gb"),
@@ -107,6 +111,7 @@ PLOT_KEYS = tuple(s.key for s in CATALOGUE if s.plot)
 HEADLINE = tuple((s.headline, s) for s in CATALOGUE if s.headline)
 LOW_IS_BAD = tuple(s.key for s in CATALOGUE if s.worse == "low")
 PHASE_SUFFIX = {s.key: s.phase_suffix for s in CATALOGUE if s.phase_suffix}
+PHASE_DELTA = {s.key: s.phase_delta for s in CATALOGUE if s.phase_delta}
 VERL_KEYS = {s.verl: f"{s.key}/max" for s in CATALOGUE if s.verl}
 """verl's name -> the aggregated key whose value it carries, with the corrected meaning (DESIGN.md)."""
 

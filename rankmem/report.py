@@ -19,7 +19,7 @@ import numpy as np
 from rankmem._catalogue import PHASE_PREFIX, PHASE_SUFFIX, is_memory_key, key_of, phase_of_peak, worst_stat
 from rankmem._events import read_events
 from rankmem._scalars import json_safe
-from rankmem.leaks import LeakConfig, Trend, detect_leaks
+from rankmem.leaks import LeakConfig, Trend, detect_leaks, worst_first
 from rankmem.runlog import Run
 
 
@@ -75,7 +75,8 @@ class Report:
 
     @property
     def leaks(self) -> list[Trend]:
-        return [t for t in self.trends if t.leak]
+        """The leaking series, worst first: the soonest to exhaust its memory, then the fastest growing."""
+        return worst_first(self.trends)
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -210,7 +211,7 @@ def render(report: Report) -> None:
     if report.keys:
         console.print(table)
     for line in verdict_lines(report):
-        console.print(line, markup=False)
+        console.print(line, markup=False, soft_wrap=True)  # a leak's verdict is one line, whatever its length
 
 
 def event_lines(report: Report) -> list[str]:
