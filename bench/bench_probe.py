@@ -6,17 +6,21 @@ Prints microseconds per call (the best of interleaved rounds) and the ratio to a
 the same run. Targets: the host window pair (current RSS + window peak, with its reset) at most 10 us;
 on a GPU, a whole window edge (host + device read + both peak resets) under 25 us.
 
-Three tables:
+Four tables:
 1. host: rankmem's /proc reads against ``psutil.Process().memory_info()``;
-2. stats shape (CPU, any machine): what ``torch.cuda.memory_stats()`` costs over the nested dict it
+2. children: a rank holding 256 MiB with 4 forked workers that touch 32 MiB each: the per-collect
+   child RSS read against the USS pass the refresh thread makes every ``children_refresh_s`` (what
+   ``mem/host/children_uss_gib`` costs, off the training thread) and psutil's USS;
+3. stats shape (CPU, any machine): what ``torch.cuda.memory_stats()`` costs over the nested dict it
    flattens, on a dict of the real shape (~120 keys, from ``rankmem.testing.FakeCuda``);
-3. device (CUDA GPU only, after initialising CUDA: before, every read is empty and would time
+4. device (CUDA GPU only, after initialising CUDA: before, every read is empty and would time
    nothing): the nested-stats read and the edge against ``torch.cuda.memory_allocated()``.
 """
 
 from __future__ import annotations
 
 import collections
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -68,6 +72,59 @@ def host_cases() -> None:
         "psutil.Process().memory_info()",
     )
     probe.close()
+
+
+def children_cases(workers: int = 4, parent_mib: int = 256, worker_mib: int = 32) -> None:
+    import numpy as np
+
+    held = np.ones(parent_mib << 20, dtype=np.uint8)
+    ready_r, ready_w = os.pipe()
+    release_r, release_w = os.pipe()
+    pids = []
+    for _ in range(workers):
+        pid = os.fork()
+        if pid == 0:  # a dataloader worker: its own memory, then wait
+            own = np.ones(worker_mib << 20, dtype=np.uint8)
+            os.write(ready_w, b"x")
+            os.read(release_r, 1)
+            del own
+            os._exit(0)
+        pids.append(pid)
+    for _ in range(workers):
+        os.read(ready_r, 1)
+    try:
+        probe = LinuxHostProbe(children=True, children_refresh_s=3600.0)
+        probe.children_rss()  # lists the children once
+        probe.children_uss()  # the first pass; the thread then sleeps for an hour
+        uss = probe._children_uss
+        assert uss is not None
+        kids = [psutil.Process(pid) for pid in pids]
+
+        def psutil_uss() -> int:
+            return sum(int(k.memory_full_info().uss) for k in kids)
+
+        print(f"\nchildren: {workers} forked workers of a {parent_mib} MiB rank, {worker_mib} MiB each "
+              "(baseline: the per-collect child RSS read)")
+        table(
+            {
+                "children RSS (statm pread per child, every collect)": probe.children_rss,
+                "children USS pass (smaps_rollup per child, refresh thread)": uss._pass,
+                "psutil memory_full_info().uss per child": psutil_uss,
+                "full host read with both (training thread, per collect)": probe.read,
+            },
+            "children RSS (statm pread per child, every collect)",
+            n=max(REPEAT // 200, 20),
+        )
+        print(f"children USS {probe.children_uss() / 2**20:.1f} MiB, RSS {probe.children_rss() / 2**20:.1f} MiB "
+              f"(the workers added {workers * worker_mib} MiB)")
+        probe.close()
+    finally:
+        os.write(release_w, b"x" * workers)
+        for pid in pids:
+            os.waitpid(pid, 0)
+        for fd in (ready_r, ready_w, release_r, release_w):
+            os.close(fd)
+        del held
 
 
 def flatten(nested: dict[str, Any]) -> dict[str, Any]:
@@ -162,10 +219,13 @@ def device_cases() -> None:
         "torch.cuda.reset_peak_memory_stats(i)": lambda: torch.cuda.reset_peak_memory_stats(index),
         "rankmem device read (nested stats + mem_get_info)": backend.read,
         "rankmem device edge (read + peak reset)": edge,
-        "rankmem window edge (host + device, Monitor._edge)": monitor._edge,
+        "rankmem window edge (host + device, Windows._edge)": monitor._windows._edge,
     }
     if nested_stats is not None:
         cases["torch._C._cuda_memoryStats(i) (nested, one call)"] = lambda: nested_stats(index)
+    host_stats: Callable[[], object] | None = getattr(torch._C, "_cuda_hostMemoryStats", None)
+    if host_stats is not None:  # the pinned-memory read each device read adds
+        cases["torch._C._cuda_hostMemoryStats() (pinned, nested)"] = host_stats
     print(f"\ndevice: {backend.device_name()} (baseline: torch.cuda.memory_allocated())")
     table(cases, "torch.cuda.memory_allocated()", n=REPEAT // 10)
     monitor.close()
@@ -176,6 +236,7 @@ def main() -> None:
     if not sys.platform.startswith("linux"):
         raise SystemExit("bench_probe measures the Linux /proc probe")
     host_cases()
+    children_cases()
     stats_shape_cases()
     device_cases()
 

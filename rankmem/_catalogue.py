@@ -44,6 +44,9 @@ class KeySpec:
     """For a step peak, the per-phase key ``mem/phase/P/<suffix>`` that holds the same peak inside P."""
     leak: bool = False
     """A leak baseline: what a leak grows (peaks and reserved memory follow, with more noise)."""
+    phase_delta: str | None = None
+    """The per-phase key ``mem/phase/P/<phase_delta>`` holding what phase P left of this key behind:
+    the leak verdicts name the phase that carries a leak's growth."""
     headline: str | None = None
     """The console label, for the few keys that say who is close to running out."""
     summary: bool = False
@@ -59,26 +62,35 @@ class KeySpec:
 
 
 CATALOGUE: tuple[KeySpec, ...] = (
-    KeySpec("mem/host/rss_gib", "rss", "GiB", leak=True, headline="rss", plot=True, verl="perf/cpu_memory_used_gb"),
+    KeySpec("mem/host/rss_gib", "rss", "GiB", leak=True, phase_delta="rss_delta_gib", headline="rss", plot=True,
+            verl="perf/cpu_memory_used_gb"),
     KeySpec("mem/host/peak_rss_gib", "peak_rss", "GiB", phase_suffix="peak_rss_gib", headline="peak_rss",
             summary=True, plot=True),
     KeySpec("mem/host/lifetime_peak_rss_gib", "lifetime_peak_rss", "GiB"),
-    KeySpec("mem/host/children_rss_gib", "children_rss", "GiB", leak=True, headline="children", summary=True),
+    # Summed child RSS counts pages forked workers share with this process once per worker; the console
+    # and the summary show what the workers add (USS). RSS stays the leak baseline: it is read every
+    # collect, and a worker's private growth shows in it all the same.
+    KeySpec("mem/host/children_rss_gib", "children_rss", "GiB", leak=True),
+    KeySpec("mem/host/children_uss_gib", "children_uss", "GiB", headline="children", summary=True),
+    KeySpec("mem/host/pinned_gib", "pinned", "GiB"),
+    KeySpec("mem/host/lifetime_peak_pinned_gib", "lifetime_peak_pinned", "GiB"),
     KeySpec("mem/node/used_gib", "node_used", "GiB"),
     KeySpec("mem/node/available_gib", "node_available", "GiB", worse="low"),
     KeySpec("mem/node/cgroup_used_gib", "cgroup_used", "GiB"),
     KeySpec("mem/node/cgroup_limit_gib", "cgroup_limit", "GiB"),
-    KeySpec("mem/device/allocated_gib", "allocated", "GiB", leak=True),
+    KeySpec("mem/node/cgroup_working_set_gib", "cgroup_working_set", "GiB"),
+    KeySpec("mem/device/allocated_gib", "allocated", "GiB", leak=True, phase_delta="allocated_delta_gib"),
     KeySpec("mem/device/reserved_gib", "reserved", "GiB"),
     KeySpec("mem/device/peak_allocated_gib", "peak_allocated", "GiB", phase_suffix="peak_allocated_gib",
             summary=True, verl="perf/max_memory_allocated_gb"),
     KeySpec("mem/device/peak_reserved_gib", "peak_reserved", "GiB", phase_suffix="peak_reserved_gib",
             headline="dev_peak_res", summary=True, plot=True, verl="perf/max_memory_reserved_gb"),
     KeySpec("mem/device/lifetime_peak_reserved_gib", "lifetime_peak_reserved", "GiB"),
+    KeySpec("mem/device/inactive_split_gib", "inactive_split", "GiB"),
     KeySpec("mem/device/used_gib", "used", "GiB", summary=True),
     KeySpec("mem/device/other_gib", "other", "GiB"),
     KeySpec("mem/device/total_gib", "total", "GiB"),
-    KeySpec("mem/device/headroom_gib", "headroom", "GiB", worse="low", headline="dev_headroom"),
+    KeySpec("mem/device/headroom_gib", "headroom", "GiB", worse="low", headline="dev_headroom", summary=True),
     KeySpec("mem/device/alloc_retries", "alloc_retries", "count"),
     KeySpec("mem/device/ooms", "ooms", "count"),
 )
@@ -99,6 +111,7 @@ PLOT_KEYS = tuple(s.key for s in CATALOGUE if s.plot)
 HEADLINE = tuple((s.headline, s) for s in CATALOGUE if s.headline)
 LOW_IS_BAD = tuple(s.key for s in CATALOGUE if s.worse == "low")
 PHASE_SUFFIX = {s.key: s.phase_suffix for s in CATALOGUE if s.phase_suffix}
+PHASE_DELTA = {s.key: s.phase_delta for s in CATALOGUE if s.phase_delta}
 VERL_KEYS = {s.verl: f"{s.key}/max" for s in CATALOGUE if s.verl}
 """verl's name -> the aggregated key whose value it carries, with the corrected meaning (DESIGN.md)."""
 

@@ -11,13 +11,14 @@ One call per read supplies every allocator figure: the nested stats of the C bin
 (``torch._C._cuda_memoryStats``, or ``memory_stats_as_nested_dict`` where a module has no binding).
 ``memory_stats()`` flattens and sorts ~120 keys of that dict in Python on every call, and
 ``memory_allocated()`` and friends each build the flat dict again (``bench/bench_probe.py`` measures
-both). Modules with neither nested form fall back to ``memory_stats()``.
+both). Modules with neither nested form fall back to ``memory_stats()``. On CUDA a second call reads
+the caching *host* allocator (pinned memory, ``torch._C._cuda_hostMemoryStats``), where torch has it.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +52,8 @@ class _Hooks:
     """``torch.cuda.memory._snapshot``."""
     set_metadata: Callable[[str], Any] | None
     """``torch.cuda.memory._set_memory_metadata``: a tag carried by the history entries that follow."""
+    host_stats: Callable[[], Any] | None = None
+    """``torch._C._cuda_hostMemoryStats()``: the pinned (host) allocator's stats as nested dicts."""
 
 
 def _find_hooks(module: Any) -> _Hooks:
@@ -64,6 +67,7 @@ def _find_hooks(module: Any) -> _Hooks:
             record_history=getattr(memory, "_record_memory_history", None),
             snapshot=getattr(memory, "_snapshot", None),
             set_metadata=getattr(memory, "_set_memory_metadata", None),
+            host_stats=getattr(binding, "_cuda_hostMemoryStats", None),
         )
     return _Hooks(
         has_context=getattr(module, "_has_primary_context", None),
@@ -73,7 +77,20 @@ def _find_hooks(module: Any) -> _Hooks:
         record_history=getattr(module, "_record_memory_history", None),
         snapshot=getattr(module, "_snapshot", None),
         set_metadata=getattr(module, "_set_memory_metadata", None),
+        host_stats=getattr(module, "host_memory_stats_as_nested_dict", None),
     )
+
+
+def pinned_figures(stats: Mapping[str, Any]) -> tuple[int | None, int | None]:
+    """``(current, peak)`` bytes of page-locked host memory the caching host allocator holds (blocks in
+    use and cached alike: all of it is pinned), from torch's host-allocator stats, nested
+    (``_cuda_hostMemoryStats()``: ``{"allocated_bytes": {"current": .., "peak": ..}}``) or flat
+    (``torch.cuda.host_memory_stats()``: ``"allocated_bytes.current"``). rankmem never resets the
+    peak (torch's reset is process-wide), so it is a lifetime peak. ``None`` for a figure not given."""
+    nested = stats.get("allocated_bytes")
+    if isinstance(nested, Mapping):
+        return _int(nested.get("current")), _int(nested.get("peak"))
+    return _int(stats.get("allocated_bytes.current")), _int(stats.get("allocated_bytes.peak"))
 
 
 def _int(value: Any) -> int | None:
@@ -179,6 +196,11 @@ class DeviceBackend:
         info = None if self._mem_get_info is None else attempt(self._mem_get_info, index, default=None)
         if info is not None:
             free, total = int(info[0]), int(info[1])
+        pinned = pinned_peak = None
+        if self._hooks.host_stats is not None:
+            host = attempt(self._hooks.host_stats, default=None)
+            if isinstance(host, Mapping):
+                pinned, pinned_peak = pinned_figures(host)
         return DeviceReading(
             allocated=_int(figures[0]),
             reserved=_int(figures[1]),
@@ -190,6 +212,8 @@ class DeviceBackend:
             ooms=_int(stats.get("num_ooms")),
             inactive_split=_int(figures[4]),
             free=free,
+            pinned=pinned,
+            pinned_peak=pinned_peak,
         )
 
     # ---- forensics (CUDA allocators that have them; no-ops elsewhere) -------------------------------

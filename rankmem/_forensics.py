@@ -128,8 +128,9 @@ class Forensics:
 
     def _host_figures(self, window: WindowBytes) -> dict[str, Any]:
         now = self._host.read()
-        cgroup_headroom = None if now.cgroup_limit is None or now.cgroup_used is None else (
-            now.cgroup_limit - now.cgroup_used)
+        # The OOM killer weighs the working set (usage minus reclaimable file cache), not raw usage.
+        charged = now.cgroup_working_set if now.cgroup_working_set is not None else now.cgroup_used
+        cgroup_headroom = None if now.cgroup_limit is None or charged is None else now.cgroup_limit - charged
         return {"rss_bytes": now.rss if now.rss is not None else window.rss, "window_peak_rss_bytes": window.peak_rss,
                 "node_available_bytes": now.node_available, "cgroup_limit_bytes": now.cgroup_limit,
                 "cgroup_headroom_bytes": cgroup_headroom}

@@ -2,6 +2,7 @@
 
 On Linux every per-step read is an ``os.pread`` on a descriptor opened once (a few microseconds);
 elsewhere psutil is the fallback. The implementation is chosen once, by :func:`make_host_probe`.
+The children's private memory is read on a thread of its own (:mod:`rankmem._children`).
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ import time
 from typing import Protocol
 
 from rankmem import _procfs
+from rankmem._children import ChildrenUss
 from rankmem._records import HostReading
 from rankmem.errors import WarnOnce
 
 _STATUS_BUF = 4096  # /proc/self/status is ~1.4 KB; VmHWM sits in its first half
 _MEMINFO_BUF = 8192
+_CGROUP_STAT_BUF = 8192  # v1 memory.stat is ~1.3 KB, v2 ~1.5 KB
 
 
 class LinuxHostProbe:
@@ -24,7 +27,8 @@ class LinuxHostProbe:
 
     Children: the descendant list is rebuilt from ``/proc/PID/task/*/children`` at most every
     ``children_refresh_s`` seconds (a walk costs ~100 us per process; a psutil scan of all of ``/proc``
-    ~0.7 ms); each known child's ``statm`` is read through a cached descriptor on every call.
+    ~0.7 ms); each known child's ``statm`` is read through a cached descriptor on every call. Their
+    private memory (USS) is summed at the same cadence on a daemon thread (:class:`ChildrenUss`).
     """
 
     def __init__(self, children: bool = True, children_refresh_s: float = 5.0, proc: str = "/proc") -> None:
@@ -35,6 +39,7 @@ class LinuxHostProbe:
         self._children_refresh_s = children_refresh_s
         self._children_fds: dict[int, int] = {}
         self._children_at = -float("inf")
+        self._children_uss: ChildrenUss | None = None
         self._warn_once = WarnOnce()
         self._open()
 
@@ -55,6 +60,7 @@ class LinuxHostProbe:
             self._lifetime_warning()
         self._cgroup_current: int | None = None
         self._cgroup_limit: int | None = None
+        self._cgroup_stat: int | None = None
         try:
             with open(f"{me}/cgroup") as f:
                 files = _procfs.find_cgroup_files(f.read())
@@ -63,6 +69,7 @@ class LinuxHostProbe:
         if files is not None:
             self._cgroup_current = _procfs.open_ro(files.current)
             self._cgroup_limit = _procfs.open_ro(files.limit)
+            self._cgroup_stat = _procfs.open_ro(os.path.join(files.dir, "memory.stat"))
 
     def check_fork(self) -> None:
         # Descriptors opened on /proc/PID follow the PID, not the caller: a forked child must reopen.
@@ -132,6 +139,14 @@ class LinuxHostProbe:
             total += rss
         return total
 
+    def children_uss(self) -> int | None:
+        """Summed private memory of the descendants, as last read by the refresh thread."""
+        if not self._children_enabled:
+            return None
+        if self._children_uss is None:
+            self._children_uss = ChildrenUss(self._descendants, self._children_refresh_s, self._proc)
+        return self._children_uss.value()
+
     def _descendants(self) -> set[int]:
         if not os.path.exists(f"{self._proc}/{self._pid}/task/{self._pid}/children"):
             # Kernels without CONFIG_PROC_CHILDREN: psutil's scan of all of /proc (~0.7 ms), still
@@ -162,14 +177,17 @@ class LinuxHostProbe:
             self._warn_once("MemAvailable", "/proc/meminfo has no MemAvailable (Linux < 3.14); node available unavailable")
         return total, available
 
-    def cgroup(self) -> tuple[int | None, int | None]:
-        """``(used, limit)``, both ``None`` when no memory limit applies."""
+    def cgroup(self) -> tuple[int | None, int | None, int | None]:
+        """``(used, limit, working set)``, all ``None`` when no memory limit applies."""
         data = _procfs.pread(self._cgroup_limit, 64)
         limit = None if data is None else _procfs.parse_cgroup_limit(data)
         if limit is None:
-            return None, None
+            return None, None, None
         data = _procfs.pread(self._cgroup_current, 64)
-        return (None if data is None else _procfs.parse_int(data)), limit
+        used = None if data is None else _procfs.parse_int(data)
+        stat = _procfs.pread(self._cgroup_stat, _CGROUP_STAT_BUF)
+        working = None if used is None or stat is None else _procfs.working_set(used, stat)
+        return used, limit, working
 
     def read(self) -> HostReading:
         """The slow read, once per collect: every figure, node, cgroup and children included."""
@@ -177,7 +195,11 @@ class LinuxHostProbe:
         return read_host(self)
 
     def close(self) -> None:
-        fds = [self._statm, self._status, self._meminfo, self._clear_refs, self._cgroup_current, self._cgroup_limit]
+        if self._children_uss is not None:
+            self._children_uss.close()
+            self._children_uss = None
+        fds = [self._statm, self._status, self._meminfo, self._clear_refs, self._cgroup_current, self._cgroup_limit,
+               self._cgroup_stat]
         for fd in [*fds, *self._children_fds.values()]:
             if fd is not None:
                 try:
@@ -186,7 +208,7 @@ class LinuxHostProbe:
                     pass
         self._children_fds.clear()
         self._statm = self._status = self._meminfo = self._clear_refs = None
-        self._cgroup_current = self._cgroup_limit = None
+        self._cgroup_current = self._cgroup_limit = self._cgroup_stat = None
 
 
 class PsutilHostProbe:
@@ -250,12 +272,15 @@ class PsutilHostProbe:
                 continue
         return total
 
+    def children_uss(self) -> int | None:
+        return None  # smaps_rollup is Linux-only; psutil's USS walks every mapping on the caller's thread
+
     def node(self) -> tuple[int | None, int | None]:
         vm = self._psutil.virtual_memory()
         return int(vm.total), int(vm.available)
 
-    def cgroup(self) -> tuple[int | None, int | None]:
-        return None, None  # cgroups are Linux-only
+    def cgroup(self) -> tuple[int | None, int | None, int | None]:
+        return None, None, None  # cgroups are Linux-only
 
     def read(self) -> HostReading:
         return read_host(self)
@@ -294,14 +319,15 @@ class _PeakSource(Protocol):
     def rss(self) -> int | None: ...
     def peak_rss(self) -> int | None: ...
     def children_rss(self) -> int | None: ...
+    def children_uss(self) -> int | None: ...
     def node(self) -> tuple[int | None, int | None]: ...
-    def cgroup(self) -> tuple[int | None, int | None]: ...
+    def cgroup(self) -> tuple[int | None, int | None, int | None]: ...
 
 
 def read_host(probe: _PeakSource) -> HostReading:
     """Every host figure of ``probe`` at one instant."""
     total, available = probe.node()
-    cg_used, cg_limit = probe.cgroup()
+    cg_used, cg_limit, cg_working = probe.cgroup()
     return HostReading(
         rss=probe.rss(),
         peak_rss=probe.peak_rss(),
@@ -311,6 +337,8 @@ def read_host(probe: _PeakSource) -> HostReading:
         node_available=available,
         cgroup_used=cg_used,
         cgroup_limit=cg_limit,
+        children_uss=probe.children_uss(),
+        cgroup_working_set=cg_working,
     )
 
 

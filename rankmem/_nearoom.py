@@ -170,9 +170,10 @@ class NearOomWatch:
             data = _procfs.pread(self._cg_usage, _SMALL)
             usage = None if data is None else _procfs.parse_int(data)
             data = _procfs.pread(self._cg_stat, _STAT)
-            inactive = None if data is None else _procfs.inactive_file(_procfs.parse_keyed(data))
             if usage is not None:
-                working = max(0, usage - inactive) if inactive is not None else usage
+                # Without memory.stat, plain usage: an early warning beats none.
+                working = _procfs.working_set(usage, data) if data is not None else None
+                working = usage if working is None else working
         data = _procfs.pread(self._meminfo, _MEMINFO)
         total, available = (None, None) if data is None else _procfs.parse_meminfo(data)
         data = _procfs.pread(self._pressure, 256)

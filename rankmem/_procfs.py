@@ -216,6 +216,15 @@ def inactive_file(stat: dict[str, int]) -> int | None:
     return stat.get("total_inactive_file", stat.get("inactive_file"))
 
 
+def working_set(usage: int, stat: bytes) -> int | None:
+    """What the OOM killer weighs in a memory cgroup: ``usage`` (v2 ``memory.current``, v1
+    ``memory.usage_in_bytes``) minus the inactive file cache of its ``memory.stat``, clamped at 0, as
+    kubelet and Ray compute it: inactive page cache is reclaimed before anything is killed. ``None``
+    when ``memory.stat`` has no inactive-file figure."""
+    inactive = inactive_file(parse_keyed(stat))
+    return None if inactive is None else max(usage - inactive, 0)
+
+
 @dataclass(frozen=True, slots=True)
 class CgroupFiles:
     """Where this process's cgroup memory accounting lives."""

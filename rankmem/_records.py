@@ -17,7 +17,8 @@ class HostReading:
     peak_rss_is_lifetime: bool
     """True where the kernel cannot reset the high-water mark, so ``peak_rss`` is a lifetime peak."""
     children_rss: int | None
-    """Summed RSS of descendant processes (dataloader workers); shared pages count once per child."""
+    """Summed RSS of descendant processes (dataloader workers); pages shared with this process count once
+    per child, so forked workers are overstated (see ``children_uss``)."""
     node_total: int | None
     """``MemTotal`` of the node."""
     node_available: int | None
@@ -26,6 +27,11 @@ class HostReading:
     """Memory charged to this process's cgroup, only when a limit applies."""
     cgroup_limit: int | None
     """The cgroup's memory limit; ``None`` when unlimited."""
+    children_uss: int | None = None
+    """Summed private memory (USS) of descendant processes: what the workers add to this process's
+    footprint. Read every ``children_refresh_s`` seconds on a thread, so up to that old."""
+    cgroup_working_set: int | None = None
+    """``cgroup_used`` minus the cgroup's inactive file cache: what the OOM killer weighs."""
 
     @property
     def node_used(self) -> int | None:
@@ -58,6 +64,10 @@ class DeviceReading:
     """Bytes in cached blocks split off in-use segments: reserved, free, yet not releasable (fragmentation)."""
     free: int | None = None
     """Device-wide free bytes as the driver reports them (``total - used``)."""
+    pinned: int | None = None
+    """Page-locked host memory the backend's caching host allocator holds (CUDA), in use and cached."""
+    pinned_peak: int | None = None
+    """Max of ``pinned`` since the process started (rankmem never resets it)."""
     before_init: bool = False
     """True when the read was skipped because the device had no context yet (reading would create one):
     every figure is ``None``, and the allocator had necessarily allocated nothing and counted nothing."""
@@ -78,6 +88,8 @@ class WindowBytes:
     node_available: int | None = None
     cgroup_used: int | None = None
     cgroup_limit: int | None = None
+    children_uss: int | None = None
+    cgroup_working_set: int | None = None
     allocated: int | None = None
     reserved: int | None = None
     peak_allocated: int | None = None
@@ -88,6 +100,9 @@ class WindowBytes:
     ooms: int | None = None
     lifetime_peak_rss: int | None = None
     lifetime_peak_reserved: int | None = None
+    inactive_split: int | None = None
+    pinned: int | None = None
+    lifetime_peak_pinned: int | None = None
 
     @classmethod
     def of(cls, host: HostReading | None, device: DeviceReading | None) -> WindowBytes:
@@ -101,13 +116,16 @@ class WindowBytes:
             w.allocated, w.reserved = device.allocated, device.reserved
             w.peak_allocated, w.peak_reserved = device.peak_allocated, device.peak_reserved
             w.used, w.total = device.used, device.total
+            w.inactive_split = device.inactive_split
+            w.pinned, w.lifetime_peak_pinned = device.pinned, device.pinned_peak
         return w
 
     def add_node(self, host: HostReading) -> None:
         """The node, cgroup and children figures of a slow host read."""
         self.node_used, self.node_available = host.node_used, host.node_available
         self.cgroup_used, self.cgroup_limit = host.cgroup_used, host.cgroup_limit
-        self.children_rss = host.children_rss
+        self.cgroup_working_set = host.cgroup_working_set
+        self.children_rss, self.children_uss = host.children_rss, host.children_uss
 
     @property
     def other(self) -> int | None:

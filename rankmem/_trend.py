@@ -1,51 +1,85 @@
-"""Leak statistics: is a rank's memory still growing, steadily, after warm-up?
+"""Leak verdicts: is a rank's memory still growing, steadily, after warm-up?
 
 For each rank and each baseline series (the catalogue's ``LEAK_KEYS``: host RSS, dataloader-worker RSS,
 device allocated) we look at the last part of the run only (by default its second half), so a warm-up
-that levels off is not flagged, and ask:
+that levels off is not flagged, and ask (the statistics are in :mod:`rankmem._trendstats`):
 
-- **Theil–Sen slope** (median of all pairwise slopes): the growth rate in MiB/step, robust to spikes
-  such as a checkpoint save; its confidence interval follows Sen (1968) from the Mann–Kendall variance.
-- **Mann–Kendall test**: is the series monotonically increasing, rank-based so no noise model is
-  assumed. The one-sided p-value must be below ``alpha``.
-- **Minimum total growth** over the window: a statistically clear but tiny drift (a few KiB/step of
-  allocator caches) is not worth an alarm.
+- **Does it grow?** Theil–Sen slope (median of all pairwise slopes: robust to spikes such as a
+  checkpoint save) with Sen's 95% interval, and a one-sided Mann–Kendall test (rank-based, no noise
+  model assumed) below ``alpha``.
+- **Is the growth large against the noise and against what is at stake?** The growth over the window
+  (slope x steps spanned) must clear a bar of ``noise_factor`` noise standard deviations plus a stakes
+  floor. This replaces a fixed 64 MiB floor, which dismissed a statistically certain 1 MiB/step leak
+  (49 MiB over the last 50 of 100 steps: 10 GiB over a 10,000-step run) while a noisy series could
+  wander past it. Why these two terms:
+
+  * *Evidence.* Memory series are autocorrelated (allocator caches and arenas wander), so Mann–Kendall
+    alone is over-confident: a wander of 10 MiB tests "significant" over 50 steps. What a wander cannot
+    do is move the series by several times its own spread in one direction. The noise is the larger of
+    the robust spread around the fitted line and the step-to-step spread (MAD of first differences),
+    so one spike does not inflate it and a slow wander does not shrink it, taken at the upper end of
+    its 95% interval: a short window can underestimate it, and the online watch re-tests short windows.
+  * *Stakes.* A clean, certain drift of a few KiB per step is not worth an alarm on an 80 GiB device,
+    and a floor that is right for a 16 GiB node is not for a 2 TiB one. So the floor is a share
+    (``capacity_fraction``, 1e-4: 8 MiB of an 80 GiB GPU) of what the series grows into: the device's
+    memory, or this rank's share of its cgroup limit or node memory. Where that is unknown (a series
+    judged alone) it is ``min_growth_mib``.
+
 - **No give-back**: a leak never returns memory, a cache that fills and empties does. The largest
-  persistent fall in the window (after a 9-step running median that drops one-step spikes) must stay
-  under half the growth, so a sawtooth is not flagged.
-- **Not one level shift**: a one-time permanent jump (a cache allocated once) rises and never falls.
-  When two flat levels around the best single change point fit the window much better than the line,
-  and the part after the change grows at no rate that matters, the series is not flagged and
-  :attr:`Trend.reason` says so. Only would-be leaks pay for this check.
+  persistent fall (after a 9-step running median that drops one-step spikes) must stay under half the
+  growth, so a sawtooth is not flagged.
+- **Not a few level shifts**: a cache allocated once, or a staircase of a few such, rises and never
+  falls, like a leak. A leak is growth spread over the steps; a shift is growth at one step with flat
+  levels around it. The window (spike-clipped block medians) is fitted both ways, as a line and as up
+  to three flat levels split where least squares puts them (optimal segmentation), and BIC chooses; a
+  line is one parameter against two per shift. When the levels win, the part after the largest shift
+  is judged again, by the same rules: a leak that starts after a jump is still flagged, a staircase is
+  not. :attr:`Trend.reason` says why a clear trend was dismissed.
 
-Long windows are first reduced to at most ``max_points`` block medians, which keeps the O(n²) pairwise
-work at ~32k pairs per series and damps the short-range autocorrelation that makes Mann–Kendall
-over-confident on raw memory series. Ranks with the same steps are judged together, one numpy pass
-over all their pairs.
+Long windows are first reduced to at most ``max_points`` block medians, which bounds the O(n²)
+pairwise work at ~32k pairs per series and damps the short-range autocorrelation that makes
+Mann–Kendall over-confident. Ranks with the same steps are judged together, in one numpy pass.
+
+A flagged series is then placed in its context by :mod:`rankmem._outlook`: the phase that leaves the
+growth behind, and the step (and wall time) at which the memory it grows into runs out.
+``bench/bench_leaks.py`` measures recall and false alarms over generated series, online and offline.
 
 :class:`LeakWatch` is fed each collect's gathered values on the logging rank and warns once per rank
 and series; :func:`rankmem.leaks.detect_leaks` runs the same verdicts offline over a run log. This
-module is online code: it imports neither the run-log reader nor the report. Statistics are plain
-numpy: the library does not depend on scipy.
+module is online code: it imports neither the run-log reader nor the report.
 """
 
 from __future__ import annotations
 
 import math
-import statistics
-from collections.abc import Sequence
-from dataclasses import dataclass
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from rankmem._catalogue import LEAK_KEYS
+from rankmem import _outlook
+from rankmem._catalogue import LEAK_KEYS, PHASE_DELTA, PHASE_PREFIX
+from rankmem._outlook import Exhaustion
 from rankmem._records import StepRecord
+from rankmem._trendstats import (
+    block_medians,
+    mann_kendall,
+    pair_differences,
+    robust_sd,
+    running_median,
+    segment,
+    sen,
+    theil_sen,
+    tie_variance,
+    upper_p,
+)
 from rankmem.errors import RankmemError, warn
 
 __all__ = ["LEAK_KEYS", "LeakConfig", "LeakWatch", "Trend", "mann_kendall", "theil_sen", "trend", "trends"]
 
 _MIB_PER_GIB = 1024.0
-_NORMAL = statistics.NormalDist()
 
 
 @dataclass(frozen=True)
@@ -60,8 +94,13 @@ class LeakConfig:
     """Fewer logged steps in the window give no verdict."""
     alpha: float = 0.01
     """Largest one-sided Mann–Kendall p-value that counts as growth."""
-    min_growth_mib: float = 64.0
-    """Smallest growth over the window (slope x steps spanned) worth flagging, in MiB."""
+    noise_factor: float = 3.0
+    """The growth over the window must exceed this many noise standard deviations (plus the stakes floor)."""
+    capacity_fraction: float = 1e-4
+    """The stakes floor: this share of the memory the series grows into (device total; the rank's share
+    of its cgroup limit or node memory), in MiB of growth over the window."""
+    min_growth_mib: float = 8.0
+    """The stakes floor, MiB, where the capacity is unknown."""
     max_points: int = 256
     """Longer windows are reduced to this many block medians before the pairwise statistics."""
 
@@ -74,10 +113,20 @@ class LeakConfig:
             raise RankmemError(f"min_steps must be at least 3, got {self.min_steps}")
         if not 0.0 < self.alpha < 1.0:
             raise RankmemError(f"alpha must be in (0, 1), got {self.alpha}")
+        if self.noise_factor < 0:
+            raise RankmemError(f"noise_factor must be >= 0, got {self.noise_factor}")
+        if not 0.0 <= self.capacity_fraction < 1.0:
+            raise RankmemError(f"capacity_fraction must be in [0, 1), got {self.capacity_fraction}")
         if self.min_growth_mib < 0:
             raise RankmemError(f"min_growth_mib must be >= 0, got {self.min_growth_mib}")
         if self.max_points < 8:
             raise RankmemError(f"max_points must be at least 8, got {self.max_points}")
+
+    def stakes_mib(self, capacity_gib: float | None) -> float:
+        """The stakes floor for a series growing into ``capacity_gib`` (None: unknown)."""
+        if capacity_gib is None or not math.isfinite(capacity_gib) or capacity_gib <= 0:
+            return self.min_growth_mib
+        return self.capacity_fraction * capacity_gib * _MIB_PER_GIB
 
 
 @dataclass(frozen=True)
@@ -99,12 +148,19 @@ class Trend:
     """One-sided Mann–Kendall p-value for an increasing series."""
     growth_mib: float
     """``slope_mib`` times the steps spanned by the window."""
+    noise_mib: float
+    """The series' noise: the larger of its robust spread around the line and step to step, MiB."""
+    bar_mib: float
+    """The growth a leak must reach: ``noise_factor`` x noise + the stakes floor, MiB."""
     drawdown_mib: float
     """Largest persistent fall inside the window (after a 9-step running median), MiB."""
     leak: bool
     reason: str = ""
-    """Why a growing series was not flagged, when that was the level-shift check ("level shift of
-    +N MiB at step S"); empty otherwise. The other fields say why for the other checks."""
+    """Why a clear trend (growing, Mann–Kendall significant) was not flagged; empty otherwise."""
+    phase: str | None = None
+    """For a leak: the phase whose deltas carry the growth (``update``), where one clearly does."""
+    exhaustion: Exhaustion | None = None
+    """For a leak: when the memory it grows into runs out at this rate, where that is known."""
 
     @property
     def confidence(self) -> float:
@@ -112,109 +168,34 @@ class Trend:
         return 1.0 - self.p_value
 
     def describe(self) -> str:
-        return (
+        text = (
             f"rank {self.rank} {self.key}: {self.slope_mib:+.3f} MiB/step "
             f"(95% CI {self.low_mib:+.3f}..{self.high_mib:+.3f}, p={self.p_value:.1e}), "
             f"{self.growth_mib:+.1f} MiB over steps {self.first_step}..{self.last_step}"
         )
+        if self.phase is not None:
+            text += f"; growth is left behind by phase {self.phase!r}"
+        if self.exhaustion is not None:
+            text += f"; {self.exhaustion.describe()}"
+        return text
 
 
-_PAIRS: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+# ---- the verdict -------------------------------------------------------------------------------------
 
-
-def _pairs(n: int) -> tuple[np.ndarray, np.ndarray]:
-    """The index pairs ``i < j`` of ``n`` points, built once per length: the online watch asks for the
-    same few lengths on every check."""
-    pairs = _PAIRS.get(n)
-    if pairs is None:
-        if len(_PAIRS) >= 16:
-            _PAIRS.clear()
-        i, j = np.triu_indices(n, 1)
-        i.flags.writeable = j.flags.writeable = False
-        pairs = _PAIRS[n] = (i, j)
-    return pairs
-
-
-def _pair_differences(rows: np.ndarray) -> np.ndarray:
-    """``rows[:, j] - rows[:, i]`` over all pairs ``i < j``, a row at a time: numpy's fast path for a 1-D
-    gather is 3-10x quicker here than the same gather on the 2-D array."""
-    i, j = _pairs(rows.shape[1])
-    out = np.empty((rows.shape[0], i.size))
-    for r, row in enumerate(rows):
-        np.subtract(row[j], row[i], out=out[r])
-    return out
-
-
-def _tie_variance(rows: np.ndarray) -> np.ndarray:
-    """Variance of the Mann–Kendall S of each row of ``rows`` (series x points), ties corrected."""
-    width, n = rows.shape
-    ordered = np.sort(rows, axis=1)
-    starts = np.ones(rows.shape, dtype=bool)
-    starts[:, 1:] = ordered[:, 1:] != ordered[:, :-1]
-    # Each run of equal values gets one id, distinct across rows, so one bincount sizes every tie group.
-    group = np.cumsum(starts, axis=1) - 1 + n * np.arange(width)[:, None]
-    t = np.bincount(group.ravel(), minlength=width * n).reshape(width, n).astype(float)
-    var: np.ndarray = (n * (n - 1) * (2 * n + 5) - (t * (t - 1) * (2 * t + 5)).sum(axis=1)) / 18.0
-    return var
-
-
-def _upper_p(s: float, var: float) -> float:
-    """One-sided p-value that the series increases, from S and its variance."""
-    if var <= 0 or s <= 0:
-        return 1.0 if s <= 0 else 0.5
-    z = (s - 1.0) / math.sqrt(var)  # continuity correction: S moves in steps of 2
-    return 0.5 * math.erfc(z / math.sqrt(2.0))  # the upper tail, without 1 - cdf underflow
-
-
-def _sen(dx: np.ndarray, dy: np.ndarray, var: np.ndarray, confidence: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Theil–Sen slope and Sen's interval of each row of pairwise differences ``dy`` (series x pairs)."""
-    keep = dx != 0
-    if not keep.all():
-        dx, dy = dx[keep], dy[:, keep]
-    m = dx.size
-    if m == 0:
-        nan = np.full(dy.shape[0], math.nan)
-        return nan, nan, nan
-    slopes = np.sort(dy / dx, axis=1)
-    # The mean of the two middle slopes for an even count, exactly as np.median computes it.
-    slope = slopes[:, m // 2] if m % 2 else (slopes[:, m // 2 - 1] + slopes[:, m // 2]) / 2
-    c = _NORMAL.inv_cdf(0.5 + confidence / 2) * np.sqrt(var)
-    # Sen's limits are the (m - c)/2-th and (m + c)/2-th ordered slopes (rounded half to even, as scipy).
-    lo = np.clip(np.round((m - c) / 2) - 1, 0, m - 1).astype(np.intp)
-    hi = np.clip(np.round((m + c) / 2), 0, m - 1).astype(np.intp)
-    rows = np.arange(slopes.shape[0])
-    return slope, slopes[rows, lo], slopes[rows, hi]
-
-
-def mann_kendall(y: np.ndarray) -> tuple[float, float, float]:
-    """(S, variance of S with the ties correction, one-sided p-value that ``y`` increases)."""
-    row = np.asarray(y, dtype=float).reshape(1, -1)
-    if row.size < 3:
-        return 0.0, 0.0, 1.0
-    s = float(np.sign(_pair_differences(row)).sum())
-    var = max(float(_tie_variance(row)[0]), 0.0)
-    return s, var, _upper_p(s, var)
-
-
-def theil_sen(x: np.ndarray, y: np.ndarray, confidence: float = 0.95) -> tuple[float, float, float]:
-    """(slope, low, high): the median pairwise slope and Sen's confidence interval."""
-    dx = _pair_differences(np.asarray(x, dtype=float).reshape(1, -1))[0]
-    row = np.asarray(y, dtype=float).reshape(1, -1)
-    slope, low, high = _sen(dx, _pair_differences(row), _tie_variance(row), confidence)
-    return float(slope[0]), float(low[0]), float(high[0])
-
-
-def _block_medians(x: np.ndarray, y: np.ndarray, max_points: int) -> tuple[np.ndarray, np.ndarray]:
-    """At most ``max_points`` block medians of ``x`` and of each column of ``y`` (points x series)."""
-    n = x.size
-    if n <= max_points:
-        return x, y
-    size = -(-n // max_points)
-    blocks = n // size
-    # Drop the oldest remainder, not the newest: the end of the run matters most.
-    xs = x[n - blocks * size :].reshape(blocks, size)
-    ys = y[n - blocks * size :].reshape(blocks, size, y.shape[1])
-    return np.median(xs, axis=1), np.median(ys, axis=1)
+_SPIKE_SD = 4.0
+"""A block median this many step-to-step noise deviations off its running median is a spike: the
+shape check clips it (a one-step checkpoint spike would otherwise pass for a level)."""
+_MAX_SHIFTS = 3
+_DRAWDOWN_WIDTH = 9
+"""The give-back is measured on a running median this wide: it drops spikes of up to 4 steps (a
+narrower one, measured here, costs recall on noisy series more than it gains on sawtooths)."""
+_RESOLUTION_MIB = 0.01
+"""Below this residual the fits are equally good: RSS moves by 4 KiB pages."""
+_MAX_DEPTH = 3
+"""How many times the part after a shift is judged again (each time a shorter part)."""
+_NORMAL_95 = 1.645
+_MAD_SE = 1.167
+"""Standard error of the MAD estimate of a normal sample's sd, in sds, times sqrt(n)."""
 
 
 def _window(n: int, config: LeakConfig) -> int:
@@ -224,159 +205,216 @@ def _window(n: int, config: LeakConfig) -> int:
     return max(int(math.ceil(n * config.window)), min(n, config.min_steps))
 
 
-def _trend_columns(x: np.ndarray, y: np.ndarray, key: str, ranks: Sequence[int], config: LeakConfig) -> list[Trend | None]:
-    """The verdicts for the columns of ``y`` (MiB, no gaps; column c is rank ``ranks[c]``) against the
-    shared steps ``x``, in one numpy pass: the pairwise work is what costs, and it vectorises across ranks."""
+def _trend_columns(x: np.ndarray, y: np.ndarray, key: str, ranks: Sequence[int], config: LeakConfig,
+                   stakes: np.ndarray, depth: int = 0) -> list[Trend | None]:
+    """The verdicts for the columns of ``y`` (MiB, no gaps; column c is rank ``ranks[c]``, its stakes
+    floor ``stakes[c]`` MiB) against the shared steps ``x``, in one numpy pass: the pairwise work is
+    what costs, and it vectorises across ranks."""
     take = _window(x.size, config)
     if take < config.min_steps:
         return [None] * len(ranks)
     x, y = x[-take:], y[-take:]
-    xb, yb = _block_medians(x, y, config.max_points)
+    xb, yb = block_medians(x, y, config.max_points)
     rows = np.ascontiguousarray(yb.T)
-    dy = _pair_differences(rows)
-    var = _tie_variance(rows)
-    slope, low, high = _sen(_pair_differences(xb.reshape(1, -1))[0], dy, var, 0.95)
-    p = [_upper_p(float(s), float(v)) for s, v in zip(np.sign(dy).sum(axis=1), var, strict=True)]
-    growth = slope * float(x[-1] - x[0])
-    # A leak never gives memory back; a cache that fills and empties (a sawtooth) does. The largest
-    # persistent fall (after a 9-step running median, which removes one-step spikes) must stay small
-    # next to the growth. The 5th of 9 sorted values is the median; partition finds it without a sort.
-    if y.shape[0] >= 9:
-        smooth = np.partition(np.lib.stride_tricks.sliding_window_view(y, 9, axis=0), 4, axis=-1)[..., 4]
-    else:
-        smooth = y
+    dy = pair_differences(rows)
+    var = tie_variance(rows)
+    slope, low, high = sen(pair_differences(xb.reshape(1, -1))[0], dy, var, 0.95)
+    p = np.array([upper_p(float(s), float(v)) for s, v in zip(np.sign(dy).sum(axis=1), var, strict=True)])
+    span = float(x[-1] - x[0])
+    growth = slope * span
+    noise = np.maximum(robust_sd(y - slope * x[:, None]), robust_sd(np.diff(y, axis=0)) / math.sqrt(2))
+    # A short window can underestimate the noise: take the upper 95% bound of the MAD estimate
+    # (its standard error is ~1.17 sd / sqrt(n)), so that re-testing short windows online stays quiet.
+    noise *= 1.0 + _NORMAL_95 * _MAD_SE / math.sqrt(take)
+    bar = config.noise_factor * noise + stakes
+    # A leak never gives memory back; a cache that fills and empties (a sawtooth) does.
+    smooth = running_median(y, _DRAWDOWN_WIDTH)
     drawdown = (np.maximum.accumulate(smooth, axis=0) - smooth).max(axis=0)
-    grows = (slope > 0) & (np.asarray(p) < config.alpha) & (growth >= config.min_growth_mib) & (drawdown <= 0.5 * growth)
+    clear = (slope > 0) & (p < config.alpha)
+    grows = clear & (growth >= bar) & (drawdown <= 0.5 * growth)
     reasons = [""] * len(ranks)
-    if grows.any():
-        # Only the series that would be flagged pay for the level-shift check.
-        cand = np.flatnonzero(grows)
-        xs = x[4:-4] if y.shape[0] >= 9 else x
-        for col, why in zip(cand, _level_shifts(xs, smooth[:, cand], slope[cand], xb, yb[:, cand], config), strict=True):
+    for c in np.flatnonzero(clear & ~grows).tolist():
+        if growth[c] < bar[c]:
+            reasons[c] = (f"growth {growth[c]:+.1f} MiB is under the bar of {bar[c]:.1f} MiB "
+                          f"({config.noise_factor:g} x {noise[c]:.1f} MiB noise + {stakes[c]:.1f} MiB at stake)")
+        else:
+            reasons[c] = f"gives back {drawdown[c]:.1f} MiB of its {growth[c]:+.1f} MiB growth (fills and empties)"
+    if depth < _MAX_DEPTH:
+        for c in np.flatnonzero(grows).tolist():  # only would-be leaks pay for the shape check
+            why = _level_shifts(x, y[:, c], xb, yb[:, c], key, config, float(stakes[c]), depth)
             if why:
-                grows[col] = False
-                reasons[col] = why
+                grows[c] = False
+                reasons[c] = why
     out: list[Trend | None] = []
     for c, rank in enumerate(ranks):
         if math.isnan(slope[c]):
             out.append(None)
             continue
         out.append(Trend(
-            key=key,
-            rank=rank,
-            first_step=int(x[0]),
-            last_step=int(x[-1]),
-            n=int(take),
-            slope_mib=float(slope[c]),
-            low_mib=float(low[c]),
-            high_mib=float(high[c]),
-            p_value=p[c],
-            growth_mib=float(growth[c]),
-            drawdown_mib=float(drawdown[c]),
-            leak=bool(grows[c]),
-            reason=reasons[c],
+            key=key, rank=rank, first_step=int(x[0]), last_step=int(x[-1]), n=int(take),
+            slope_mib=float(slope[c]), low_mib=float(low[c]), high_mib=float(high[c]), p_value=float(p[c]),
+            growth_mib=float(growth[c]), noise_mib=float(noise[c]), bar_mib=float(bar[c]),
+            drawdown_mib=float(drawdown[c]), leak=bool(grows[c]), reason=reasons[c],
         ))
     return out
 
 
-# Level-shift check, tuned on bench/bench_leaks.py's series. The two-level model's median absolute
-# residual over the line's is about 0.2-0.7 for a +100 MiB jump and 0.8-2.7 for a 0.25 MiB/step leak
-# (10th-90th percentiles): below 0.7 the jump explains the series better.
-_SHIFT_RATIO = 0.7
-_SHIFT_MIN_SIDE = 0.1
-"""Each level spans at least this fraction of the window: a split near an end fits a spike or the
-warm-up's tail, not a shift."""
-_SHIFT_KEEP_RATE = 0.3
-"""A post-shift rate at least this fraction of the window's slope is still a leak's growth."""
+def _level_shifts(x: np.ndarray, y: np.ndarray, xb: np.ndarray, yb: np.ndarray, key: str, config: LeakConfig,
+                  stakes: float, depth: int) -> str:
+    """Why one would-be leak is a few level shifts instead ("level shift of +N MiB at step S..."), or ""
+    when it is not. ``x, y``: the window (MiB); ``xb, yb``: its block medians."""
+    n = yb.size
+    min_len = max(3, n // 20)
+    if n < 2 * min_len:
+        return ""
+    white = float(robust_sd(np.diff(yb)[:, None])[0]) / math.sqrt(2)
+    smooth = running_median(yb[:, None])[:, 0]
+    ys = np.where(np.abs(yb - smooth) > _SPIKE_SD * max(white, _RESOLUTION_MIB), smooth, yb)
+    floor = n * _RESOLUTION_MIB**2
+
+    def bic(rss: float, params: int) -> float:
+        return n * math.log((rss + floor) / n) + params * math.log(n)
+
+    centred = xb - xb.mean()
+    fit = np.polyfit(centred, ys, 1)
+    line = bic(float(((ys - np.polyval(fit, centred)) ** 2).sum()), 2)
+    best: tuple[float, list[int]] | None = None
+    for shifts in range(1, _MAX_SHIFTS + 1):
+        if n < (shifts + 1) * min_len:
+            break
+        starts, rss = segment(ys, shifts, min_len)
+        score = bic(rss, 2 * shifts + 1)
+        if best is None or score < best[0]:
+            best = (score, starts)
+    if best is None or best[0] >= line:
+        return ""
+    starts = best[1]
+    edges = [0, *starts, n]
+    levels = [float(np.median(ys[a:b])) for a, b in zip(edges[:-1], edges[1:], strict=True)]
+    jumps = np.diff(levels)
+    at = float(xb[starts[int(np.argmax(jumps))]])
+    after = x >= at
+    if after.sum() >= config.min_steps:
+        # Is what follows the largest shift a leak of its own? Judged whole, by the same rules.
+        whole = replace(config, window=1.0, last=None)
+        again = _trend_columns(x[after], y[after, None], key, [0], whole, np.array([stakes]), depth + 1)[0]
+        if again is not None and again.leak:
+            return ""
+    # Name the shifts that stand out of the step-to-step noise; the fit also moves with the wander.
+    sizes = [float(j) for j in jumps]
+    major = [(j, s) for j, s in zip(sizes, starts, strict=True) if abs(j) >= config.noise_factor * white] or [
+        (max(sizes), starts[sizes.index(max(sizes))])]
+    text = [f"{j:+.1f} MiB at step {int(xb[s])}" for j, s in major]
+    if len(text) == 1:
+        return f"level shift of {text[0]}, no steady growth after it"
+    return f"{len(text)} level shifts ({', '.join(text)}), no steady growth after the largest"
 
 
-def _level_shifts(xs: np.ndarray, smooth: np.ndarray, slope: np.ndarray, xb: np.ndarray, yb: np.ndarray,
-                  config: LeakConfig) -> list[str]:
-    """For each column of ``smooth`` (points x series, the running-median series at steps ``xs``), a
-    reason string when its growth is one level shift rather than a steady climb, else "".
-
-    A permanent jump (a cache allocated once) passes the slope, Mann-Kendall and give-back checks: the
-    series rises and never falls. What tells it from a leak is its shape: two flat levels fit it better
-    than a line does, and after the jump nothing grows. We fit the best single change point (two means,
-    chosen by least squares through cumulative sums: O(n) per series) and compare the median absolute
-    residual of the two medians' model with that of the Theil-Sen line. Then the part after the change
-    point must show no trend of its own (Mann-Kendall on the block medians), so a leak that starts
-    mid-window, or a jump followed by a leak, is still flagged."""
-    n, width = smooth.shape
-    out = [""] * width
-    span = float(xb[-1] - xb[0])
-    side = max(3, int(n * _SHIFT_MIN_SIDE))
-    if n < 2 * side + 1:
-        return out
-    c = np.cumsum(smooth, axis=0)
-    k = np.arange(side, n - side + 1)  # split before index k: left is [:k]
-    left = c[k - 1] / k[:, None]
-    right = (c[-1] - c[k - 1]) / (n - k)[:, None]
-    score = (k * (n - k) / n)[:, None] * (right - left) ** 2
-    best = k[np.argmax(score, axis=0)]
-    idx = np.arange(n)[:, None]
-    before = idx < best
-    lo_level = np.nanmedian(np.where(before, smooth, np.nan), axis=0)
-    hi_level = np.nanmedian(np.where(before, np.nan, smooth), axis=0)
-    step_res = np.median(np.abs(smooth - np.where(before, lo_level, hi_level)), axis=0)
-    line = smooth - slope * xs[:, None]
-    line_res = np.median(np.abs(line - np.median(line, axis=0)), axis=0)
-    for col in range(width):
-        if not (hi_level[col] > lo_level[col] and step_res[col] < _SHIFT_RATIO * line_res[col]):
-            continue
-        at = xs[best[col]]
-        keep = xb >= at
-        after = yb[keep, col]
-        if after.size >= 3 and mann_kendall(after)[2] < config.alpha:
-            # Slow wander after a jump often tests significant too (the points are autocorrelated),
-            # so the rate must also matter: a third of the window's slope (a slow leak whose noise
-            # looks step-like keeps growing at about its own rate), or enough to reach the minimum
-            # growth over the window (a slow leak after a big jump).
-            rate = theil_sen(xb[keep], after)[0]
-            if rate >= _SHIFT_KEEP_RATE * slope[col] or rate * span >= config.min_growth_mib:
-                continue
-        out[col] = f"level shift of {hi_level[col] - lo_level[col]:+.1f} MiB at step {int(at)}"
-    return out
-
-
-def trend(steps: np.ndarray, values_gib: np.ndarray, key: str, rank: int, config: LeakConfig | None = None) -> Trend | None:
-    """The verdict for one series (GiB values against step numbers); None when too short to judge."""
+def trend(steps: np.ndarray, values_gib: np.ndarray, key: str, rank: int, config: LeakConfig | None = None,
+          capacity_gib: float | None = None) -> Trend | None:
+    """The verdict for one series (GiB values against step numbers); None when too short to judge.
+    ``capacity_gib``: what the series grows into (see :attr:`LeakConfig.capacity_fraction`)."""
+    config = config or LeakConfig()
     values = np.asarray(values_gib, dtype=float)
     ok = np.isfinite(values)
     x = np.asarray(steps, dtype=float)[ok]
-    return _trend_columns(x, values[ok, None] * _MIB_PER_GIB, key, [rank], config or LeakConfig())[0]
+    stakes = np.array([config.stakes_mib(capacity_gib)])
+    return _trend_columns(x, values[ok, None] * _MIB_PER_GIB, key, [rank], config, stakes)[0]
 
 
 # Ranks judged in one pass: 64 ranks x 32k pairs keeps the pairwise arrays near 17 MB each.
 _BATCH = 64
 
 
-def trends(steps: np.ndarray, columns_gib: np.ndarray, key: str, ranks: Sequence[int], config: LeakConfig) -> list[Trend]:
-    """Trends of the columns of ``columns_gib`` (steps x series; column c is rank ``ranks[c]``), by rank.
+def trends(steps: np.ndarray, columns_gib: np.ndarray, key: str, ranks: Sequence[int], config: LeakConfig,
+           capacity_gib: Sequence[float | None] | None = None) -> list[Trend]:
+    """Trends of the columns of ``columns_gib`` (steps x series; column c is rank ``ranks[c]``, growing
+    into ``capacity_gib[c]``), by rank.
 
     Columns without gaps share their steps and are judged together; a column with gaps has its own
     window and is judged alone; an empty one (a key this rank never reported) is skipped."""
     finite = np.isfinite(columns_gib)
+    caps = list(capacity_gib) if capacity_gib is not None else [None] * len(ranks)
+    stakes = np.array([config.stakes_mib(c) for c in caps])
     whole = [c for c in range(len(ranks)) if finite[:, c].all()]
     x = np.asarray(steps, dtype=float)
     out: list[Trend | None] = []
     for start in range(0, len(whole), _BATCH):
         cols = whole[start : start + _BATCH]
-        out += _trend_columns(x, columns_gib[:, cols] * _MIB_PER_GIB, key, [ranks[c] for c in cols], config)
+        out += _trend_columns(x, columns_gib[:, cols] * _MIB_PER_GIB, key, [ranks[c] for c in cols], config,
+                              stakes[cols])
     for c in range(len(ranks)):
         if finite[:, c].any() and c not in whole:
-            out.append(trend(steps, columns_gib[:, c], key, ranks[c], config))
+            out.append(trend(steps, columns_gib[:, c], key, ranks[c], config, caps[c]))
     return sorted((t for t in out if t is not None), key=lambda t: t.rank)
 
+
+# ---- a flagged series in its context ----------------------------------------------------------------
+
+def outlook(found: Sequence[Trend], current_gib: Callable[[Trend], float | None],
+            context: Callable[[int], Mapping[str, float | None]], node_of: Callable[[int], object],
+            pace: float | None, phase_deltas: Callable[[Trend], Mapping[str, np.ndarray]],
+            rows_per_step: float, also_leaking: Sequence[Trend] = ()) -> list[Trend]:
+    """``found`` with each leak's phase and exhaustion filled in (other trends unchanged).
+
+    ``current_gib(t)``: the series' value at ``t.last_step``; ``context(rank)``: that rank's latest
+    capacity figures by key; ``node_of(rank)``: which node it runs on (host memory is shared there);
+    ``pace``: seconds per step; ``phase_deltas(t)``: per phase, the delta key's values over ``t``'s
+    window; ``rows_per_step``: logged rows per step (1 when every step is logged); ``also_leaking``:
+    leaks found before, which draw on their node's host memory too.
+    """
+    node_rate: dict[object, float] = {}
+    for t in [*found, *also_leaking]:
+        if t.leak and not _outlook.is_device_key(t.key):
+            node = node_of(t.rank)
+            node_rate[node] = node_rate.get(node, 0.0) + t.slope_mib
+    out = []
+    for t in found:
+        if not t.leak:
+            out.append(t)
+            continue
+        phase = _outlook.leaking_phase(phase_deltas(t), t.slope_mib / rows_per_step) if t.key in PHASE_DELTA else None
+        projection = None
+        current = current_gib(t)
+        room = None if current is None else _outlook.headroom_gib(t.key, context(t.rank), current)
+        if room is not None:
+            rate = t.slope_mib if _outlook.is_device_key(t.key) else node_rate[node_of(t.rank)]
+            projection = _outlook.exhaustion(room[0], room[1], rate, t.last_step, pace)
+        out.append(replace(t, phase=phase, exhaustion=projection))
+    return out
+
+
+def phase_delta_keys(key: str, keys: Sequence[str]) -> dict[str, str]:
+    """Phase name -> its delta key of ``key`` (``mem/phase/P/rss_delta_gib`` for host RSS) among ``keys``."""
+    suffix = PHASE_DELTA.get(key)
+    if suffix is None:
+        return {}
+    tail = "/" + suffix
+    return {k[len(PHASE_PREFIX) : -len(tail)]: k for k in keys if k.startswith(PHASE_PREFIX) and k.endswith(tail)}
+
+
+# ---- online ----------------------------------------------------------------------------------------
 
 class LeakWatch:
     """Online leak check on the logging rank: feed it every collect; it warns once per rank and key.
 
-    Keeps the last ``capacity`` values of each baseline series in numpy ring buffers. After ``warmup``
-    feeds, each (key, rank) series is re-tested once every ``check_every`` feeds, and those tests are
-    spread evenly over the feeds instead of all falling on one: the other ranks wait at the next
-    collective for whatever a feed costs. At world 64 that is 3-4 of the 192 series per feed, a few
-    milliseconds; testing all of them at once took 0.6-0.8 s. :meth:`check` still tests everything now.
+    Keeps the last ``capacity`` values of each baseline series (and of the phase deltas that name a
+    leaking phase) in numpy ring buffers, and each rank's latest capacity figures. The first ``warmup``
+    collects are never part of a window: online we cannot see a warm-up level off. Every series is
+    judged on the window the offline verdict would take at this point (the last half of the collects
+    so far, within what the buffer holds), from the first collect where that window lies wholly after
+    the warm-up (collect 100 with the defaults): then all at once, so that a 100-step run gets the
+    verdict ``rankmem leaks`` would give it. After that each (key, rank) series is re-tested every
+    ``max(1, min(check_every, window / 4))`` collects, often while the window is short and growing,
+    rarely once it is long, and the tests are spread evenly over the collects instead of all falling on
+    one, because the other ranks wait at the next collective for whatever a collect costs here.
+    ``bench/bench_leaks.py`` times it. :meth:`check` still tests everything now.
+
+    Online, a cache that fills for longer than the window seen so far looks like growth until it is
+    freed: a cycle of P collects can be flagged before collect ~2P.
+
+    Host memory is shared on a node: ranks ``r`` with the same ``r // ranks_per_node`` (torchrun numbers
+    ranks node by node; default ``LOCAL_WORLD_SIZE``, else 1) draw on one headroom.
     """
 
     def __init__(
@@ -385,68 +423,119 @@ class LeakWatch:
         keys: Sequence[str] = LEAK_KEYS,
         check_every: int = 250,
         capacity: int = 2000,
-        warmup: int = 200,
+        warmup: int = 50,
+        ranks_per_node: int | None = None,
     ) -> None:
         if check_every < 1 or capacity < 3 or warmup < 0:
             raise RankmemError("LeakWatch needs check_every >= 1, capacity >= 3 and warmup >= 0")
         self.warmup = warmup
         self.config = config or LeakConfig()
+        self._judging = replace(self.config, window=1.0, last=None)  # the window is cut before judging
         self.keys = tuple(keys)
         self.check_every = check_every
         self.capacity = capacity
+        if ranks_per_node is None:
+            ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+        self.ranks_per_node = max(ranks_per_node, 1)
         self._steps = np.zeros(capacity, dtype=np.int64)
+        self._times = np.full(capacity, np.nan)
         self._values = np.full((capacity, len(self.keys), 0), np.nan)
         """Ring buffer: row (slot) x key x rank, GiB; widened to the world size at the first feed."""
+        self._phase_keys: list[str] = []
+        self._phases = np.full((capacity, 0, 0), np.nan)
+        """Ring buffer of the phase delta keys (``_phase_keys``): slot x key x rank, GiB."""
+        self._context = np.full((len(_outlook.CONTEXT_KEYS), 0), np.nan)
+        """Each rank's latest finite capacity figure of each context key, GiB."""
         self._next = 0
         self._count = 0
         self._fed = 0
         self._cursor = 0
         """The next series to test, counting key-major over (key, rank)."""
-        self._credit = check_every - 1  # so that the first series is tested on the warm-up's last feed
-        self._columns: tuple[tuple[str, ...], np.ndarray] = ((), np.zeros(0, dtype=np.intp))
+        self._credit = 0
+        self._started = False
+        self._layout: tuple[tuple[str, ...], np.ndarray, np.ndarray, np.ndarray] | None = None
         self.flagged: dict[tuple[str, int], Trend] = {}
         """(key, rank) -> the first trend that was flagged."""
 
-    def feed_matrix(self, step: int, keys: Sequence[str], matrix: np.ndarray) -> list[Trend]:
-        """Add one collect as the monitor gathers it: ``matrix[rank, i]`` is the rank's ``keys[i]``
-        (nan where absent). Only the watched keys' columns are read. Returns newly flagged trends."""
-        keys = tuple(keys)
-        if keys != self._columns[0]:  # the key set rarely changes: look the columns up once per set
+    # ---- feeding ---------------------------------------------------------------------------------------
+    def _columns(self, keys: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Where the watched, phase-delta and context keys sit in ``keys``; looked up once per key set."""
+        if self._layout is None or self._layout[0] != keys:
             where = {k: i for i, k in enumerate(keys)}
-            self._columns = (keys, np.array([where.get(k, -1) for k in self.keys], dtype=np.intp))
-        cols = self._columns[1]
-        row = np.full((len(self.keys), matrix.shape[0]), np.nan)
-        present = cols >= 0
-        row[present] = matrix[:, cols[present]].T
-        return self._push(step, row)
+            for key in self.keys:
+                for k in phase_delta_keys(key, keys).values():
+                    if k not in self._phase_keys:
+                        self._phase_keys.append(k)
+            self._widen(self._values.shape[2])
+            self._layout = (
+                keys,
+                np.array([where.get(k, -1) for k in self.keys], dtype=np.intp),
+                np.array([where.get(k, -1) for k in self._phase_keys], dtype=np.intp),
+                np.array([where.get(k, -1) for k in _outlook.CONTEXT_KEYS], dtype=np.intp),
+            )
+        return self._layout[1], self._layout[2], self._layout[3]
+
+    def feed_matrix(self, step: int, keys: Sequence[str], matrix: np.ndarray, when: float | None = None) -> list[Trend]:
+        """Add one collect as the monitor gathers it: ``matrix[rank, i]`` is the rank's ``keys[i]``
+        (nan where absent) at Unix time ``when`` (default: now). Only the watched keys', their phase
+        deltas' and the capacity figures' columns are read. Returns newly flagged trends."""
+        cols, phase_cols, context_cols = self._columns(tuple(keys))
+
+        def take(columns: np.ndarray) -> np.ndarray:
+            out = np.full((columns.size, matrix.shape[0]), np.nan)
+            present = columns >= 0
+            out[present] = matrix[:, columns[present]].T
+            return out
+
+        return self._push(step, take(cols), take(phase_cols), take(context_cols), time.time() if when is None else when)
 
     def feed(self, record: StepRecord) -> list[Trend]:
         """Add one step record (per-rank lists); returns the trends flagged for the first time."""
-        vectors = [record.ranks.get(key) for key in self.keys]
-        row = np.full((len(self.keys), max((len(v) for v in vectors if v is not None), default=0)), np.nan)
-        for k, vec in enumerate(vectors):
-            if vec is not None:
-                row[k, : len(vec)] = [math.nan if v is None else v for v in vec]
-        return self._push(record.step, row)
+        keys = tuple(record.ranks)
+        world = max((len(v) for v in record.ranks.values()), default=0)
+        matrix = np.full((world, len(keys)), np.nan)
+        for i, vec in enumerate(record.ranks.values()):
+            matrix[: len(vec), i] = [math.nan if v is None else v for v in vec]
+        return self.feed_matrix(record.step, keys, matrix, record.time)
 
-    def _push(self, step: int, row: np.ndarray) -> list[Trend]:
-        world = row.shape[1]
-        if world > self._values.shape[2]:  # the first feed (or more ranks than before): widen, nan-padded
+    def _widen(self, world: int) -> None:
+        """Room for ``world`` ranks and every phase key seen so far (nan-padded)."""
+        if world > self._values.shape[2]:
             wider = np.full((self.capacity, len(self.keys), world), np.nan)
             wider[:, :, : self._values.shape[2]] = self._values
             self._values = wider
+            context = np.full((self._context.shape[0], world), np.nan)
+            context[:, : self._context.shape[1]] = self._context
+            self._context = context
+        world = self._values.shape[2]
+        if self._phases.shape[1:] != (len(self._phase_keys), world):
+            phases = np.full((self.capacity, len(self._phase_keys), world), np.nan)
+            phases[:, : self._phases.shape[1], : self._phases.shape[2]] = self._phases
+            self._phases = phases
+
+    def _push(self, step: int, row: np.ndarray, phase_row: np.ndarray, context: np.ndarray, when: float) -> list[Trend]:
+        world = row.shape[1]
+        self._widen(world)
         slot = self._next
-        self._steps[slot] = step
+        self._steps[slot], self._times[slot] = step, when
         self._values[slot] = np.nan
         self._values[slot, :, :world] = row
+        self._phases[slot] = np.nan
+        self._phases[slot, :, :world] = phase_row
+        known = np.isfinite(context)
+        self._context[:, :world][known] = context[known]
         self._next = (slot + 1) % self.capacity
         self._count = min(self._count + 1, self.capacity)
         self._fed += 1
-        # Online we cannot yet see a warm-up level off, so the first ``warmup`` feeds are never judged.
-        if self._fed < self.warmup:
+        take = self._take()
+        if take is None:
             return []
         series = self._values.shape[1] * self._values.shape[2]
-        due, self._credit = divmod(self._credit + series, self.check_every)
+        if not self._started:  # the first collect with a whole window: every series is judged on it
+            self._started = True
+            return self._judge({k: list(range(self._values.shape[2])) for k in range(len(self.keys))}, take)
+        interval = max(1, min(self.check_every, take // 4))
+        due, self._credit = divmod(self._credit + series, interval)
         picked = [(self._cursor + i) % series for i in range(min(due, series))]
         if not picked:
             return []
@@ -454,16 +543,29 @@ class LeakWatch:
         ranks_of: dict[int, list[int]] = {}
         for s in picked:
             ranks_of.setdefault(s // self._values.shape[2], []).append(s % self._values.shape[2])
-        return self._judge(ranks_of)
+        return self._judge(ranks_of, take)
+
+    def _take(self) -> int | None:
+        """How many of the buffered collects a test examines now: the window the offline verdict would
+        examine at this point (within what the buffer holds); None until that window lies wholly after
+        the warm-up and has ``min_steps`` collects."""
+        take = _window(self._fed, self.config)
+        if take > self._fed - self.warmup or take < self.config.min_steps:
+            return None
+        return min(take, self._count)
 
     def check(self) -> list[Trend]:
         """Test every series now; warn for and return trends flagged for the first time."""
+        take = self._take()
+        if take is None:
+            return []
         everyone = list(range(self._values.shape[2]))
-        return self._judge({k: everyone for k in range(len(self.keys))})
+        return self._judge({k: everyone for k in range(len(self.keys))}, take)
 
-    def _judge(self, ranks_of: dict[int, list[int]]) -> list[Trend]:
-        """Test the given ranks of the given keys (by index) on the buffered window."""
-        order = (self._next - self._count + np.arange(self._count)) % self.capacity
+    # ---- judging ---------------------------------------------------------------------------------------
+    def _judge(self, ranks_of: dict[int, list[int]], take: int) -> list[Trend]:
+        """Test the given ranks of the given keys (by index) on the last ``take`` buffered collects."""
+        order = (self._next - take + np.arange(take)) % self.capacity
         steps = self._steps[order]
         new: list[Trend] = []
         for k, ranks in ranks_of.items():
@@ -472,9 +574,37 @@ class LeakWatch:
             if not todo:
                 continue
             columns = self._values[order[:, None], k, np.asarray(todo)]
-            for t in trends(steps, columns, key, todo, self.config):
+            caps = [_outlook.capacity_gib(key, self._rank_context(r), self.ranks_per_node) for r in todo]
+            for t in trends(steps, columns, key, todo, self._judging, caps):
                 if t.leak:
                     self.flagged[(key, t.rank)] = t
                     new.append(t)
-                    warn(f"rankmem: possible memory leak on {t.describe()}", stacklevel=3)
+        if not new:
+            return []
+        new = self._outlook(new, order)
+        for t in new:
+            self.flagged[(t.key, t.rank)] = t
+            warn(f"rankmem: possible memory leak on {t.describe()}", stacklevel=4)
         return new
+
+    def _rank_context(self, rank: int) -> dict[str, float | None]:
+        return {k: float(self._context[i, rank]) for i, k in enumerate(_outlook.CONTEXT_KEYS)}
+
+    def _outlook(self, new: list[Trend], order: np.ndarray) -> list[Trend]:
+        """Phase and exhaustion of the newly flagged trends; the node's rate counts every host leak
+        flagged on it so far."""
+        steps, times = self._steps[order], self._times[order]
+        gaps = np.diff(steps)
+        rows_per_step = 1.0 / float(np.median(gaps)) if gaps.size and np.median(gaps) > 0 else 1.0
+        earlier = [t for t in self.flagged.values() if t not in new]
+
+        def current(t: Trend) -> float | None:
+            column = self._values[order, self.keys.index(t.key), t.rank]
+            return _outlook.fitted_last(steps, column, t.slope_mib, t.last_step)
+
+        def deltas(t: Trend) -> dict[str, np.ndarray]:
+            names = phase_delta_keys(t.key, self._phase_keys)
+            return {p: self._phases[order, self._phase_keys.index(k), t.rank] for p, k in names.items()}
+
+        return outlook(new, current, self._rank_context, lambda r: r // self.ranks_per_node,
+                       _outlook.seconds_per_step(steps, times), deltas, rows_per_step, earlier)

@@ -34,7 +34,7 @@ from rankmem._catalogue import (
 from rankmem._events import read_events
 from rankmem._phases import PhaseRow, phase_rows
 from rankmem._scalars import json_safe
-from rankmem.leaks import LeakConfig, Trend, detect_leaks
+from rankmem.leaks import LeakConfig, Trend, detect_leaks, worst_first
 from rankmem.runlog import Run
 
 
@@ -114,7 +114,8 @@ class Report:
 
     @property
     def leaks(self) -> list[Trend]:
-        return [t for t in self.trends if t.leak]
+        """The leaking series, worst first: the soonest to exhaust its memory, then the fastest growing."""
+        return worst_first(self.trends)
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -276,7 +277,7 @@ def render(report: Report) -> None:
         console.print(table)
     console.print()
     for line in verdict_lines(report):
-        console.print(line, markup=False)
+        console.print(line, markup=False, soft_wrap=True)  # a leak's verdict is one line, whatever its length
 
 
 Columns = list[tuple[str, str]]

@@ -74,6 +74,9 @@ def test_derived_tables_and_directions() -> None:
     assert catalogue.worst_stat(catalogue.key_of("peak_rss")) == "max"
     assert catalogue.LEAK_KEYS == ("mem/host/rss_gib", "mem/host/children_rss_gib", "mem/device/allocated_gib")
     assert catalogue.PHASE_SUFFIX[catalogue.key_of("peak_reserved")] == "peak_reserved_gib"
+    # A leak names its phase through the phase key that holds what each phase left of it behind.
+    assert catalogue.PHASE_DELTA == {"mem/host/rss_gib": "rss_delta_gib", "mem/device/allocated_gib": "allocated_delta_gib"}
+    assert set(catalogue.PHASE_DELTA.values()) <= {p.key for p in PHASE_CATALOGUE}
     assert "min_rank" in catalogue.AGGREGATES and "max_rank" in catalogue.AGGREGATES
     with pytest.raises(KeyError, match="no catalogue key is made from WindowBytes.nope"):
         catalogue.key_of("nope")

@@ -295,3 +295,56 @@ def test_unknown_device_is_a_clear_error() -> None:
     with pytest.raises(rankmem.RankmemError, match="device must be one of"):
         rankmem.Monitor(sinks=(), device="tpu")
 
+
+
+def test_inactive_split_comes_from_the_same_stats_read() -> None:
+    cuda = FakeCuda()
+    monitor = rankmem.Monitor(sinks=(), device_module=cuda, children=False)
+    with monitor.step(0):
+        small = cuda.malloc(1000)  # a 512-byte-rounded block in a 2 MiB small-pool segment
+        mid = cuda.malloc(3 * MIB)  # 3 MiB in use of a 20 MiB segment
+    m = monitor.local_metrics()
+    assert gib(m, "mem/device/inactive_split_gib") == (2 * MIB - 1024) + (20 * MIB - 3 * MIB)
+    assert gib(m, "mem/device/reserved_gib") - gib(m, "mem/device/allocated_gib") == gib(m, "mem/device/inactive_split_gib")
+    assert "mem/host/pinned_gib" not in m  # this module has no host allocator stats: absent, never 0
+    cuda.free(small)
+    cuda.free(mid)
+
+
+# torch.cuda's pinned (host) allocator stats in the shape _cuda_hostMemoryStats() returns (the keys of
+# torch/cuda/memory.py's host_memory_stats docstring).
+HOST_STATS: dict[str, object] = {
+    "allocations": {"current": 3, "peak": 5, "allocated": 9, "freed": 6},
+    "allocated_bytes": {"current": 3 * GIB, "peak": 7 * GIB, "allocated": 12 * GIB, "freed": 9 * GIB},
+    "active_requests": {"current": 1, "peak": 4, "allocated": 40, "freed": 39},
+    "active_bytes": {"current": 1 * GIB, "peak": 6 * GIB, "allocated": 50 * GIB, "freed": 49 * GIB},
+    "num_host_alloc": 9, "num_host_free": 6,
+    "host_alloc_time": {"total": 900, "max": 300, "min": 20, "count": 9, "avg": 100},
+    "host_free_time": {"total": 60, "max": 20, "min": 5, "count": 6, "avg": 10},
+}
+
+
+def test_pinned_figures_from_torchs_host_stats_nested_or_flat() -> None:
+    from rankmem._device import pinned_figures
+
+    # Pinned is everything the host allocator holds (cached blocks stay page-locked), not just active.
+    assert pinned_figures(HOST_STATS) == (3 * GIB, 7 * GIB)
+    flat = {"allocated_bytes.current": 3 * GIB, "allocated_bytes.peak": 7 * GIB, "active_bytes.current": GIB}
+    assert pinned_figures(flat) == (3 * GIB, 7 * GIB)
+    assert pinned_figures({}) == (None, None)  # a torch whose host stats lack the figure
+    assert pinned_figures({"allocated_bytes": {"current": 5}}) == (5, None)
+
+
+def test_pinned_memory_reaches_the_metrics_where_the_module_has_host_stats() -> None:
+    class WithHostStats(FakeCuda):  # a module offering torch's host-allocator stats under its public name
+        def host_memory_stats_as_nested_dict(self) -> dict[str, object]:
+            return HOST_STATS
+
+    cuda = WithHostStats()
+    monitor = rankmem.Monitor(sinks=(), device_module=cuda, children=False)
+    with monitor.step(0):
+        h = cuda.malloc(MIB)
+    m = monitor.local_metrics()
+    assert gib(m, "mem/host/pinned_gib") == 3 * GIB
+    assert gib(m, "mem/host/lifetime_peak_pinned_gib") == 7 * GIB
+    cuda.free(h)

@@ -59,6 +59,24 @@ def test_auto_picks_cuda_and_reads_real_figures() -> None:
     del x
 
 
+def test_pinned_host_memory_and_inactive_split_against_torch() -> None:
+    if not hasattr(torch._C, "_cuda_hostMemoryStats"):
+        pytest.skip("this torch has no host-allocator stats")
+    monitor = rankmem.Monitor(sinks=(), device="cuda", children=False)
+    torch.cuda.set_device(0)
+    with monitor.step(0):
+        pinned = torch.empty(96 * MIB, dtype=torch.uint8, pin_memory=True)
+        small = torch.empty(1000, dtype=torch.uint8, device="cuda")  # a split block in a small segment
+        torch.cuda.synchronize()
+    m = monitor.local_metrics()
+    stats = torch.cuda.host_memory_stats()
+    assert round(m["mem/host/pinned_gib"] * GIB) == stats["allocated_bytes.current"] >= 96 * MIB
+    assert round(m["mem/host/lifetime_peak_pinned_gib"] * GIB) == stats["allocated_bytes.peak"]
+    assert round(m["mem/device/inactive_split_gib"] * GIB) == torch.cuda.memory_stats()["inactive_split_bytes.all.current"]
+    del pinned, small
+    monitor.close()
+
+
 def test_window_peaks_against_real_allocations() -> None:
     monitor = rankmem.Monitor(sinks=(), device="cuda", children=False)
     keep = torch.empty(64 * MIB, dtype=torch.uint8, device="cuda")

@@ -10,6 +10,7 @@ import multiprocessing as mp
 import os
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import psutil
@@ -126,8 +127,9 @@ def test_node_and_cgroup_match_kernel_files() -> None:
     vm = psutil.virtual_memory()
     assert total == vm.total
     assert available is not None and abs(available - vm.available) < 64 * MIB
-    used, limit = probe.cgroup()
+    used, limit, working = probe.cgroup()
     assert (used is None) == (limit is None)  # both absent when no limit applies
+    assert working is None or (used is not None and working <= used)
     probe.close()
 
 
@@ -137,7 +139,8 @@ def test_psutil_fallback_flags_lifetime_peak() -> None:
     assert reading.peak_rss_is_lifetime
     assert reading.rss is not None and reading.peak_rss is not None and reading.peak_rss >= reading.rss
     assert reading.node_total == psutil.virtual_memory().total
-    assert reading.cgroup_used is None and reading.cgroup_limit is None
+    assert reading.cgroup_used is None and reading.cgroup_limit is None and reading.cgroup_working_set is None
+    assert reading.children_uss is None  # Linux-only: never a fake 0
 
 
 def test_sample_is_lifetime_and_consistent() -> None:
@@ -173,3 +176,111 @@ def test_probe_reopens_after_fork() -> None:
     assert read_pid == child_pid == pid  # the parent's descriptors would name the parent
     assert abs(ours - truth) < 2 * MIB
     probe.close()
+
+
+# The child measured below: it holds anonymous memory and reads a file (page cache, charged to its
+# cgroup), then reports the probe's cgroup figures next to the kernel's own files read just after.
+CGROUP_CHILD = r"""
+import json, os, sys, tempfile
+import numpy as np
+from rankmem._host import LinuxHostProbe
+held = np.ones(96 << 20, dtype=np.uint8)
+with tempfile.NamedTemporaryFile(dir=sys.argv[1]) as f:
+    f.write(b"x" * (64 << 20)); f.flush(); os.fsync(f.fileno())
+    f.seek(0); f.read()
+    probe = LinuxHostProbe(children=False)
+    used, limit, working = probe.cgroup()
+    cg = sys.argv[2]
+    usage = int(open(f"{cg}/memory.usage_in_bytes").read())
+    stat = dict(line.split() for line in open(f"{cg}/memory.stat"))
+    print(json.dumps({"used": used, "limit": limit, "working": working, "usage": usage,
+                      "inactive_file": int(stat["total_inactive_file"]), "cache": int(stat["total_cache"])}))
+"""
+
+
+@linux_only
+def test_cgroup_working_set_is_read_from_the_kernel(tmp_path: Path) -> None:
+    import json
+    import subprocess
+
+    from tests.cgroup_helpers import move_into, scratch_memory_cgroup
+    from tests.conftest import REPO
+
+    limit = 768 * MIB
+    with scratch_memory_cgroup(limit) as cgroup:
+        if not (cgroup / "memory.usage_in_bytes").exists():
+            pytest.skip("the scratch cgroup is v2; this test reads the v1 files for its ground truth")
+        r, w = os.pipe()
+        gate = f"import os; os.read({r}, 1); exec(open(0).read())"
+        child = subprocess.Popen([sys.executable, "-c", gate, str(tmp_path), str(cgroup)], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, pass_fds=(r,),
+                                 env={**os.environ, "PYTHONPATH": str(REPO)})
+        try:
+            move_into(cgroup, child.pid)  # in before it allocates: the gate holds it until then
+            os.write(w, b"x")
+            out, err = child.communicate(CGROUP_CHILD, timeout=60)
+        finally:
+            os.close(r)
+            os.close(w)
+            if child.poll() is None:
+                child.kill()
+                child.wait(10)
+    assert child.returncode == 0, err
+    got = json.loads(out)
+    assert got["limit"] == limit
+    # The kernel's files, read a moment after the probe's: the same figures within a few MiB.
+    assert abs(got["used"] - got["usage"]) < 8 * MIB
+    assert abs(got["working"] - (got["usage"] - got["inactive_file"])) < 8 * MIB
+    # The 64 MiB just read sits in the page cache: usage counts it, the working set leaves out what is inactive.
+    assert got["cache"] >= 48 * MIB and got["working"] < got["used"]
+    assert got["working"] >= 96 * MIB  # the anonymous memory the child holds is never reclaimable
+
+
+def _forked_worker(m_mib: int, ready: int, release: int) -> None:
+    """A dataloader worker: touches ``m_mib`` of its own, then waits. Nothing else, so that it copies as
+    few of its parent's pages as it can (each Python object it touches is a copy-on-write fault)."""
+    try:
+        own = np.ones(m_mib * MIB, dtype=np.uint8)
+        os.write(ready, b"x")
+        os.read(release, 1)
+        del own
+    finally:
+        os._exit(0)
+
+
+@linux_only
+def test_children_uss_counts_what_forked_workers_add_and_rss_overstates_it() -> None:
+    import gc
+
+    n_mib, m_mib, workers = 256, 32, 4
+    parent = np.ones(n_mib * MIB, dtype=np.uint8)  # the rank's own memory, mapped into every fork
+    ready_r, ready_w = os.pipe()
+    release_r, release_w = os.pipe()
+    gc.freeze()  # a collection in a child would write every object's header: copies of the parent's heap
+    pids = []
+    try:
+        for _ in range(workers):
+            pid = os.fork()
+            if pid == 0:
+                _forked_worker(m_mib, ready_w, release_r)
+            pids.append(pid)
+        for _ in range(workers):
+            assert os.read(ready_r, 1) == b"x"
+        probe = LinuxHostProbe(children=True, children_refresh_s=60.0)
+        reading = probe.read()  # the first USS pass runs on this thread; later ones on the probe's thread
+        probe.close()
+    finally:
+        gc.unfreeze()
+        os.write(release_w, b"x" * workers)
+        for pid in pids:
+            os.waitpid(pid, 0)
+        for fd in (ready_r, ready_w, release_r, release_w):
+            os.close(fd)
+    assert reading.children_uss is not None and reading.children_rss is not None
+    added = workers * m_mib * MIB
+    print(f"children_uss {reading.children_uss / MIB:.1f} MiB, children_rss {reading.children_rss / MIB:.1f} MiB, "
+          f"workers added {added / MIB:.0f} MiB")
+    assert abs(reading.children_uss - added) <= 0.15 * added + 8 * MIB
+    # Each worker's RSS also counts the parent's pages it maps: at least the parent's array, once per worker.
+    assert reading.children_rss > reading.children_uss + workers * n_mib * MIB * 0.9
+    assert parent.size == n_mib * MIB

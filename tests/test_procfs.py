@@ -132,6 +132,14 @@ def test_inactive_file_prefers_v1_hierarchical_total() -> None:
     assert _procfs.inactive_file({}) is None
 
 
+def test_working_set_is_usage_minus_inactive_file() -> None:
+    # v1: usage_in_bytes counts child cgroups, so the hierarchical total_inactive_file goes with it.
+    assert _procfs.working_set(20_000_000, V1_STAT) == 20_000_000 - 8_000_000
+    assert _procfs.working_set(150_000_000, V2_STAT) == 150_000_000 - 41943040
+    assert _procfs.working_set(1_000_000, V2_STAT) == 0  # never negative (the two reads are not atomic)
+    assert _procfs.working_set(5, b"anon 5\n") is None  # no inactive-file figure: unknown, not usage
+
+
 def test_pressure_lines() -> None:
     p = _procfs.parse_pressure(PSI)
     assert p is not None and p.some is not None and p.full is not None

@@ -50,3 +50,25 @@ def test_a_nan_metric_is_written_as_null(tmp_path: Path) -> None:
     step = json.loads(line)
     assert step["metrics"]["loss/max"] is None and step["metrics"]["lr/max"] == 0.5
     assert step["ranks"]["loss"] == [None] and step["ranks"]["lr"] == [0.5]
+
+
+def test_ranks_are_json_integers_and_old_float_ranks_read_alike(tmp_path: Path) -> None:
+    from rankmem.runlog import read_run
+
+    monitor = rankmem.Monitor(out_dir=str(tmp_path), device="cpu", children=False)
+    monitor.collect({"loss": 1.5}, step=0)
+    monitor.close()
+    path = tmp_path / "rankmem.jsonl"
+    header, line = path.read_text().splitlines()
+    assert '"loss/max_rank":0,' in line and '"loss/min_rank":0,' in line
+    metrics = json.loads(line)["metrics"]
+    rank_keys = [k for k in metrics if k.endswith("_rank")]
+    assert rank_keys and all(type(metrics[k]) is int for k in rank_keys)
+    assert all(type(metrics[k]) is float for k in metrics if k.endswith("/max"))
+    # A log written before ranks were integers: the same arrays come back.
+    old = line.replace('"loss/max_rank":0,', '"loss/max_rank":0.0,').replace('"loss/min_rank":0,', '"loss/min_rank":0.0,')
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "rankmem.jsonl").write_text(f"{header}\n{old}\n")
+    new_run, old_run = read_run(str(tmp_path), metrics=True), read_run(str(tmp_path / "old"), metrics=True)
+    assert old_run.metrics is not None and new_run.metrics is not None
+    assert old_run.metrics["loss/max_rank"].tolist() == new_run.metrics["loss/max_rank"].tolist() == [0.0]

@@ -25,8 +25,15 @@ def add_leak_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--window", type=float, default=d.window, metavar="FRAC",
                    help=f"examine the last FRAC of the logged steps, after warm-up (default {d.window})")
     g.add_argument("--last", type=int, default=None, metavar="N", help="examine the last N logged steps instead")
+    g.add_argument("--min-steps", type=int, default=d.min_steps, metavar="N",
+                   help=f"fewer logged steps in the window give no verdict (default {d.min_steps})")
+    g.add_argument("--noise-factor", type=float, default=d.noise_factor, metavar="K",
+                   help=f"the growth over the window must exceed K noise standard deviations plus the stakes "
+                        f"floor (default {d.noise_factor:g})")
+    g.add_argument("--capacity-fraction", type=float, default=d.capacity_fraction, metavar="F",
+                   help=f"the stakes floor: this share of the memory a series grows into (default {d.capacity_fraction:g})")
     g.add_argument("--min-growth", type=float, default=d.min_growth_mib, metavar="MIB",
-                   help=f"smallest growth over the window worth flagging, MiB (default {d.min_growth_mib:g})")
+                   help=f"the stakes floor where that capacity is not in the log, MiB (default {d.min_growth_mib:g})")
     g.add_argument("--alpha", type=float, default=d.alpha,
                    help=f"largest Mann-Kendall p-value that counts as growth (default {d.alpha:g})")
 
@@ -34,10 +41,12 @@ def add_leak_options(parser: argparse.ArgumentParser) -> None:
 def leak_config(args: argparse.Namespace) -> LeakConfig:
     """The leak options as a :class:`LeakConfig`; a non-finite number (``nan`` passes every ``<``
     comparison) is refused here with the flag's name."""
-    for flag, value in (("--window", args.window), ("--min-growth", args.min_growth), ("--alpha", args.alpha)):
+    for flag, value in (("--window", args.window), ("--min-growth", args.min_growth), ("--alpha", args.alpha),
+                        ("--noise-factor", args.noise_factor), ("--capacity-fraction", args.capacity_fraction)):
         if not math.isfinite(value):
             raise RankmemError(f"{flag} must be a finite number, got {value}")
-    return LeakConfig(window=args.window, last=args.last, min_growth_mib=args.min_growth, alpha=args.alpha)
+    return LeakConfig(window=args.window, last=args.last, min_steps=args.min_steps, noise_factor=args.noise_factor,
+                      capacity_fraction=args.capacity_fraction, min_growth_mib=args.min_growth, alpha=args.alpha)
 
 
 def check_keys(run: Run, keys: Sequence[str], flag: str = "--keys") -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import math
 import os
 import shlex
 import sys
@@ -28,7 +29,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 import rankmem
-from rankmem._catalogue import SUMMARY_KEYS, key_of, phase_of_peak
+from rankmem._catalogue import SUMMARY_KEYS, key_of, phase_of_peak, worst_stat
 from rankmem._stdout import say
 from rankmem.engine.model import GPT, GPTConfig
 from rankmem.engine.options import add_job_arguments, resolve_job_options
@@ -65,8 +66,9 @@ def run_task(worker: TrainingWorker, args: argparse.Namespace, on_step: StepCall
 
 
 # ---- the logging rank's view: progress and summary ----------------------------------------------------
-# The summary names the run peak of the catalogue's SUMMARY_KEYS; the phase comes from the rule
-# `rankmem report` uses (_catalogue.phase_of_peak).
+# The summary names the run's worst value of the catalogue's SUMMARY_KEYS at the catalogue's worse end
+# (the max, or the min where low is bad); the phase comes from the rule `rankmem report` uses
+# (_catalogue.phase_of_peak).
 
 
 @dataclass
@@ -75,10 +77,13 @@ class Peak:
     step: int
     rank: int
     phase: str
+    stat: str = "max"
+    """``max`` or ``min``: the worse end of the key, whose ``K/<stat>_rank`` named the rank."""
 
 
 class PeakTracker:
-    """The largest value of each memory key over the run, with its step, rank and phase."""
+    """The worst value of each summary key over the run (the max, or the min where low is bad), with
+    its step, rank and phase."""
 
     def __init__(self, monitor: rankmem.Monitor) -> None:
         self.monitor = monitor
@@ -86,20 +91,24 @@ class PeakTracker:
 
     def update(self, step: int, metrics: Mapping[str, float]) -> None:
         for key in SUMMARY_KEYS:
-            value = metrics.get(key + "/max")
-            if value is None or (key in self.peaks and self.peaks[key].value >= value):
+            stat = worst_stat(key)
+            value = metrics.get(f"{key}/{stat}")
+            rank = metrics.get(f"{key}/{stat}_rank")
+            if value is None or rank is None or not math.isfinite(value) or rank < 0:
                 continue
-            rank = int(metrics[key + "/max_rank"])
-            record = self.monitor.last_record  # built on first use: only on a new peak, not every step
-            rank_values = {k: v[rank] for k, v in record.ranks.items()} if record is not None else {}
-            self.peaks[key] = Peak(value, step, rank, phase_of_peak(key, value, rank_values) or "-")
+            held = self.peaks.get(key)
+            if held is not None and (held.value <= value if stat == "min" else held.value >= value):
+                continue
+            record = self.monitor.last_record  # built on first use: only on a new worst, not every step
+            rank_values = {k: v[int(rank)] for k, v in record.ranks.items()} if record is not None else {}
+            self.peaks[key] = Peak(value, step, int(rank), phase_of_peak(key, value, rank_values) or "-", stat)
 
     def lines(self) -> list[str]:
         out = []
         for key, p in self.peaks.items():
-            if p.value < NOTHING_GIB:  # e.g. no dataloader workers: a row of zeros says nothing
+            if p.stat == "max" and p.value < NOTHING_GIB:  # e.g. no dataloader workers: zeros say nothing
                 continue
-            out.append(f"  {key:<32} {p.value:8.3f} GiB  rank {p.rank}  step {p.step}  phase {p.phase}")
+            out.append(f"  {key:<32} {p.stat} {p.value:8.3f} GiB  rank {p.rank}  step {p.step}  phase {p.phase}")
         return out
 
 
@@ -210,7 +219,7 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
         say(f"rankmem train: {args.task}/{args.engine}, {worker.world_size} ranks, {args.steps} steps, "
             f"{model.num_params() / 1e6:.2f}M params, device {device.type}")
         say("\n".join(trajectory.lines()))
-        say("peak memory (max over ranks and steps):")
+        say("worst memory over ranks and steps (max; min where low is bad):")
         say("\n".join(tracker.lines()))
         say(f"run log: {os.path.join(args.out, 'rankmem.jsonl')}")
         say("\n".join(next_steps(args.out)))

@@ -8,6 +8,7 @@ written compactly (no spaces) with its fields in :data:`STEP_FIELDS` order::
 
 - ``metrics``: the aggregates of every per-rank key ``K`` (``K/max``, ``K/min``, ``K/mean``,
   ``K/max_rank`` and, since the catalogue's ``min_rank``, ``K/min_rank``; logs without it read alike).
+  Ranks are JSON integers; logs written before that hold them as floats (``1.0``), read alike.
 - ``ranks``: per-rank key -> one value per rank, in rank order; ``null`` where a rank lacks the key or
   its value is not finite (JSON has no NaN).
 

@@ -63,6 +63,16 @@ def header_to_json(header: RunHeader) -> dict[str, Any]:
     }
 
 
+_RANK_SUFFIX = "_rank"
+
+
+def _integer_ranks(metrics: dict[str, float]) -> dict[str, Any]:
+    """``K/max_rank`` and ``K/min_rank`` as JSON integers (``1``, not ``1.0``): the aggregate carries
+    them as floats because it is one float64 block, but a rank is a rank. -1 (no rank had ``K``) stays
+    -1; readers take old logs' floats alike."""
+    return {k: int(v) if k.endswith(_RANK_SUFFIX) and v == v else v for k, v in metrics.items()}
+
+
 class RunLogWriter:
     """Appends whole lines to ``path``; the header is written once, by :meth:`open`.
 
@@ -104,7 +114,7 @@ class RunLogWriter:
         # Hot path: encode as is, and only when the text holds a non-finite token (NaN, Infinity,
         # which JSON lacks) rebuild the record with nulls. Checking every value in Python first cost
         # more than the encoding itself.
-        raw = step_object(record.step, record.time, record.metrics, record.ranks)
+        raw = step_object(record.step, record.time, _integer_ranks(record.metrics), record.ranks)
         line = json.dumps(raw, separators=SEPARATORS)
         if "NaN" in line or "Infinity" in line:
             line = json.dumps(json_safe(raw), allow_nan=False, separators=SEPARATORS)
