@@ -263,7 +263,7 @@ def render(report: Report) -> None:
     console = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 120, highlight=False)
     # What happened, whether anything leaks, and who is worst come first: they are why it is opened.
     for line in [*event_lines(report), *leak_lines(report), *worst_lines(report), *summary_lines(report)]:
-        console.print(line, markup=False)
+        console.print(line, markup=False, soft_wrap=True)  # an event or a verdict is one line, whatever its length
     for title, (columns, rows) in (("", key_table(report)), ("per phase", phase_table(report))):
         if not rows:
             continue

@@ -107,7 +107,7 @@ def test_ray_launch_trains_logs_and_leaves_no_process(tmp_path: Path) -> None:
     assert "rankmem train: grpo/ddp, 2 ranks, 20 steps, 0.34M params, device cpu" in lines
     assert "ray: 2 actors on 1 node (2 per node), 1 CPU and 0 GPU each" in lines
     assert [line.split() for line in lines if line.startswith("  mem/host/peak_rss_gib ")] == [
-        ["mem/host/peak_rss_gib", f"{peak.value:.3f}", "GiB", "rank", str(peak.rank), "step", str(peak.step),
+        ["mem/host/peak_rss_gib", "max", f"{peak.value:.3f}", "GiB", "rank", str(peak.rank), "step", str(peak.step),
          "phase", peak.phase]]
     assert lines[-1] == f"run log: {tmp_path / 'rankmem.jsonl'}"
 

@@ -197,6 +197,6 @@ def test_a_second_monitor_on_a_run_directory_in_use_writes_nothing(tmp_path: Pat
     assert run.steps.tolist() == [0, 1] and run.series["loss"][:, 0].tolist() == [0.0, 1.0]
     assert not (tmp_path / "rankmem.jsonl.1").exists()  # the refused writer moved nothing aside
     third = rankmem.Monitor(out_dir=str(tmp_path), device="cpu", children=False, leak_check=False)
-    with pytest.warns(RuntimeWarning, match="existed"):  # the first closed: the directory is free again
+    with pytest.warns(RuntimeWarning, match="from an earlier run"):  # the first closed: the directory is free again
         third.collect({"loss": 2.0}, step=0)
         third.close()
