@@ -224,9 +224,12 @@ class Windows:
 
 def _step_number(n: object) -> int:
     try:
-        return operator.index(n)  # type: ignore[arg-type]
+        step = operator.index(n)  # type: ignore[arg-type]
     except TypeError:
         raise RankmemError(f"a step number must be an integer, got {n!r}") from None
+    if not -(2**63) <= step < 2**63:  # the run log, heartbeat and events hold steps as int64
+        raise RankmemError(f"a step number must fit in 64 bits, got {step}")
+    return step
 
 
 def _max(a: int | None, b: int | None) -> int | None:

@@ -53,6 +53,10 @@ def test_a_bad_step_number_is_refused_at_entry_not_at_exit() -> None:
         with monitor.step("epoch-1"):  # type: ignore[arg-type]
             entered = True
     assert not entered
+    with pytest.raises(rankmem.RankmemError, match="a step number must fit in 64 bits, got 1180591620717411303424"):
+        with monitor.step(2**70):
+            entered = True
+    assert not entered
     with pytest.raises(KeyError, match="the user's own"):  # a good step never replaces the body's exception
         with monitor.step(3):
             raise KeyError("the user's own")
