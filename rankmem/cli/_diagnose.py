@@ -194,7 +194,9 @@ class RankStates:
                     state = _procfs.parse_stat_state(f.read())
             except OSError:
                 continue
-            if state is not None:
+            # A dying process passes through Z (zombie) and X: keep what it was doing while alive, or a
+            # rank stopped until torchrun killed it would read as merely dead.
+            if state is not None and state not in ("Z", "X"):
                 self.last[beat.rank] = state
 
 
