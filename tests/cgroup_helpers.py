@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,6 +44,27 @@ def scratch_memory_cgroup(limit_bytes: int) -> Iterator[Path]:
 
 def move_into(cgroup: Path, pid: int) -> None:
     (cgroup / "cgroup.procs").write_text(str(pid))
+
+
+def run_in_cgroup(cgroup: Path, script: str, args: list[str], env: dict[str, str],
+                  timeout: float = 60) -> tuple[int, int, str, str]:
+    """Run the Python ``script`` with ``args`` inside ``cgroup`` from its first allocation on: the child
+    blocks on a pipe until it has been moved in. Returns its pid, exit status, stdout and stderr."""
+    r, w = os.pipe()
+    gate = f"import os; os.read({r}, 1); exec(open(0).read())"
+    child = subprocess.Popen([sys.executable, "-c", gate, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env, pass_fds=(r,))
+    try:
+        move_into(cgroup, child.pid)
+        os.write(w, b"x")
+        out, err = child.communicate(script, timeout=timeout)
+    finally:
+        os.close(r)
+        os.close(w)
+        if child.poll() is None:
+            child.kill()
+            child.wait(10)
+    return child.pid, child.returncode, out, err
 
 
 def _empty_and_remove(path: Path, parent: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pickle
 import warnings
@@ -24,7 +25,7 @@ def test_device_oom_in_a_phase_is_an_event_with_the_allocator_figures(tmp_path: 
     held = [cuda.malloc(1 * GIB), cuda.malloc(3 * GIB)]
     raised: BaseException | None = None
     for step in range(4):
-        with pytest.raises(FakeOutOfMemoryError) if step == 3 else _nothing():
+        with pytest.raises(FakeOutOfMemoryError) if step == 3 else contextlib.nullcontext():
             with monitor.step(step):
                 with monitor.phase("rollout"):
                     pass
@@ -142,14 +143,6 @@ def test_report_json_lists_events_first_in_the_table(tmp_path: Path, capsys: pyt
     assert main(["report", str(tmp_path)]) == 0
     first = capsys.readouterr().out.splitlines()[0]
     assert first.startswith("EVENT oom rank 0 step 3 phase update: host MemoryError: simulated; RSS ")
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def _statm_rss() -> int:

@@ -201,31 +201,18 @@ with tempfile.NamedTemporaryFile(dir=sys.argv[1]) as f:
 @linux_only
 def test_cgroup_working_set_is_read_from_the_kernel(tmp_path: Path) -> None:
     import json
-    import subprocess
 
-    from tests.cgroup_helpers import move_into, scratch_memory_cgroup
+    from tests.cgroup_helpers import run_in_cgroup, scratch_memory_cgroup
     from tests.conftest import REPO
 
     limit = 768 * MIB
     with scratch_memory_cgroup(limit) as cgroup:
         if not (cgroup / "memory.usage_in_bytes").exists():
             pytest.skip("the scratch cgroup is v2; this test reads the v1 files for its ground truth")
-        r, w = os.pipe()
-        gate = f"import os; os.read({r}, 1); exec(open(0).read())"
-        child = subprocess.Popen([sys.executable, "-c", gate, str(tmp_path), str(cgroup)], stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, pass_fds=(r,),
-                                 env={**os.environ, "PYTHONPATH": str(REPO)})
-        try:
-            move_into(cgroup, child.pid)  # in before it allocates: the gate holds it until then
-            os.write(w, b"x")
-            out, err = child.communicate(CGROUP_CHILD, timeout=60)
-        finally:
-            os.close(r)
-            os.close(w)
-            if child.poll() is None:
-                child.kill()
-                child.wait(10)
-    assert child.returncode == 0, err
+        # In before it allocates: the child waits until it has been moved into the cgroup.
+        _, code, out, err = run_in_cgroup(cgroup, CGROUP_CHILD, [str(tmp_path), str(cgroup)],
+                                          {**os.environ, "PYTHONPATH": str(REPO)})
+    assert code == 0, err
     got = json.loads(out)
     assert got["limit"] == limit
     # The kernel's files, read a moment after the probe's: the same figures within a few MiB.

@@ -12,6 +12,24 @@ import rankmem
 from rankmem.sinks import SafeSink
 
 
+class Broken:
+    """A sink whose every write fails (a full disk); ``close_error`` makes its close fail too."""
+
+    def __init__(self, close_error: Exception | None = None) -> None:
+        self.writes = 0
+        self.close_error = close_error
+
+    def open(self, header: object) -> None:
+        pass
+
+    def write(self, record: object) -> None:
+        self.writes += 1
+        raise OSError("disk full")
+
+    def close(self) -> None:
+        if self.close_error is not None:
+            raise self.close_error
+
 def test_all_is_exactly_the_public_names() -> None:
     future = {"annotations"}  # `from __future__ import annotations` leaves this name behind
     public = {n for n in vars(rankmem) if not n.startswith("_") or n == "__version__"} - future
@@ -61,27 +79,15 @@ def test_non_scalar_metric_is_dropped_with_one_warning() -> None:
 
 
 def test_failing_sink_warns_once_and_training_goes_on(tmp_path: object) -> None:
-    class Broken:
-        writes = 0
-
-        def open(self, header: object) -> None:
-            pass
-
-        def write(self, record: object) -> None:
-            Broken.writes += 1
-            raise OSError("disk full")
-
-        def close(self) -> None:
-            pass
-
-    monitor = rankmem.Monitor(sinks=(Broken(),), device="cpu", children=False)
+    broken = Broken()
+    monitor = rankmem.Monitor(sinks=(broken,), device="cpu", children=False)
     with pytest.warns(RuntimeWarning, match="Broken failed in write.*disk full"):
         monitor.collect({"loss": 1.0})
         assert monitor.flush(30)  # the sinks write on the publisher's thread
     out = monitor.collect({"loss": 3.0})
     assert out["loss/max"] == 3.0
     assert monitor.flush(30)
-    assert Broken.writes == 1  # disabled after the first failure
+    assert broken.writes == 1  # disabled after the first failure
     assert all(isinstance(s, SafeSink) for s in monitor._publisher._sinks)
 
 
@@ -95,17 +101,7 @@ def test_single_process_collect_needs_no_process_group() -> None:
 
 
 def test_warnings_as_errors_cannot_make_telemetry_raise() -> None:
-    class Broken:
-        def open(self, header: object) -> None:
-            pass
-
-        def write(self, record: object) -> None:
-            raise OSError("disk full")
-
-        def close(self) -> None:
-            raise OSError("still full")
-
-    monitor = rankmem.Monitor(sinks=(Broken(),), device="cpu", children=False)
+    monitor = rankmem.Monitor(sinks=(Broken(close_error=OSError("still full")),), device="cpu", children=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # as under `python -W error` or pytest's filterwarnings=error
         out = monitor.collect({"loss": 1.0, "texts": ["not a scalar"]})
@@ -175,16 +171,6 @@ def test_sample_shows_gib_not_bytes() -> None:
 
 
 def test_warnings_name_the_callers_line(tmp_path: object) -> None:
-    class Broken:
-        def open(self, header: object) -> None:
-            pass
-
-        def write(self, record: object) -> None:
-            raise OSError("disk full")
-
-        def close(self) -> None:
-            pass
-
     monitor = rankmem.Monitor(sinks=(Broken(),), device="cpu", children=False, sink_thread=False)
     with pytest.warns(RuntimeWarning, match="Broken failed in write") as caught:
         line = sys._getframe().f_lineno + 1

@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -18,7 +16,7 @@ import pytest
 from rankmem._heartbeat import Heartbeat, read_heartbeats
 from rankmem._nearoom import NearOomConfig, NearOomWatch, node_oom_kill_count, oom_kill_count, process_table
 from rankmem.errors import RankmemError
-from tests.cgroup_helpers import move_into, scratch_memory_cgroup
+from tests.cgroup_helpers import run_in_cgroup, scratch_memory_cgroup
 from tests.conftest import REPO
 
 MIB, GIB = 1 << 20, 1 << 30
@@ -257,23 +255,9 @@ def test_fires_on_a_real_memory_cgroup() -> None:
     limit, threshold = 256 * MIB, 48 * MIB
     with scratch_memory_cgroup(limit) as cgroup:
         # The child joins the cgroup before it starts: a blocking pipe read holds it until moved.
-        r, w = os.pipe()
         env = {**os.environ, "PYTHONPATH": str(REPO)}
-        gate = f"import os; os.read({r}, 1); exec(open(0).read())"
-        child = subprocess.Popen([sys.executable, "-c", gate, str(threshold), str(limit // (4 * MIB))],
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 text=True, env=env, pass_fds=(r,))
-        try:
-            move_into(cgroup, child.pid)
-            os.write(w, b"x")
-            out, err = child.communicate(ALLOCATOR, timeout=60)
-        finally:
-            os.close(r)
-            os.close(w)
-            if child.poll() is None:
-                child.kill()
-                child.wait(10)
-    assert child.returncode == 0, f"exit {child.returncode} (-9: the limit was reached before the watch fired)\n{err}"
+        pid, code, out, err = run_in_cgroup(cgroup, ALLOCATOR, [str(threshold), str(limit // (4 * MIB))], env)
+    assert code == 0, f"exit {code} (-9: the limit was reached before the watch fired)\n{err}"
     result = json.loads(out)
     info = result["info"]
     assert info is not None, f"no event after allocating {result['allocated'] >> 20} MiB under a {limit >> 20} MiB limit"
@@ -282,6 +266,6 @@ def test_fires_on_a_real_memory_cgroup() -> None:
     assert cg["limit_bytes"] == limit and cg["headroom_bytes"] < threshold
     assert cg["working_set_bytes"] > limit - threshold
     me = info["processes"][0]
-    assert me["pid"] == child.pid and me["rank"] == 0
+    assert me["pid"] == pid and me["rank"] == 0
     # The child's own RSS and private memory hold what it allocated (within its interpreter's ~30 MiB).
     assert me["rss_bytes"] >= result["allocated"] and me["uss_bytes"] >= result["allocated"]
