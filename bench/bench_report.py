@@ -1,11 +1,21 @@
-"""``rankmem report`` on a large run log, timed against a plain ``json.loads`` of every line.
+"""``rankmem report`` on large run logs: the columnar side file against ``json.loads`` of per-rank lines.
 
-Run:  python bench/bench_report.py [--steps 100000] [--ranks 8]
+Run:  python bench/bench_report.py [--steps 100000] [--ranks 8] [--repeat 2] [--wide-steps 10000]
+      [--wide-ranks 1024] [--wide-detail-every 100]
 
-Writes (once, cached under the temp dir) a run log through the real RunLogWriter with the keys of a
-GPU run with two phases: 28 per-rank keys, 8 ranks, aggregated keys included, about 10 KiB a line.
-Then times, in the same process: (a) ``for line in f: json.loads(line)``; (b) ``read_run``; (c) the
-whole report (read, per-key peaks with phase attribution, growth, leak verdicts). Prints the ratios.
+Writes (once, cached under the temp dir) the same records through the real RunLogWriter twice: with the
+per-rank values on the lines (``detail="inline"``: schema 1's layout, ~10 KiB a line at 8 ranks) and in
+today's layout (aggregates on the lines, per-rank values in ``rankmem.ranks.arrow``). 28 per-rank keys
+of a GPU run with two phases. Then times, in the same process, alternating: (a) ``for line in f:
+json.loads(line)`` over the per-rank lines (the baseline: any reader of that layout pays at least this);
+(b) ``read_run`` of the columnar log; (c) the whole report of the columnar log (read, per-key peaks with
+phase attribution, per-phase table, growth, leak verdicts, rendering); (d) the same report of the inline
+log. Prints each as a ratio to (a); the target is (a) / (c) >= 20.
+
+Then a synthetic wide run as rankmem writes it past the all-reduce crossover: ``--wide-ranks`` ranks,
+``--wide-steps`` steps, aggregates and p50/p90/p99 on every step, per-rank values every
+``--wide-detail-every`` collects (the default cadence); the report of it is timed (target < 10 s) and
+run once more in a fresh process for its peak RSS (the reader's memory).
 """
 
 from __future__ import annotations
@@ -15,6 +25,8 @@ import io
 import json
 import math
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from contextlib import redirect_stdout
@@ -40,20 +52,70 @@ def keys() -> list[str]:
     return sorted(out)
 
 
-def generate(path: str, steps: int, world: int) -> None:
+def generate(path: str, steps: int, world: int, detail: str, detail_every: int = 1) -> None:
+    """``steps`` records of ``world`` ranks through the real writer; per-rank values every ``detail_every``
+    collects (the others carry the aggregates and, past the crossover, p50/p90/p99: as the monitor does)."""
+    from rankmem._reduce import QUANTILE_NAMES, matrix_quantiles
+
     rng = np.random.default_rng(0)
     ks = keys()
     ranks = [RankInfo(rank=r, local_rank=r % 8, host=f"node{r // 8}", pid=100 + r, device="cuda NVIDIA H100",
                       peak_rss_scope="window") for r in range(world)]
-    writer = RunLogWriter(path)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    writer = RunLogWriter(path, detail=detail)
     writer.open(RunHeader(world_size=world, ranks=ranks, config={}, started=1.7e9))
-    level = rng.uniform(5, 60, (len(ks), world))
+    level = rng.uniform(5, 60, (world, len(ks)))
     for step in range(steps):
-        matrix = level + rng.normal(0, 0.01, level.shape)  # keys x ranks, full-precision floats
-        record = StepRecord(step=step, time=1.7e9 + step, metrics=aggregate(ks, matrix.T),
-                            ranks={k: matrix[i].tolist() for i, k in enumerate(ks)})
-        writer.write(record)
+        matrix = level + rng.normal(0, 0.01, level.shape)  # ranks x keys, full-precision floats
+        metrics = aggregate(ks, matrix)
+        if detail_every > 1:
+            q = matrix_quantiles(matrix, None, 32)
+            metrics.update({f"{k}/{n}": float(q[i, j]) for i, k in enumerate(ks) for j, n in enumerate(QUANTILE_NAMES)})
+        carries = step % detail_every == 0
+        writer.write(StepRecord(step=step, time=1.7e9 + step, metrics=metrics, keys=ks,
+                                matrix=matrix if carries else None))
     writer.close()
+
+
+def cached(name: str, steps: int, world: int, detail: str, detail_every: int = 1) -> str:
+    """The run directory of a generated log, generated once per shape and kept in the temp dir."""
+    run_dir = os.path.join(tempfile.gettempdir(), f"rankmem_bench2_{name}_{steps}x{world}_every{detail_every}")
+    log = os.path.join(run_dir, "rankmem.jsonl")
+    if not os.path.exists(os.path.join(run_dir, "done")):
+        t0 = time.perf_counter()
+        generate(log, steps, world, detail, detail_every)
+        open(os.path.join(run_dir, "done"), "w").close()
+        print(f"generated {run_dir} in {time.perf_counter() - t0:.1f} s")
+    return run_dir
+
+
+def sizes(run_dir: str) -> str:
+    parts = [f"{e.name} {e.stat().st_size / 2**20:.0f} MiB" for e in sorted(os.scandir(run_dir), key=lambda e: e.name)
+             if e.name.startswith("rankmem.")]
+    return ", ".join(parts)
+
+
+def report_of(run_dir: str) -> None:
+    with redirect_stdout(io.StringIO()):
+        render(build_report(read_run(run_dir)))
+
+
+def peak_rss_mib(run_dir: str) -> float:
+    """Peak RSS of a fresh process that imports rankmem and reports ``run_dir``, MiB."""
+    code = ("import resource, sys; sys.argv = ['rankmem', 'report', sys.argv[1]];"
+            "import io, contextlib; from rankmem.cli import main;"
+            "f = io.StringIO(); contextlib.redirect_stdout(f).__enter__(); main(['report', sys.argv[1]]);"
+            "sys.stderr.write(str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))")
+    out = subprocess.run([sys.executable, "-c", code, run_dir], capture_output=True, text=True, timeout=600)
+    return int(out.stderr.strip().splitlines()[-1]) / 1024
+
+
+def baseline_rss_mib() -> float:
+    code = ("import resource, sys; import numpy, pyarrow, rich; from rankmem.cli import main;"
+            "import rankmem.report, rankmem.runlog._reader;"
+            "sys.stderr.write(str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    return int(out.stderr.strip().splitlines()[-1]) / 1024
 
 
 def main() -> None:
@@ -61,28 +123,26 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100_000)
     parser.add_argument("--ranks", type=int, default=8)
     parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--wide-steps", type=int, default=10_000)
+    parser.add_argument("--wide-ranks", type=int, default=1024)
+    parser.add_argument("--wide-detail-every", type=int, default=100)
     args = parser.parse_args()
-    path = os.path.join(tempfile.gettempdir(), f"rankmem_bench_{args.steps}x{args.ranks}.jsonl")
-    if not os.path.exists(path):
-        t0 = time.perf_counter()
-        generate(path + ".tmp", args.steps, args.ranks)
-        os.replace(path + ".tmp", path)
-        print(f"generated {path} in {time.perf_counter() - t0:.1f} s")
-    size = os.path.getsize(path)
-    print(f"run log: {args.steps} steps x {args.ranks} ranks, {len(keys())} per-rank keys, {size / 2**20:.0f} MiB")
+    inline = cached("inline", args.steps, args.ranks, "inline")
+    columnar = cached("columnar", args.steps, args.ranks, "columnar")
+    inline_log = os.path.join(inline, "rankmem.jsonl")
+    print(f"{args.steps} steps x {args.ranks} ranks, {len(keys())} per-rank keys")
+    print(f"  per-rank lines: {sizes(inline)}")
+    print(f"  columnar:       {sizes(columnar)}")
 
     def plain() -> None:
-        with open(path, encoding="utf-8") as f:
+        with open(inline_log, encoding="utf-8") as f:
             for line in f:
                 json.loads(line)
 
-    def report() -> None:
-        with redirect_stdout(io.StringIO()):
-            render(build_report(read_run(path)))
-
     # The machine is shared: alternate the contenders and keep each one's best of --repeat runs, in wall
     # time and in this process's CPU time (less disturbed by other processes on the same cores).
-    contenders = (("plain", plain), ("read", lambda: read_run(path)), ("report", report))
+    contenders = (("plain", plain), ("read", lambda: read_run(columnar)), ("report", lambda: report_of(columnar)),
+                  ("inline", lambda: report_of(inline)))
     wall = {name: math.inf for name, _ in contenders}
     cpu = dict(wall)
     for _ in range(args.repeat):
@@ -91,15 +151,27 @@ def main() -> None:
             fn()
             wall[name] = min(wall[name], time.perf_counter() - t0)
             cpu[name] = min(cpu[name], time.process_time() - c0)
-    t0, c0 = time.perf_counter(), time.process_time()
-    read_run(path, metrics=True)
-    wall["full"], cpu["full"] = time.perf_counter() - t0, time.process_time() - c0
+    print(f"{'':44s}  {'wall':>17s}  {'cpu':>17s}")
+    for name, label in (("plain", "(a) json.loads of each per-rank line:"), ("read", "(b) read_run, columnar:"),
+                        ("report", "(c) rankmem report, columnar:"), ("inline", "(d) rankmem report, per-rank lines:")):
+        print(f"{label:44s}  {wall[name]:6.2f} s ({wall['plain'] / wall[name]:5.1f}x)"
+              f"  {cpu[name]:6.2f} s ({cpu['plain'] / cpu[name]:5.1f}x)")
+    speedup = wall["plain"] / wall["report"]
+    print(f"  target (a)/(c) >= 20x: {speedup:.1f}x wall, {cpu['plain'] / cpu['report']:.1f}x cpu: "
+          f"{'PASS' if speedup >= 20 else 'FAIL'}")
 
-    print(f"{'':35s}  {'wall':>16s}  {'cpu':>16s}")
-    for name, label in (("plain", "plain json.loads per line:"), ("read", "read_run (arrays, per-rank part):"),
-                        ("report", "rankmem report (read + analyse):"), ("full", "read_run(metrics=True), one run:")):
-        print(f"{label:35s}  {wall[name]:6.2f} s ({wall[name] / wall['plain']:.2f}x)"
-              f"  {cpu[name]:6.2f} s ({cpu[name] / cpu['plain']:.2f}x)")
+    if args.wide_steps:
+        wide = cached("wide", args.wide_steps, args.wide_ranks, "columnar", args.wide_detail_every)
+        print(f"\nwide: {args.wide_steps} steps x {args.wide_ranks} ranks, per-rank values every "
+              f"{args.wide_detail_every} collects: {sizes(wide)}")
+        best = math.inf
+        for _ in range(args.repeat):
+            t0 = time.perf_counter()
+            report_of(wide)
+            best = min(best, time.perf_counter() - t0)
+        base, peak = baseline_rss_mib(), peak_rss_mib(wide)
+        print(f"  rankmem report: {best:.2f} s (target < 10 s: {'PASS' if best < 10 else 'FAIL'}); peak RSS "
+              f"{peak:.0f} MiB in a fresh process, {peak - base:.0f} MiB over its imports ({base:.0f} MiB)")
     if os.path.exists("/proc/loadavg"):
         with open("/proc/loadavg") as f:
             print("load average after the runs (1, 5, 15 min):", " ".join(f.read().split()[:3]))

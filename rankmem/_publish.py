@@ -95,6 +95,10 @@ class Publisher:
             self._handle(item)
 
     def _handle(self, item: _Item) -> None:
+        if item is _FLUSH:
+            for sink in self._sinks:
+                sink.flush()
+            return
         if isinstance(item, RunHeader):
             for sink_object in self._sink_objects:
                 sink = SafeSink(sink_object)
@@ -105,7 +109,9 @@ class Publisher:
         if self._leak_check:
             self._check_leaks(step, gathered)
         if self._sinks:
-            record = StepRecord(step, when, gathered.aggregated, gathered.columns())
+            # The matrix as it is: the run log's side file takes it whole, and a sink that wants
+            # per-rank lists builds them (StepRecord.columns()).
+            record = StepRecord(step, when, gathered.aggregated, keys=gathered.keys, matrix=gathered.matrix)
             for sink in self._sinks:
                 sink.write(record)
 
@@ -125,9 +131,13 @@ class Publisher:
         self._leak_check = False
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every submitted record is written; False if ``timeout`` passed first."""
+        """Wait until every submitted record is written, and what the sinks buffer (the run log's
+        per-rank batch) is on disk; False if ``timeout`` passed first."""
         if self._thread is None or self._thread is threading.current_thread():
+            if self.opened:
+                self._handle(_FLUSH)
             return True
+        self._submit(_FLUSH)
         with self._wake:
             return self._wake.wait_for(lambda: not self._pending and not self._busy,
                                        timeout if timeout is not None else self.FLUSH_TIMEOUT_S)
@@ -147,6 +157,7 @@ class Publisher:
 
 
 _STOP: Any = object()
+_FLUSH: Any = object()
 _live: weakref.WeakSet[Publisher] = weakref.WeakSet()
 
 

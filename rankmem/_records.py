@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -189,5 +190,24 @@ class StepRecord:
     """Unix time of the collect."""
     metrics: dict[str, float]
     """Aggregated keys (``K/max``, ``K/min``, ``K/mean``, ``K/max_rank``, ``K/min_rank``) and verl-compatible keys."""
-    ranks: dict[str, list[float | None]]
-    """Per-rank values of every per-rank key ``K``, indexed by rank; ``None`` where a rank lacks it."""
+    ranks: dict[str, list[float | None]] = field(default_factory=dict)
+    """Per-rank values of every per-rank key ``K``, indexed by rank; ``None`` where a rank lacks it.
+    Empty when the record carries them as :attr:`matrix` instead (see :meth:`columns`)."""
+    keys: Sequence[str] = ()
+    """The per-rank keys, sorted, when :attr:`matrix` is given or the collect carried no detail."""
+    matrix: Any = None
+    """ranks x :attr:`keys` float64 array (NaN where absent), or None: what the monitor hands over, so
+    that a columnar sink never builds the per-rank lists."""
+
+    def columns(self) -> dict[str, list[float | None]]:
+        """:attr:`ranks`, built from :attr:`matrix` when only that is given."""
+        if self.ranks or self.matrix is None:
+            return self.ranks
+        cols = self.matrix.T.tolist()
+        return {k: [None if v != v else v for v in col] for k, col in zip(self.keys, cols, strict=True)}
+
+    def key_names(self) -> Sequence[str]:
+        """The per-rank keys: :attr:`keys`, else those of :attr:`ranks`, else read off the aggregates."""
+        if self.keys or self.ranks:
+            return self.keys or tuple(self.ranks)
+        return sorted(k[: -len("/max")] for k in self.metrics if k.endswith("/max"))

@@ -491,6 +491,8 @@ class LeakWatch:
 
     def feed(self, record: StepRecord) -> list[Trend]:
         """Add one step record (per-rank lists); returns the trends flagged for the first time."""
+        if record.matrix is not None:
+            return self.feed_matrix(record.step, tuple(record.keys), record.matrix, record.time)
         keys = tuple(record.ranks)
         world = max((len(v) for v in record.ranks.values()), default=0)
         matrix = np.full((world, len(keys)), np.nan)

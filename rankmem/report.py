@@ -102,6 +102,11 @@ class Report:
     corrupt_events: int = 0
     phases: list[PhaseRow] = field(default_factory=list)
     """Per phase and key: the worst value, its step and rank, the per-step mean, a delta's total."""
+    detail_steps: int | None = None
+    """Logged steps that carry per-rank values, when not all do (past the all-reduce crossover, or the
+    last second before a crash); per-key worst values then come from every step's aggregates."""
+    detail_note: str | None = None
+    """Why per-rank values are missing beyond that (a damaged or missing side file)."""
     limits: list[Limit] = field(default_factory=list)
     """Device total, node total, cgroup limit, where measured, with the least headroom under each."""
 
@@ -128,8 +133,11 @@ class Report:
 
 
 def memory_keys(run: Run) -> list[str]:
-    """The run's per-rank memory keys, phase keys aside, sorted."""
-    return sorted(k for k in run.series if is_memory_key(k))
+    """The run's per-rank memory keys, phase keys aside, sorted (with those only aggregates name)."""
+    keys = set(run.series)
+    if run.logged is not None:
+        keys.update(k[: -len("/max")] for k in run.logged.metrics if k.endswith("/max"))
+    return sorted(k for k in keys if is_memory_key(k))
 
 
 def _phase_of(run: Run, key: str, row: int, rank: int, value: float) -> str | None:
@@ -139,12 +147,41 @@ def _phase_of(run: Run, key: str, row: int, rank: int, value: float) -> str | No
     return phase_of_peak(key, value, rank_values)
 
 
-def key_report(run: Run, key: str) -> KeyReport | None:
-    """The worst value of ``key`` with its step, rank, phase and imbalance; None if never present."""
-    matrix = run.series[key]
-    if matrix.size == 0 or not np.isfinite(matrix).any():
+def _worst_logged(run: Run, key: str, low: bool) -> tuple[float, int, int] | None:
+    """(value, step, rank) of ``key``'s worst aggregate over every logged step (``K/min`` with
+    ``K/min_rank`` where low is bad); None when the run has no such aggregates."""
+    if run.logged is None:
         return None
+    stat = "min" if low else "max"
+    values, ranks = run.logged.metrics.get(f"{key}/{stat}"), run.logged.metrics.get(f"{key}/{stat}_rank")
+    if values is None or ranks is None or not np.isfinite(values).any():
+        return None
+    at = int(np.where(np.isfinite(values), values, np.inf if low else -np.inf).argmin() if low
+             else np.where(np.isfinite(values), values, -np.inf).argmax())
+    return float(values[at]), int(run.logged.steps[at]), int(ranks[at]) if np.isfinite(ranks[at]) else -1
+
+
+def key_report(run: Run, key: str) -> KeyReport | None:
+    """The worst value of ``key`` with its step, rank, phase and imbalance; None if never present.
+
+    Where only some steps carry per-rank values (:attr:`Run.logged`), the worst value, its step and rank
+    come from every step's aggregates (``K/max`` and ``K/max_rank``); the imbalance and the phase from
+    the steps with per-rank values."""
+    matrix = run.series.get(key, np.empty((0, 0)))
     worst = worst_stat(key)
+    logged = _worst_logged(run, key, worst == "min")
+    if matrix.size == 0 or not np.isfinite(matrix).any():
+        if logged is None:
+            return None
+        return KeyReport(key=key, worst=worst, value=logged[0], step=logged[1], rank=logged[2], phase=None,
+                         imbalance=None)
+    report = _key_report_detail(run, key, matrix, worst)
+    if logged is not None and (logged[0] < report.value if worst == "min" else logged[0] > report.value):
+        report.value, report.step, report.rank, report.phase = logged[0], logged[1], logged[2], None
+    return report
+
+
+def _key_report_detail(run: Run, key: str, matrix: np.ndarray, worst: str) -> KeyReport:
     low = worst == "min"
     filled = np.where(np.isfinite(matrix), matrix, np.inf if low else -np.inf)
     # argmin/argmax over the flattened (step, rank) array: ties go to the earliest step, then lowest rank.
@@ -192,7 +229,7 @@ def growth(run: Run, key: str) -> Growth | None:
 
 def build_report(run: Run, leak_config: LeakConfig | None = None) -> Report:
     events = read_events(run.path)
-    steps = run.steps
+    steps = run.steps if run.logged is None else run.logged.steps
     report = Report(
         path=run.path,
         world_size=run.world_size,
@@ -204,6 +241,8 @@ def build_report(run: Run, leak_config: LeakConfig | None = None) -> Report:
         truncated=run.truncated,
         events=events.events,
         corrupt_events=events.corrupt,
+        detail_steps=int(run.steps.size) if run.logged is not None else None,
+        detail_note=run.detail_note,
     )
     for key in memory_keys(run):
         kr = key_report(run, key)
@@ -366,6 +405,11 @@ def summary_lines(report: Report) -> list[str]:
     span = f"steps {report.first_step}..{report.last_step}" if report.steps else "no steps"
     hosts = f"{len(report.hosts)} host{'s' if len(report.hosts) != 1 else ''}"
     lines.append(f"{report.world_size} ranks on {hosts}, {report.steps} logged steps ({span})")
+    if report.detail_steps is not None:
+        lines.append(f"per-rank values on {report.detail_steps} of the {report.steps} steps (the others logged "
+                     "their aggregates: max, min, mean and the ranks holding them); worst values from all steps")
+    if report.detail_note:
+        lines.append(f"note: {report.detail_note}")
     if report.corrupt or report.truncated:
         lines.append(
             f"skipped: {report.corrupt} corrupt line{'s' if report.corrupt != 1 else ''}, "

@@ -28,6 +28,8 @@ from rankmem._events import EVENTS_DIR, read_events
 from rankmem._heartbeat import HeartbeatRecord, read_heartbeats
 from rankmem.report import describe_event
 from rankmem.runlog import RUN_LOG_NAME
+from rankmem.runlog._columnar_read import DetailFollower
+from rankmem.runlog._layout import INLINE, detail_path
 from rankmem.runlog._tail import Tail, TailFollower
 
 # (column label, WindowBytes field): what a rank row shows, in this order, where the log has it.
@@ -86,6 +88,9 @@ class Frame:
     events: list[dict[str, Any]]
     """The newest events, oldest first (at most :data:`EVENTS_SHOWN`)."""
     event_count: int
+    detail_step: int | None = None
+    """The step of the per-rank values shown, when they come from the side file (its last batch may be
+    up to a second behind the newest line; past the crossover, the last collect that carried them)."""
 
 
 def _vector(step: dict[str, Any], key: str, world: int) -> list[float | None]:
@@ -110,11 +115,16 @@ def worst_rank(key: str, values: Sequence[float | None]) -> int | None:
 
 
 def build_frame(run_dir: str, tail: Tail, beats: dict[int, HeartbeatRecord], events: list[dict[str, Any]],
-                now: float | None = None) -> Frame:
-    """The screen for a run log's ``tail``, the ranks' heartbeats and the run's events."""
+                now: float | None = None, detail: tuple[int, dict[str, list[float | None]]] | None = None) -> Frame:
+    """The screen for a run log's ``tail``, the ranks' heartbeats and the run's events. ``detail``: the
+    newest (step, per-rank values) of the side file, for a log whose lines hold the aggregates only."""
     now = time.time() if now is None else now
     header = tail.header or {}
     last = tail.steps[-1] if tail.steps else None
+    detail_step = None
+    if last is not None and not isinstance(last.get("ranks"), dict) and detail is not None:
+        detail_step = detail[0]
+        last = {**last, "ranks": detail[1]}
     world = int(header.get("world_size") or 0) or (max(beats) + 1 if beats else 0)
     hosts = sorted({str(r.get("host")) for r in header.get("ranks", []) if isinstance(r, dict)})
     step_time = None
@@ -152,7 +162,7 @@ def build_frame(run_dir: str, tail: Tail, beats: dict[int, HeartbeatRecord], eve
         run_dir=run_dir, now=now, world_size=world, hosts=hosts,
         step=int(last["step"]) if last is not None else None,
         logged_at=float(last["time"]) if last is not None and isinstance(last.get("time"), (int, float)) else None,
-        step_time_s=step_time, columns=columns, rows=rows, worst=worst, capacity=capacity,
+        step_time_s=step_time, columns=columns, rows=rows, worst=worst, capacity=capacity, detail_step=detail_step,
         events=events[-EVENTS_SHOWN:], event_count=len(events),
     )
 
@@ -167,6 +177,7 @@ class Watcher:
         self.follower = TailFollower(log, count=2)
         self._events_stamp: tuple[tuple[str, int, int], ...] = ()
         self._events: list[dict[str, Any]] = []
+        self._detail_follower: DetailFollower | None = None
 
     def _read_events(self) -> list[dict[str, Any]]:
         directory = os.path.join(self.run_dir, EVENTS_DIR)
@@ -178,10 +189,19 @@ class Watcher:
             self._events_stamp, self._events = stamp, read_events(self.run_dir).events
         return self._events
 
+    def _detail(self, header: dict[str, Any] | None) -> tuple[int, dict[str, list[float | None]]] | None:
+        name = (header or {}).get("detail")
+        if not isinstance(name, str) or name == INLINE:
+            return None
+        path = detail_path(self.log_path, name)
+        if self._detail_follower is None or self._detail_follower.path != path:
+            self._detail_follower = DetailFollower(path)
+        return self._detail_follower.poll()
+
     def frame(self, now: float | None = None) -> Frame:
         tail = self.follower.poll()
         beats = read_heartbeats(os.path.join(self.run_dir, "heartbeat"))
-        return build_frame(self.run_dir, tail, beats, self._read_events(), now)
+        return build_frame(self.run_dir, tail, beats, self._read_events(), now, detail=self._detail(tail.header))
 
 
 # ---- rendering ----------------------------------------------------------------------------------------
@@ -201,6 +221,8 @@ def title_lines(frame: Frame) -> list[str]:
             head += f" ({_age(max(0.0, frame.now - frame.logged_at))} ago)"
         if frame.step_time_s is not None:
             head += f", step time {frame.step_time_s:.3f} s"
+        if frame.detail_step is not None and frame.detail_step != frame.step:
+            head += f"; per-rank values of step {frame.detail_step}"
     lines = [head]
     if frame.capacity:
         lines.append("limits: " + ", ".join(f"{label} {value:.3f} GiB" for label, value in frame.capacity))

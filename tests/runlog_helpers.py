@@ -3,15 +3,18 @@ noisy memory series the leak tests feed them."""
 
 from __future__ import annotations
 
+import json
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from rankmem._collective import aggregate
 from rankmem._records import RankInfo, RunHeader, StepRecord
-from rankmem.runlog import RUN_LOG_NAME, RunLogWriter
+from rankmem.runlog import RUN_LOG_NAME, RunLogWriter, read_run
 
 
 def write_run(
@@ -19,8 +22,10 @@ def write_run(
     series: Mapping[str, np.ndarray],
     steps: np.ndarray | None = None,
     world: int | None = None,
+    detail: str = "columnar",
 ) -> Path:
-    """Write ``series`` (key -> steps x ranks array, GiB; nan = absent) as a run log; returns its path."""
+    """Write ``series`` (key -> steps x ranks array, GiB; nan = absent) as a run log; returns its path.
+    ``detail="inline"``: the per-rank values on the lines (schema 1's layout, the reader's line tests)."""
     first = next(iter(series.values()))
     n, w = first.shape
     world = world or w
@@ -33,7 +38,7 @@ def write_run(
         started=1.7e9,
     )
     path = Path(out_dir) / RUN_LOG_NAME
-    writer = RunLogWriter(str(path))
+    writer = RunLogWriter(str(path), detail=detail)
     writer.open(header)
     for i in range(n):
         matrix = np.column_stack([series[k][i] for k in keys])  # ranks x keys
@@ -66,7 +71,7 @@ KNOWN_LEAK_LINE = (
 )
 
 
-def known_run(out: Path, leak_rank: int | None = None) -> Path:
+def known_run(out: Path, leak_rank: int | None = None, detail: str = "columnar") -> Path:
     """4 ranks, 40 steps. Rank 2 holds the most (its update phase peaks at 4.5 GiB on step 7); rank 1 has
     the least device headroom (0.25 GiB on step 3)."""
     rng = np.random.default_rng(7)
@@ -85,4 +90,21 @@ def known_run(out: Path, leak_rank: int | None = None) -> Path:
         "mem/phase/rollout/peak_rss_gib": rollout,
         "mem/phase/update/peak_rss_gib": update,
         "mem/device/headroom_gib": headroom,
-    })
+    }, detail=detail)
+
+
+def read_log(out: str | os.PathLike[str]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A run directory's header and step lines as JSON, each step with its ``ranks`` (key -> per-rank
+    values, None where absent) as the inline layout holds them: from the line, or else from the columnar
+    side file through the reader, matched by step. Tests compare the two files' figures through it."""
+    lines = (Path(out) / RUN_LOG_NAME).read_text().splitlines()
+    header, steps = json.loads(lines[0]), [json.loads(line) for line in lines[1:]]
+    if header.get("detail", "inline") != "inline":
+        run = read_run(str(out))
+        row_of = {step: i for i, step in enumerate(run.steps.tolist())}
+        for step in steps:
+            i = row_of.get(step["step"])
+            if i is not None:
+                step["ranks"] = {k: [None if math.isnan(v) else v for v in m[i].tolist()]
+                                 for k, m in run.series.items() if not np.isnan(m[i]).all()}
+    return header, steps

@@ -17,7 +17,7 @@ from tests.runlog_helpers import KNOWN_LEAK_LINE, KNOWN_WORLD, known_run, write_
 
 
 def test_report_counts_corrupt_and_truncated_lines(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    path = known_run(tmp_path)
+    path = known_run(tmp_path, detail="inline")  # per-rank values on the lines, which are damaged here
     lines = path.read_text().splitlines(keepends=True)
     lines[5] = "{not json\n"
     lines[9] = "\x00\x00\x00\n"
@@ -43,7 +43,7 @@ def test_bad_logs_exit_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFix
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err.splitlines() == [
-        f"rankmem {command}: error: {path} has run log schema 7; this rankmem reads schema 1: "
+        f"rankmem {command}: error: {path} has run log schema 7; this rankmem reads schema 1, 2: "
         "read it with the rankmem version that wrote it (see the header's 'rankmem' field)"
     ]
     path.write_text("")

@@ -4,7 +4,6 @@ Every launch has a timeout; a launch costs seconds of startup, so the GRPO tests
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -16,16 +15,10 @@ from typing import Any
 import pytest
 
 from tests.conftest import REPO, free_port, torchrun
+from tests.runlog_helpers import read_log
 
 ENTRY = "rankmem.engine.train"
 CLI_TIMEOUT_S = 180
-
-
-def read_log(out: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    lines = (out / "rankmem.jsonl").read_text().splitlines()
-    header = json.loads(lines[0])
-    steps = [json.loads(line) for line in lines[1:]]
-    return header, steps
 
 
 def train(out: Path, *args: str, nproc: int = 2) -> subprocess.CompletedProcess[str]:

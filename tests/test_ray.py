@@ -27,16 +27,12 @@ import pytest
 
 from rankmem.cli import main
 from tests.conftest import REPO, free_port
+from tests.runlog_helpers import read_log
 
 ray = pytest.importorskip("ray")
 
 LAUNCH_TIMEOUT_S = 240
 MARK = "RANKMEM_TEST_RAY_MARK"
-
-
-def read_log(out: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    lines = (out / "rankmem.jsonl").read_text().splitlines()
-    return json.loads(lines[0]), [json.loads(line) for line in lines[1:]]
 
 
 def launch(out: Path, *args: str) -> tuple[subprocess.Popen[str], str]:

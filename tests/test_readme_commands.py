@@ -33,6 +33,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import REPO, free_port
+from tests.runlog_helpers import read_log
 
 README = REPO / "README.md"
 TRAIN_STEPS = 20
@@ -161,8 +162,7 @@ def _check_hf(out: Path, stdout: str) -> None:
         assert 0.05 < entry["mem/host/peak_rss_gib/min"] <= entry["mem/host/peak_rss_gib/max"] < 8
         assert entry["mem/host/peak_rss_gib/max_rank"] in (0, 1)
     # ...while the run log keeps every key, per rank.
-    lines = [json.loads(x) for x in (out / "rankmem.jsonl").read_text().splitlines()]
-    steps = [x for x in lines if x.get("kind") == "step"]
+    steps = read_log(out)[1]
     assert len(steps) == 3  # two training logs and the final summary
     for rec in steps:
         for key in ("mem/host/rss_gib", "mem/host/peak_rss_gib"):

@@ -98,19 +98,19 @@ def test_detail_reaches_the_detail_rank_on_cadence_and_on_request(results: tuple
 
 def test_run_log_without_per_rank_vectors_reads_back(results: tuple[list[dict[str, Any]], Any]) -> None:
     run = read_run(str(results[1] / "run"), metrics=True)
-    assert run.steps.tolist() == list(range(8))
-    tokens = run.series["tokens"]
-    assert tokens.shape == (8, WORLD)
     # Collect 0 (the fallback), 2, 4, 6 (detail_every=2) and 5 (requested by one rank) carry the
-    # per-rank vector; 1, 3 and 7 hold the aggregates only.
+    # per-rank vector; 1, 3 and 7 hold the aggregates only: the run's rows are the former, and
+    # ``logged`` lists every collect with its aggregates.
     with_detail = [0, 2, 4, 5, 6]
-    for step in range(8):
-        if step in with_detail:
-            assert tokens[step].tolist() == [10.0, 20.0, 30.0, 40.0], step
-        else:
-            assert all(math.isnan(v) for v in tokens[step].tolist()), step
-    assert run.metrics is not None and run.metrics["tokens/max"].tolist() == [40.0] * 8
-    assert run.metrics["tokens/max_rank"].tolist() == [3.0] * 8
+    assert run.steps.tolist() == with_detail
+    tokens = run.series["tokens"]
+    assert tokens.shape == (len(with_detail), WORLD)
+    assert tokens.tolist() == [[10.0, 20.0, 30.0, 40.0]] * len(with_detail)
+    assert run.logged is not None and run.logged.steps.tolist() == list(range(8))
+    assert run.logged.metrics["tokens/max"].tolist() == [40.0] * 8
+    assert run.logged.metrics["tokens/max_rank"].tolist() == [3.0] * 8
+    assert run.logged.metrics["tokens/mean"].tolist() == [25.0] * 8
+    assert run.metrics is not None and run.metrics["tokens/max"].tolist() == [40.0] * len(with_detail)
 
 
 def test_a_collect_without_detail_builds_an_aggregates_only_record() -> None:

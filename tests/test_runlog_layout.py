@@ -1,4 +1,5 @@
-"""The run-log line layout: the writer's lines take the reader's fast path, which agrees with the slow one."""
+"""The run-log layouts: the inline lines (schema 1's, still written without pyarrow) take the reader's fast
+path, which agrees with the slow one; the columnar side file reads back as the inline lines do."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 from rankmem._records import RankInfo, RunHeader, StepRecord
 from rankmem.runlog import RUN_LOG_NAME, RunLogWriter, read_run
-from rankmem.runlog._layout import RANKS_MARK, STEP_FIELDS, STEP_PREFIX, split_step, step_object
+from rankmem.runlog._layout import DETAIL_NAME, RANKS_MARK, STEP_FIELDS, STEP_PREFIX, split_step, step_object
 
 WORLD = 3
 KEYS = ("loss", "mem/device/headroom_gib", "mem/host/rss_gib", "mem/phase/update/peak_rss_gib")
@@ -52,10 +53,11 @@ def _records(n: int, min_rank: bool) -> list[StepRecord]:
     return out
 
 
-def _write(path: Path, records: list[StepRecord]) -> None:
+def _write(path: Path, records: list[StepRecord], detail: str = "inline") -> None:
     ranks = [RankInfo(rank=r, local_rank=r, host="node0", pid=100 + r, device="none", peak_rss_scope="window")
              for r in range(WORLD)]
-    writer = RunLogWriter(str(path))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = RunLogWriter(str(path), detail=detail)
     writer.open(RunHeader(world_size=WORLD, ranks=ranks, config={"lr": 0.5}, started=1.7e9))
     for record in records:
         writer.write(record)
@@ -133,3 +135,29 @@ def test_split_step_refuses_what_it_cannot_read(tmp_path: Path) -> None:
     (tmp_path / RUN_LOG_NAME).write_text('{"kind":"header","schema":1,"world_size":1}\n' + good.replace("2.0", "null"))
     run = read_run(str(tmp_path))
     assert run.slow_lines == 1 and math.isnan(run.times[0]) and run.series["a"].tolist() == [[1.0]]
+
+
+@pytest.mark.parametrize("min_rank", [True, False], ids=["with-min_rank", "before-min_rank"])
+def test_the_columnar_side_file_reads_as_the_inline_lines(tmp_path: Path, min_rank: bool) -> None:
+    """The same records written both ways give the same arrays: steps, times, every per-rank value (a
+    NaN, an int, a key set that changes mid-run, keys some steps lack) and the aggregates."""
+    records = _records(40, min_rank)
+    _write(tmp_path / "inline" / RUN_LOG_NAME, records)
+    _write(tmp_path / "columnar" / RUN_LOG_NAME, records, detail="columnar")
+    assert (tmp_path / "columnar" / DETAIL_NAME).stat().st_size > 0 and not (tmp_path / "inline" / DETAIL_NAME).exists()
+    lines = (tmp_path / "columnar" / RUN_LOG_NAME).read_text().splitlines()
+    assert json.loads(lines[0])["detail"] == DETAIL_NAME and json.loads(lines[0])["schema"] == 2
+    assert all(tuple(json.loads(line)) == STEP_FIELDS[:-1] for line in lines[1:])  # no per-rank values
+    inline, columnar = read_run(str(tmp_path / "inline"), metrics=True), read_run(str(tmp_path / "columnar"), metrics=True)
+    assert columnar.logged is None and columnar.slow_lines == 0 and columnar.corrupt == 0 and not columnar.truncated
+    np.testing.assert_array_equal(columnar.steps, inline.steps)
+    np.testing.assert_array_equal(columnar.times, inline.times)
+    assert sorted(columnar.series) == sorted(inline.series)
+    for key, matrix in inline.series.items():
+        np.testing.assert_array_equal(columnar.series[key], matrix, err_msg=key)
+    assert inline.metrics is not None and columnar.metrics is not None
+    for key, values in inline.metrics.items():
+        if key.startswith("perf/"):
+            assert key not in columnar.metrics  # verl's names are on the lines only
+            continue
+        np.testing.assert_array_equal(columnar.metrics[key], values, err_msg=key)

@@ -17,15 +17,18 @@ from tests.runlog_helpers import write_run
 RSS = "mem/host/rss_gib"
 
 
-def _two_rank(tmp_path: Path, n: int = 6) -> Path:
+def _two_rank(tmp_path: Path, n: int = 6, detail: str = "inline") -> Path:
+    """A log with its per-rank values on the lines: what these tests damage line by line."""
     rss = np.column_stack([np.arange(n) * 0.5, np.arange(n) * 0.25 + 1.0])
     phase = np.full((n, 2), np.nan)
     phase[::2, 1] = 7.0  # only rank 1, only on even steps
-    return write_run(tmp_path, {RSS: rss, "mem/phase/update/peak_rss_gib": phase}, steps=np.arange(n) * 10)
+    return write_run(tmp_path, {RSS: rss, "mem/phase/update/peak_rss_gib": phase}, steps=np.arange(n) * 10,
+                     detail=detail)
 
 
-def test_reads_values_steps_and_missing_as_nan(tmp_path: Path) -> None:
-    _two_rank(tmp_path)
+@pytest.mark.parametrize("detail", ["inline", "columnar"])
+def test_reads_values_steps_and_missing_as_nan(tmp_path: Path, detail: str) -> None:
+    _two_rank(tmp_path, detail=detail)
     run = read_run(str(tmp_path))  # a run directory works as well as the file
     assert run.world_size == 2
     assert run.steps.tolist() == [0, 10, 20, 30, 40, 50]
@@ -39,8 +42,9 @@ def test_reads_values_steps_and_missing_as_nan(tmp_path: Path) -> None:
     assert run.corrupt == 0 and not run.truncated and run.metrics is None
 
 
-def test_metrics_option_matches_fast_path(tmp_path: Path) -> None:
-    path = _two_rank(tmp_path)
+@pytest.mark.parametrize("detail", ["inline", "columnar"])
+def test_metrics_option_matches_fast_path(tmp_path: Path, detail: str) -> None:
+    path = _two_rank(tmp_path, detail=detail)
     full = read_run(str(path), metrics=True)
     fast = read_run(str(path))
     assert full.metrics is not None
@@ -104,7 +108,7 @@ def test_real_monitor_run_reads_back(tmp_path: Path) -> None:
     monitor.close()
     run = read_run(str(tmp_path))
     assert run.steps.tolist() == [0, 1, 2, 3]
-    assert run.world_size == 1 and run.header["schema"] == 1
+    assert run.world_size == 1 and run.header["schema"] == 2 and run.header["detail"] == "rankmem.ranks.arrow"
     assert run.series["loss"][:, 0].tolist() == [1.0, 0.5, 1.0 / 3, 0.25]
     assert (run.series[RSS] > 0.001).all()
     assert run.phases() == ["update"]

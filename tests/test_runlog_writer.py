@@ -6,9 +6,11 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import rankmem
+from rankmem.runlog import read_run
 
 
 def _run(out: Path, **options: object) -> None:
@@ -49,7 +51,10 @@ def test_a_nan_metric_is_written_as_null(tmp_path: Path) -> None:
     assert "NaN" not in line
     step = json.loads(line)
     assert step["metrics"]["loss/max"] is None and step["metrics"]["lr/max"] == 0.5
-    assert step["ranks"]["loss"] == [None] and step["ranks"]["lr"] == [0.5]
+    assert "ranks" not in step  # the per-rank values are in the side file: NaN there, read back as NaN
+    run = read_run(str(tmp_path))
+    assert np.isnan(run.series["loss"]).all() and run.series["loss"].shape == (1, 1)
+    assert run.series["lr"].tolist() == [[0.5]]
 
 
 def test_ranks_are_json_integers_and_old_float_ranks_read_alike(tmp_path: Path) -> None:
@@ -65,10 +70,15 @@ def test_ranks_are_json_integers_and_old_float_ranks_read_alike(tmp_path: Path) 
     rank_keys = [k for k in metrics if k.endswith("_rank")]
     assert rank_keys and all(type(metrics[k]) is int for k in rank_keys)
     assert all(type(metrics[k]) is float for k in metrics if k.endswith("/max"))
-    # A log written before ranks were integers: the same arrays come back.
+    # A log written before ranks were integers (schema 1: the per-rank values on the line): the same
+    # arrays come back.
     old = line.replace('"loss/max_rank":0,', '"loss/max_rank":0.0,').replace('"loss/min_rank":0,', '"loss/min_rank":0.0,')
+    old = old[:-1] + ',"ranks":{"loss":[1.5]}}'
+    old_header = json.loads(header)
+    old_header["schema"] = 1
+    del old_header["detail"]
     (tmp_path / "old").mkdir()
-    (tmp_path / "old" / "rankmem.jsonl").write_text(f"{header}\n{old}\n")
+    (tmp_path / "old" / "rankmem.jsonl").write_text(f"{json.dumps(old_header)}\n{old}\n")
     new_run, old_run = read_run(str(tmp_path), metrics=True), read_run(str(tmp_path / "old"), metrics=True)
     assert old_run.metrics is not None and new_run.metrics is not None
     assert old_run.metrics["loss/max_rank"].tolist() == new_run.metrics["loss/max_rank"].tolist() == [0.0]

@@ -23,6 +23,8 @@ from rankmem._events import EventWriter
 from rankmem._heartbeat import Heartbeat, read_heartbeats
 from rankmem.cli import main
 from rankmem.runlog import RUN_LOG_NAME
+from rankmem.runlog._columnar_read import DetailFollower
+from rankmem.runlog._layout import DETAIL_NAME
 from rankmem.runlog._tail import FIRST_BLOCK, TailFollower, read_last_steps
 from rankmem.watch import COLUMNS, Watcher, build_frame
 from tests.conftest import REPO
@@ -34,7 +36,7 @@ TRAIN_TIMEOUT_S = 240
 # ---- the tail ----------------------------------------------------------------------------------------
 
 def test_tail_skips_a_line_being_written_and_corrupt_lines(tmp_path: Path) -> None:
-    path = write_run(tmp_path, {key_of("rss"): np.arange(12.0).reshape(6, 2)})
+    path = write_run(tmp_path, {key_of("rss"): np.arange(12.0).reshape(6, 2)}, detail="inline")
     with open(path, "a") as f:
         f.write('{not json\n{"kind":"step","step":99,"ti')  # a corrupt line, then one cut mid-write
     steps, _ = read_last_steps(str(path), 2)
@@ -46,11 +48,12 @@ def test_tail_skips_a_line_being_written_and_corrupt_lines(tmp_path: Path) -> No
 
 def test_tail_reads_a_bounded_amount_of_a_big_log_and_grows_for_long_lines(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
-    path = write_run(tmp_path, {key_of("rss"): rng.random((3000, 8))})
+    path = write_run(tmp_path, {key_of("rss"): rng.random((3000, 8))}, detail="inline")
     size = path.stat().st_size
     steps, nread = read_last_steps(str(path), 2)
     assert [s["step"] for s in steps] == [2998, 2999] and nread == FIRST_BLOCK < size
-    wide = write_run(tmp_path / "wide", {key_of("rss"): rng.random((3, 16384))})  # ~300 KB lines
+    # ~300 KB lines: an inline log of 16k ranks (a columnar log's lines hold the aggregates only).
+    wide = write_run(tmp_path / "wide", {key_of("rss"): rng.random((3, 16384))}, detail="inline")
     steps, nread = read_last_steps(str(wide), 2)
     assert [s["step"] for s in steps] == [1, 2] and FIRST_BLOCK < nread <= wide.stat().st_size
 
@@ -181,7 +184,8 @@ def test_watch_follows_a_real_job(tmp_path: Path) -> None:
                             "--nproc-per-node", "2", "--no-progress", "--out", str(out)],
                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        _wait_for(lambda: _logged_steps(out) >= 4 and len(read_heartbeats(str(out / "heartbeat"))) == 2,
+        _wait_for(lambda: _logged_steps(out) >= 4 and len(read_heartbeats(str(out / "heartbeat"))) == 2
+                  and DetailFollower(str(out / DETAIL_NAME)).poll() is not None,  # its first batch: ~1 s
                   120, "the job's first steps")
         # Pause both ranks, so the log and heartbeats hold still while --once reads them.
         beats = read_heartbeats(str(out / "heartbeat"))
@@ -190,6 +194,8 @@ def test_watch_follows_a_real_job(tmp_path: Path) -> None:
         try:
             time.sleep(0.3)
             last = read_last_steps(str(out / RUN_LOG_NAME), 1)[0][-1]
+            # The per-rank values: the side file's newest collect (its batch may be a second behind).
+            detail = DetailFollower(str(out / DETAIL_NAME)).poll()
             beats = read_heartbeats(str(out / "heartbeat"))
             once = subprocess.run([sys.executable, "-m", "rankmem", "watch", "--once", str(out)], cwd=REPO,
                                   capture_output=True, text=True, timeout=60)
@@ -197,7 +203,11 @@ def test_watch_follows_a_real_job(tmp_path: Path) -> None:
             for b in beats.values():
                 os.kill(b.pid, signal.SIGCONT)
         assert once.returncode == 0, once.stderr
-        columns = [(label, key_of(name)) for label, name in COLUMNS if key_of(name) in last["ranks"]]
+        assert "ranks" not in last and detail is not None and detail[0] <= last["step"]
+        per_rank = detail[1]
+        if detail[0] != last["step"]:
+            assert f"per-rank values of step {detail[0]}" in once.stdout, once.stdout
+        columns = [(label, key_of(name)) for label, name in COLUMNS if key_of(name) in per_rank]
         step, rows = _parse_once(once.stdout, [label for label, _ in columns])
         assert step == last["step"], once.stdout
         assert sorted(rows) == [0, 1], once.stdout
@@ -205,7 +215,7 @@ def test_watch_follows_a_real_job(tmp_path: Path) -> None:
             assert (hb_step, phase) == (str(beats[rank].step), beats[rank].phase or "-"), once.stdout
             assert phase in ("rollout", "log_prob", "update", "-")
             for label, key in columns:
-                vec = last["ranks"][key]
+                vec = per_rank[key]
                 if len(set(vec)) == 1:
                     assert not marks[label], (label, once.stdout)
                     continue

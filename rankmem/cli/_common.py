@@ -59,7 +59,7 @@ def check_keys(run: Run, keys: Sequence[str], flag: str = "--keys") -> None:
 
 def require_steps(run: Run, command: str) -> None:
     """A run log with a header but no step lines is a user error for ``report`` and ``leaks`` alike."""
-    if run.steps.size == 0:
+    if run.steps.size == 0 and (run.logged is None or run.logged.steps.size == 0):
         raise RankmemError(
             f"{run.path} has no logged steps: the run stopped, or its jsonl sink failed, before its first "
             f"collect() was written; see the job's output for why, and run rankmem {command} on a run log that has steps"

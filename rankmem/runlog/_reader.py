@@ -32,14 +32,18 @@ import numpy as np
 from rankmem._catalogue import phase_names
 from rankmem._scalars import to_float_or_nan
 from rankmem.errors import RankmemError
+from rankmem.runlog._columnar_read import Detail, read_detail
 from rankmem.runlog._layout import (
+    DETAIL_AGGREGATES,
     HEADER_KIND,
+    INLINE,
     RUN_LOG_NAME,
     STEP_KIND,
     STEP_MAX,
     STEP_MIN,
     STEP_PREFIX,
     SUPPORTED_SCHEMAS,
+    detail_path,
     split_step,
 )
 
@@ -54,6 +58,17 @@ built, while a bogus ``world_size`` of 10**9 would ask for gigabytes per key."""
 _BAD_JSON = (ValueError, RecursionError)  # json.loads: not JSON; nested past the interpreter's depth
 # Magic bytes of compressed files rankmem does not open itself, and the command that undoes each.
 _COMPRESSED = {b"BZh": ("bzip2", "bunzip2"), b"\xfd7zXZ\x00": ("xz", "unxz"), b"\x28\xb5\x2f\xfd": ("zstd", "unzstd")}
+
+
+@dataclass
+class Logged:
+    """Every collect of a run log, with or without per-rank values: step, time and aggregates."""
+
+    steps: np.ndarray
+    times: np.ndarray
+    metrics: dict[str, np.ndarray]
+    """``K/max``, ``K/min``, ``K/mean``, ``K/max_rank``, ``K/min_rank`` (and ``K/p50``... past the
+    crossover) per collect; NaN where a collect lacks ``K``."""
 
 
 @dataclass
@@ -79,7 +94,14 @@ class Run:
     metrics: dict[str, np.ndarray] | None = None
     slow_lines: int = 0
     """Step lines read by a full ``json.loads``: those not in the writer's layout, or every one with
-    ``metrics=True``. 0 for a log RunLogWriter wrote, read without metrics."""
+    ``metrics=True``; for a log with a side file, the lines after its last batch. 0 for a log
+    RunLogWriter wrote and closed, read without metrics."""
+    logged: Logged | None = None
+    """Every logged collect's step, time and aggregates, when some collects carry no per-rank values
+    (past the all-reduce crossover, or the last second of a run that crashed): ``steps``, ``times`` and
+    ``series`` then hold the collects that do. None when every collect does."""
+    detail_note: str | None = None
+    """Why the per-rank values are partial beyond :attr:`logged` (a damaged or missing side file)."""
 
     @property
     def world_size(self) -> int:
@@ -354,6 +376,9 @@ def read_run(path: str, *, metrics: bool = False) -> Run:
     with _open_log(path) as f:
         lines_of = _NumberedLines(f, path)
         header = _parse_header(next(lines_of, (1, ""))[1], path)
+        detail = header.get("detail")
+        if header.get("schema") != 1 and isinstance(detail, str) and detail != INLINE:
+            return _read_columnar(path, header, detail, metrics)
         lines = _Lines(_world_size(header, path), metrics)
         for lineno, line in lines_of:
             lines.add(lineno, line)
@@ -382,3 +407,129 @@ class _NumberedLines:
         except (gzip.BadGzipFile, zlib.error) as exc:
             raise RankmemError(f"{self._path}: the gzip stream is damaged ({exc}); recompress the log from its "
                                "source, or gunzip what can be read of it") from None
+
+
+def _read_columnar(path: str, header: dict[str, Any], name: str, metrics: bool) -> Run:
+    """A schema-2 log: the per-rank values and aggregates from its side file, then the lines the side
+    file does not hold yet (after its last batch's offset: a crash's last second) from the log."""
+    world = _world_size(header, path)
+    side = detail_path(path, name)
+    detail: Detail | None = None
+    note = None
+    if not os.path.isfile(side):
+        note = f"{side} is missing: no per-rank values; the aggregates are read from the run log's lines"
+    else:
+        try:
+            detail = read_detail(side, world)
+        except RankmemError as exc:
+            if "pip install" in str(exc):
+                raise
+            note = f"{exc}; the aggregates are read from the run log's lines"
+    if detail is None:
+        detail = read_detail_empty(world)
+    elif detail.error:
+        note = f"{side} is damaged after collect {detail.steps.size} ({detail.error}); the later collects' aggregates come from the run log's lines"
+    tail = _Tail(path, detail.log_offset, first_lineno=2 + detail.steps.size)
+    has = np.r_[detail.has_detail, np.zeros(len(tail.steps), dtype=bool)]
+    steps = np.r_[detail.steps, np.asarray(tail.steps, dtype=np.int64)].astype(np.int64)
+    times = np.r_[detail.times, np.asarray(tail.times, dtype=np.float64)]
+    aggregates: dict[str, np.ndarray] | None = None
+    if metrics or not has.all():
+        aggregates = _merge_aggregates(detail.aggregates(), tail.metrics, detail.steps.size, len(tail.steps))
+    logged = None if has.all() else Logged(steps, times, aggregates or {})
+    return Run(
+        path=path,
+        header=header,
+        steps=steps[has],
+        times=times[has],
+        series=detail.series(),
+        corrupt_lines=tail.corrupt,
+        truncated=tail.truncated or (detail.truncated and not tail.steps),
+        metrics={k: v[has] for k, v in aggregates.items()} if metrics and aggregates is not None else None,
+        slow_lines=len(tail.steps),
+        logged=logged,
+        detail_note=note,
+    )
+
+
+def read_detail_empty(world: int) -> Detail:
+    empty = np.empty(0)
+    return Detail(empty.astype(np.int64), empty, empty.astype(bool), [], np.empty((0, 0, world)), 0,
+                  _rows={"collect": empty.astype(np.intp), "key": empty.astype(np.intp),
+                         "stats": np.empty((0, len(DETAIL_AGGREGATES)))})
+
+
+def _merge_aggregates(head: dict[str, np.ndarray], tail: list[dict[str, Any]], n_head: int, n_tail: int
+                      ) -> dict[str, np.ndarray]:
+    """The side file's aggregates followed by those of the lines after it, per name."""
+    names = set(head)
+    for metrics in tail:
+        names.update(k for k in metrics if k.rsplit("/", 1)[-1] in DETAIL_AGGREGATES)
+    out = {}
+    for name in sorted(names):
+        arr = np.full(n_head + n_tail, np.nan)
+        if name in head:
+            arr[:n_head] = head[name]
+        for i, metrics in enumerate(tail):
+            arr[n_head + i] = to_float_or_nan(metrics.get(name))
+        out[name] = arr
+    return out
+
+
+class _Tail:
+    """The step lines of a log from byte ``offset`` on (the header skipped when it is 0), fully parsed:
+    steps, times and aggregates; corrupt lines counted (their numbers as the writer wrote them)."""
+
+    def __init__(self, path: str, offset: int, first_lineno: int) -> None:
+        self.steps: list[int] = []
+        self.times: list[float] = []
+        self.metrics: list[dict[str, Any]] = []
+        self.corrupt: list[int] = []
+        self.truncated = False
+        opener = gzip.open if _is_gzip(path) else open
+        with opener(path, "rb") as f:
+            try:
+                if offset:
+                    f.seek(offset)
+                else:
+                    f.readline()  # the header
+                    first_lineno = 2
+                for lineno, raw in enumerate(f, start=first_lineno):
+                    self._add(lineno, raw.decode("utf-8", errors="replace"))
+            except EOFError:  # a gzip'd log cut short (compressed while still written)
+                self.truncated = True
+            except (gzip.BadGzipFile, zlib.error) as exc:
+                raise RankmemError(f"{path}: the gzip stream is damaged ({exc}); recompress the log from its "
+                                   "source, or gunzip what can be read of it") from None
+
+    def _add(self, lineno: int, line: str) -> None:
+        if not line.strip():
+            return
+        obj = None if not line.endswith("\n") else _slow_step_any(line)
+        if obj is None:
+            if line.endswith("\n"):
+                self.corrupt.append(lineno)
+            else:
+                self.truncated = True
+            return
+        metrics = obj.get("metrics")
+        self.steps.append(obj["step"])
+        self.times.append(to_float_or_nan(obj.get("time")))
+        self.metrics.append(metrics if isinstance(metrics, dict) else {})
+
+
+def _slow_step_any(line: str) -> dict[str, Any] | None:
+    """A step line with or without per-rank values; None when it is not one."""
+    try:
+        obj = json.loads(line)
+    except _BAD_JSON:
+        return None
+    if isinstance(obj, dict) and obj.get("kind") == STEP_KIND and type(obj.get("step")) is int \
+            and STEP_MIN <= obj["step"] <= STEP_MAX:
+        return obj
+    return None
+
+
+def _is_gzip(path: str) -> bool:
+    with open(path, "rb") as f:
+        return f.read(2) == b"\x1f\x8b"

@@ -43,7 +43,9 @@ def _step(line: bytes) -> dict[str, Any] | None:
         obj = json.loads(line)
     except ValueError:
         return None
-    if isinstance(obj, dict) and obj.get("kind") == STEP_KIND and isinstance(obj.get("ranks"), dict):
+    # A step line with its per-rank values (schema 1, inline) or with the aggregates alone (schema 2).
+    if isinstance(obj, dict) and obj.get("kind") == STEP_KIND and (
+            isinstance(obj.get("ranks"), dict) or isinstance(obj.get("metrics"), dict)):
         return obj
     return None
 

@@ -1,6 +1,8 @@
 """The run-log writer, on the logging rank: the header once, then one whole line per step.
 
-Lines follow :mod:`rankmem.runlog._layout`. Each line is one ``write(2)`` to a file opened for
+Lines follow :mod:`rankmem.runlog._layout`: the aggregates on the line, the per-rank values in the
+columnar side file (:mod:`rankmem.runlog._columnar`), or on the line with ``detail="inline"`` (also what
+it falls back to, with one warning, where pyarrow is not installed). Each line is one ``write(2)`` to a file opened for
 appending, with no buffer in between: a crash loses at most the line being written. A write that fails
 part-way (a full disk takes what fits, then says ENOSPC) is cut back to the last whole line, so the
 file never holds half a line followed by later whole ones; the caller (:class:`rankmem.sinks.SafeSink`)
@@ -20,7 +22,18 @@ from typing import Any
 from rankmem._records import RunHeader, StepRecord
 from rankmem._scalars import json_safe
 from rankmem.errors import WarnOnce, warn
-from rankmem.runlog._layout import HEADER_KIND, SCHEMA, SEPARATORS, STEP_MAX, STEP_MIN, step_object
+from rankmem.runlog._columnar import DetailWriter, pyarrow_available
+from rankmem.runlog._layout import (
+    DETAIL_NAME,
+    HEADER_KIND,
+    INLINE,
+    SCHEMA,
+    SEPARATORS,
+    STEP_MAX,
+    STEP_MIN,
+    detail_name,
+    step_object,
+)
 from rankmem.runlog._lock import RunDirLock
 
 
@@ -42,7 +55,7 @@ def rotated_line(path: str, rotated: str) -> str:
     return f"{path} was from an earlier run (a restart into the same out_dir?); rotated it to {rotated}"
 
 
-def header_to_json(header: RunHeader) -> dict[str, Any]:
+def header_to_json(header: RunHeader, detail: str = DETAIL_NAME) -> dict[str, Any]:
     from rankmem import __version__
 
     try:
@@ -60,6 +73,7 @@ def header_to_json(header: RunHeader) -> dict[str, Any]:
         "started": header.started,
         "ranks": [asdict(r) for r in header.ranks],
         "config": header.config,
+        "detail": detail,
     }
 
 
@@ -80,8 +94,16 @@ class RunLogWriter:
     may be called again: :meth:`open` after a failure starts over, :meth:`write` goes on appending.
     """
 
-    def __init__(self, path: str) -> None:
+    COLUMNAR = "columnar"
+
+    def __init__(self, path: str, detail: str = COLUMNAR) -> None:
+        if detail not in (self.COLUMNAR, INLINE):
+            raise ValueError(f"detail must be {self.COLUMNAR!r} or {INLINE!r}, got {detail!r}")
         self.path = path
+        self.detail_path = os.path.join(os.path.dirname(os.path.abspath(path)), detail_name(os.path.basename(path)))
+        self._columnar = detail == self.COLUMNAR
+        self._detail: DetailWriter | None = None
+        self._collects = 0
         self._fd: int | None = None
         self._size = 0  # bytes of whole lines in the file: where a failed write is cut back to
         self._lock = RunDirLock(os.path.dirname(os.path.abspath(path)))
@@ -93,15 +115,34 @@ class RunLogWriter:
             self._lock.acquire()  # before the rotation: a second job must not move this one's log aside
         rotated = rotate(self.path)
         self._close_fd()
+        if self._columnar and not pyarrow_available():
+            self._columnar = False
+            warn("rankmem: pyarrow is not installed, so the run log keeps the per-rank values on its lines "
+                 "(slower to report on at scale); pip install pyarrow to write them to the columnar side file")
+        # An earlier run's side file goes with its log, under the same suffix (the reader pairs them so).
+        detail_rotated = None
+        if os.path.exists(self.detail_path):
+            if rotated:
+                detail_rotated = self.detail_path + rotated[len(self.path):]
+                os.replace(self.detail_path, detail_rotated)
+            else:
+                detail_rotated = rotate(self.detail_path)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC, 0o644)
         self._size = 0
+        self._collects = 0
         # default=str: the caller's config may hold paths; they become strings, not a lost header.
-        line = json.dumps(json_safe(header_to_json(header)), allow_nan=False, separators=SEPARATORS, default=str)
+        raw = header_to_json(header, os.path.basename(self.detail_path) if self._columnar else INLINE)
+        line = json.dumps(json_safe(raw), allow_nan=False, separators=SEPARATORS, default=str)
         try:
             self._write_line(line)
+            if self._columnar:
+                self._detail = DetailWriter(self.detail_path, header.world_size)
+                self._detail.open()
         except OSError:
             self._close_fd()  # the next open() starts over on the empty file
             raise
+        if detail_rotated and not rotated:
+            warn(f"rankmem: {rotated_line(self.detail_path, detail_rotated)}")
         if rotated:
             warn(f"rankmem: {rotated_line(self.path, rotated)}")
 
@@ -114,11 +155,20 @@ class RunLogWriter:
         # Hot path: encode as is, and only when the text holds a non-finite token (NaN, Infinity,
         # which JSON lacks) rebuild the record with nulls. Checking every value in Python first cost
         # more than the encoding itself.
-        raw = step_object(record.step, record.time, _integer_ranks(record.metrics), record.ranks)
+        ranks = None if self._columnar else record.columns()
+        raw = step_object(record.step, record.time, _integer_ranks(record.metrics), ranks)
         line = json.dumps(raw, separators=SEPARATORS)
         if "NaN" in line or "Infinity" in line:
             line = json.dumps(json_safe(raw), allow_nan=False, separators=SEPARATORS)
         self._write_line(line)
+        if self._detail is not None:
+            self._detail.add(self._collects, record, self._size)
+        self._collects += 1
+
+    def flush(self) -> None:
+        """Write the per-rank values still waiting for their batch (the lines are never buffered)."""
+        if self._detail is not None:
+            self._detail.flush()
 
     def _write_line(self, line: str) -> None:
         assert self._fd is not None, "RunLogWriter.open() must come first"
@@ -140,6 +190,9 @@ class RunLogWriter:
         self._size += done
 
     def _close_fd(self) -> None:
+        if self._detail is not None:
+            detail, self._detail = self._detail, None
+            detail.close()
         if self._fd is not None:
             fd, self._fd = self._fd, None
             os.close(fd)

@@ -152,6 +152,17 @@ class SafeSink:
         assert outage is not None
         warn(f"rankmem: sink {self._name} is writing again from step {step}; {outage.describe()}", stacklevel=4)
 
+    def flush(self) -> None:
+        """The sink's own ``flush()``, where it has one (the run log's per-rank batch); failures count
+        as the sink's, never the caller's."""
+        flush = getattr(self.sink, "flush", None)
+        if flush is None or self.disabled or not self._opened:
+            return
+        try:
+            flush()
+        except Exception as exc:  # noqa: BLE001
+            self._failed("flush", None, exc)
+
     def close(self) -> None:
         # A sink in an outage still holds files or a tracker run: always try to close it.
         try:

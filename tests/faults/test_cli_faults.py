@@ -11,6 +11,7 @@ import pytest
 
 from rankmem.cli import main
 from rankmem.runlog import RUN_LOG_NAME, read_run
+from rankmem.runlog._layout import DETAIL_NAME
 from tests.runlog_helpers import known_run
 
 
@@ -36,22 +37,27 @@ def test_bad_options_and_outputs_are_one_line_and_exit_2(tmp_path: Path, capsys:
     assert captured.out == ""
 
 
-def test_a_gzipped_run_log_is_read_directly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    plain = known_run(tmp_path / "plain")
+@pytest.mark.parametrize("detail", ["columnar", "inline"])
+def test_a_gzipped_run_log_is_read_directly(tmp_path: Path, capsys: pytest.CaptureFixture[str], detail: str) -> None:
+    plain = known_run(tmp_path / "plain", detail=detail)
     gz = tmp_path / "gz" / (RUN_LOG_NAME + ".gz")
     gz.parent.mkdir()
     with open(plain, "rb") as src, gzip.open(gz, "wb") as dst:
         shutil.copyfileobj(src, dst)
+    if detail == "columnar":  # the side file is kept as it is, next to the compressed log
+        shutil.copy(plain.parent / DETAIL_NAME, gz.parent / DETAIL_NAME)
     assert main(["report", str(plain.parent)]) == 0
     expected = capsys.readouterr().out.replace(str(plain), str(gz))
     for where in (gz, gz.parent):  # the file, or the run directory holding only the .gz
         assert main(["report", str(where)]) == 0
         assert capsys.readouterr().out == expected
     # Cut short (compressed while it was still written): the whole lines are read, the end is flagged.
+    # With the side file whole, no step is lost.
     data = gz.read_bytes()
     gz.write_bytes(data[: len(data) * 2 // 3])
     run = read_run(str(gz))
-    assert run.truncated and 0 < run.steps.size < 40 and run.corrupt == 0
+    assert run.truncated and run.corrupt == 0
+    assert run.steps.size == 40 if detail == "columnar" else 0 < run.steps.size < 40
 
 
 def test_a_log_in_another_compression_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

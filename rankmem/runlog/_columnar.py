@@ -1,0 +1,238 @@
+"""The run log's columnar side file, written on the logging rank: per-rank values as an Arrow IPC stream.
+
+Why a side file: with every rank's value of every key on each JSON line, a line grows with the world
+(~10 KB at 8 ranks, ~1 MB at 1,024) and a report has to ``json.loads`` all of it. Here the step lines
+keep the aggregates and the per-rank values go, one row per (collect, key), to
+``rankmem.ranks.arrow``: a format pandas, polars, DuckDB and pyarrow read directly, whose numbers a
+reader maps into arrays without parsing text (see :mod:`rankmem.runlog._layout` for the columns).
+
+Why an IPC *stream* appended batch by batch: a stream has no footer, so the file is readable after a
+crash up to its last whole batch, and each batch is one ``write(2)`` (cut back to the last whole batch
+when the disk refuses part of it, as the JSONL writer does with lines). Collects are batched, a batch
+written when :data:`FLUSH_S` has passed since the last one or :data:`MAX_BATCH` collects wait: each
+batch costs a few hundred bytes of metadata and the reader a few microseconds, so one batch per
+collect made a 100k-step log 3x slower to read. A crash loses at most the last second of per-rank
+values; their aggregates are on the JSON lines, which a reader takes after the last batch's
+:data:`~rankmem.runlog._layout.LOG_OFFSET`.
+
+pyarrow is imported when the file is opened; without it the run log keeps the per-rank values on its
+lines (the writer checks :func:`pyarrow_available` first). Online code: nothing of the reader here.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import math
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from rankmem._records import StepRecord
+from rankmem.errors import WarnOnce
+from rankmem.runlog._layout import DETAIL_AGGREGATES, DETAIL_COLUMNS, LOG_OFFSET, WORLD_KEY
+
+FLUSH_S = 1.0
+"""Seconds between batches while collects keep coming: what a killed job loses of per-rank values."""
+MAX_BATCH = 512
+"""Most collects in one batch (fast collects, a synthetic log)."""
+MAX_PENDING = 8192
+"""Collects held while the disk refuses the batch; beyond this the oldest are dropped, counted and warned
+about (their aggregates stay on the JSON lines)."""
+
+
+def pyarrow_available() -> bool:
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=8)
+def detail_schema(world: int) -> Any:
+    """The side file's Arrow schema for ``world`` ranks (columns: :data:`DETAIL_COLUMNS`)."""
+    import pyarrow as pa
+
+    types = {"collect": pa.int64(), "step": pa.int64(), "time": pa.float64(), "key": pa.string(),
+             "max_rank": pa.int32(), "min_rank": pa.int32(), "ranks": pa.list_(pa.float64())}
+    fields = [pa.field(name, types.get(name, pa.float64()), nullable=name == "ranks") for name in DETAIL_COLUMNS]
+    return pa.schema(fields, metadata={WORLD_KEY: str(world).encode()})
+
+
+class _Bytes:
+    """The stream writer's sink: gathers what one batch serialises to, so it goes out in one write."""
+
+    closed = False
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+
+    def write(self, chunk: Any) -> int:
+        self.data += chunk
+        return len(chunk)
+
+    def writable(self) -> bool:
+        return True
+
+    def flush(self) -> None:
+        pass
+
+
+class _Pending:
+    """One collect waiting for its batch: its keys, aggregates (keys x 8) and per-rank matrix or None."""
+
+    __slots__ = ("collect", "step", "time", "keys", "stats", "matrix")
+
+    def __init__(self, collect: int, record: StepRecord, keys: tuple[str, ...], stats: np.ndarray,
+                 matrix: np.ndarray | None) -> None:
+        self.collect, self.step, self.time = collect, record.step, record.time
+        self.keys, self.stats, self.matrix = keys, stats, matrix
+
+
+class DetailWriter:
+    """Appends collects to the side file at ``path``, a batch at a time (see the module's docstring).
+
+    Never raises out of :meth:`add` or :meth:`flush`: a refused write keeps the collects pending (and
+    warns once); the JSON lines go on regardless.
+    """
+
+    def __init__(self, path: str, world: int) -> None:
+        self.path = path
+        self.world = world
+        self.dropped = 0
+        """Collects whose per-rank values were dropped because the disk refused them too long."""
+        self._fd: int | None = None
+        self._size = 0
+        self._sink = _Bytes()
+        self._stream: Any = None
+        self._pending: list[_Pending] = []
+        self._last_flush = time.monotonic()
+        self._log_offset = 0
+        self._names: dict[tuple[str, ...], list[str]] = {}
+        self._warn_once = WarnOnce()
+
+    def open(self) -> None:
+        import pyarrow as pa
+
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        self._size = 0
+        self._stream = pa.ipc.new_stream(self._sink, detail_schema(self.world))
+        self._commit()  # the schema message; a failure here is the caller's open() failing
+
+    def add(self, collect: int, record: StepRecord, log_offset: int) -> None:
+        """Queue one collect whose JSON line ends at byte ``log_offset`` of the run log; write a batch when due."""
+        keys = tuple(record.key_names())
+        names = self._names.get(keys)
+        if names is None:
+            names = self._names[keys] = [f"{k}/{a}" for k in keys for a in DETAIL_AGGREGATES]
+        get, nan = record.metrics.get, math.nan
+        stats = np.array([get(n, nan) for n in names], dtype=np.float64).reshape(len(keys), len(DETAIL_AGGREGATES))
+        matrix = _matrix(record, keys, self.world)
+        self._pending.append(_Pending(collect, record, keys, stats, matrix))
+        self._log_offset = log_offset
+        if len(self._pending) > MAX_PENDING:
+            self.dropped += 1
+            del self._pending[0]
+            self._warn_once("dropped", f"rankmem: {self.path} cannot be written; the per-rank values of the oldest "
+                                       "collects are dropped (the run log's lines keep their aggregates)")
+        if len(self._pending) >= MAX_BATCH or time.monotonic() - self._last_flush >= FLUSH_S:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the pending collects as one batch now (a no-op when none wait)."""
+        self._last_flush = time.monotonic()
+        if not self._pending or self._stream is None:
+            return
+        try:
+            batch = _batch(self._pending, self.world)
+            self._stream.write_batch(batch, custom_metadata={LOG_OFFSET: str(self._log_offset).encode()})
+            self._commit()
+        except OSError as exc:
+            self._warn_once("write", f"rankmem: writing {self.path} failed ({exc}); its per-rank values are kept "
+                                     "and written again at the next batch")
+            return
+        self._pending.clear()
+
+    def _commit(self) -> None:
+        """One write of what the stream writer produced; cut back to the last whole batch if it fails."""
+        data, self._sink.data = bytes(self._sink.data), bytearray()
+        assert self._fd is not None
+        done = 0
+        try:
+            while done < len(data):
+                n = os.write(self._fd, data[done:])
+                if n == 0:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.path)
+                done += n
+        except OSError:
+            if done:
+                try:
+                    os.ftruncate(self._fd, self._size)
+                except OSError:
+                    pass
+            raise
+        self._size += done
+
+    def close(self) -> None:
+        self.flush()
+        if self._pending:
+            self._warn_once("lost", f"rankmem: the per-rank values of {len(self._pending)} collect(s) could not be "
+                                    f"written to {self.path} before closing (their aggregates are in the run log)")
+        self._pending.clear()
+        if self._stream is not None:
+            try:
+                self._stream.close()  # the end-of-stream marker
+                self._commit()
+            except OSError:
+                pass
+            self._stream = None
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
+
+
+def _matrix(record: StepRecord, keys: tuple[str, ...], world: int) -> np.ndarray | None:
+    """The record's ranks x keys values (NaN where absent), or None when it carries no detail."""
+    if record.matrix is not None:
+        m = np.asarray(record.matrix, dtype=np.float64)
+        return m if m.shape == (world, len(keys)) else None
+    if not record.ranks:
+        return None
+    out = np.full((world, len(keys)), np.nan)
+    for j, key in enumerate(keys):
+        vec = record.ranks.get(key) or []
+        out[: min(len(vec), world), j] = [math.nan if v is None else v for v in vec[:world]]
+    return out
+
+
+def _batch(pending: list[_Pending], world: int) -> Any:
+    """The pending collects as one record batch, one row per (collect, key)."""
+    import pyarrow as pa
+
+    sizes = np.array([len(p.keys) for p in pending])
+    rows = int(sizes.sum())
+    valid = np.repeat([p.matrix is not None for p in pending], sizes)
+    # A variable-size list, not a fixed-size one: a collect without per-rank values (most of them past
+    # the crossover) then costs 4 bytes of offset per key instead of world x 8 bytes of padding.
+    matrices = [p.matrix.T for p in pending if p.matrix is not None]
+    values = np.concatenate(matrices).ravel() if matrices else np.empty(0)
+    offsets = np.zeros(rows + 1, dtype=np.int32)
+    np.cumsum(np.where(valid, world, 0), out=offsets[1:])
+    stats = np.vstack([p.stats for p in pending]) if rows else np.empty((0, len(DETAIL_AGGREGATES)))
+    keys = [k for p in pending for k in p.keys]
+    columns: list[Any] = [
+        pa.array(np.repeat([p.collect for p in pending], sizes).astype(np.int64)),
+        pa.array(np.repeat([p.step for p in pending], sizes).astype(np.int64)),
+        pa.array(np.repeat([p.time for p in pending], sizes).astype(np.float64)),
+        pa.array(keys, type=pa.string()),
+    ]
+    for j, name in enumerate(DETAIL_AGGREGATES):
+        col = stats[:, j]
+        if name.endswith("_rank"):
+            col = np.where(np.isfinite(col), col, -1).astype(np.int32)
+        columns.append(pa.array(col))
+    columns.append(pa.ListArray.from_arrays(pa.array(offsets), pa.array(values), mask=pa.array(~valid)))
+    return pa.record_batch(columns, schema=detail_schema(world))
