@@ -14,7 +14,7 @@ Offline code over :class:`rankmem.runlog.Run`'s arrays (numpy, no torch).
 
 from __future__ import annotations
 
-import warnings
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,11 +61,10 @@ def _row(run: Run, phase: str, suffix: str, field: str, matrix: np.ndarray) -> P
     filled = np.where(np.isfinite(matrix), matrix, np.inf if low else -np.inf)
     flat = int(filled.argmin() if low else filled.argmax())  # ties: earliest step, then lowest rank
     row, rank = divmod(flat, matrix.shape[1])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # a step where no rank ran the phase: nan, skipped
-        per_step = np.nanmin(matrix, axis=1) if low else np.nanmax(matrix, axis=1)
+    per_step = filled.min(axis=1) if low else filled.max(axis=1)
+    per_step = per_step[np.isfinite(per_step)]  # a step where no rank ran the phase is skipped
     out = PhaseRow(phase=phase, key=suffix, worst=float(matrix[row, rank]), step=int(run.steps[row]), rank=rank,
-                   mean_per_step=float(np.nanmean(per_step)))
+                   mean_per_step=float(per_step.mean()) if per_step.size else math.nan)
     if field in DELTA_FIELDS:
         totals = np.nansum(matrix, axis=0)
         out.total_rank = int(totals.argmax())

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -190,8 +191,7 @@ def _key_report_detail(run: Run, key: str, matrix: np.ndarray, worst: str) -> Ke
     value = float(matrix[row, rank])
     imbalance = None
     if not low:
-        with np.errstate(invalid="ignore"):
-            per_rank = np.nanmax(np.where(np.isfinite(matrix), matrix, np.nan), axis=0)
+        per_rank = filled.max(axis=0)  # -inf for a rank with no finite value: dropped below
         per_rank = per_rank[np.isfinite(per_rank)]
         mean = float(per_rank.mean()) if per_rank.size else math.nan
         imbalance = float(per_rank.max()) / mean if per_rank.size and mean > 0 else None
@@ -228,6 +228,16 @@ def growth(run: Run, key: str) -> Growth | None:
 
 
 def build_report(run: Run, leak_config: LeakConfig | None = None) -> Report:
+    # The leak verdicts are the longest part on a long run (medians over every rank's series) and share
+    # nothing with the tables: they run on a second thread meanwhile (numpy drops the GIL in them).
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rankmem-leaks") as pool:
+        trends = pool.submit(detect_leaks, run, config=leak_config)
+        report = _tables(run)
+        report.trends = trends.result()
+    return report
+
+
+def _tables(run: Run) -> Report:
     events = read_events(run.path)
     steps = run.steps if run.logged is None else run.logged.steps
     report = Report(
@@ -251,7 +261,6 @@ def build_report(run: Run, leak_config: LeakConfig | None = None) -> Report:
             if key == key_of("headroom"):
                 report.headroom = kr
     report.host_growth = growth(run, key_of("rss"))
-    report.trends = detect_leaks(run, config=leak_config)
     report.phases = phase_rows(run)
     report.limits = limits(run, report)
     return report

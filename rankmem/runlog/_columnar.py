@@ -209,30 +209,37 @@ def _matrix(record: StepRecord, keys: tuple[str, ...], world: int) -> np.ndarray
 
 
 def _batch(pending: list[_Pending], world: int) -> Any:
-    """The pending collects as one record batch, one row per (collect, key)."""
+    """The pending collects as one record batch, one row per (collect, key), ordered key by key (then by
+    collect): a reader then copies each key's per-rank values of the batch as one block."""
     import pyarrow as pa
 
     sizes = np.array([len(p.keys) for p in pending])
-    rows = int(sizes.sum())
+    keys = [k for p in pending for k in p.keys]
+    names = sorted(set(keys))
+    rank_of = {k: i for i, k in enumerate(names)}
+    collect = np.repeat(np.arange(len(pending)), sizes)  # rows in collect order first
+    order = np.lexsort((collect, np.array([rank_of[k] for k in keys], dtype=np.intp)))
     valid = np.repeat([p.matrix is not None for p in pending], sizes)
     # A variable-size list, not a fixed-size one: a collect without per-rank values (most of them past
     # the crossover) then costs 4 bytes of offset per key instead of world x 8 bytes of padding.
     matrices = [p.matrix.T for p in pending if p.matrix is not None]
-    values = np.concatenate(matrices).ravel() if matrices else np.empty(0)
-    offsets = np.zeros(rows + 1, dtype=np.int32)
+    dense = np.concatenate(matrices) if matrices else np.empty((0, world))  # the valid rows, collect order
+    dense_row = np.cumsum(valid) - 1
+    valid = valid[order]
+    values = dense[dense_row[order][valid]]
+    offsets = np.zeros(len(keys) + 1, dtype=np.int32)
     np.cumsum(np.where(valid, world, 0), out=offsets[1:])
-    stats = np.vstack([p.stats for p in pending]) if rows else np.empty((0, len(DETAIL_AGGREGATES)))
-    keys = [k for p in pending for k in p.keys]
+    stats = (np.vstack([p.stats for p in pending]) if keys else np.empty((0, len(DETAIL_AGGREGATES))))[order]
     columns: list[Any] = [
-        pa.array(np.repeat([p.collect for p in pending], sizes).astype(np.int64)),
-        pa.array(np.repeat([p.step for p in pending], sizes).astype(np.int64)),
-        pa.array(np.repeat([p.time for p in pending], sizes).astype(np.float64)),
-        pa.array(keys, type=pa.string()),
+        pa.array(np.array([p.collect for p in pending], dtype=np.int64)[collect[order]]),
+        pa.array(np.array([p.step for p in pending], dtype=np.int64)[collect[order]]),
+        pa.array(np.array([p.time for p in pending], dtype=np.float64)[collect[order]]),
+        pa.array([keys[i] for i in order.tolist()], type=pa.string()),
     ]
     for j, name in enumerate(DETAIL_AGGREGATES):
         col = stats[:, j]
         if name.endswith("_rank"):
             col = np.where(np.isfinite(col), col, -1).astype(np.int32)
         columns.append(pa.array(col))
-    columns.append(pa.ListArray.from_arrays(pa.array(offsets), pa.array(values), mask=pa.array(~valid)))
+    columns.append(pa.ListArray.from_arrays(pa.array(offsets), pa.array(values.ravel()), mask=pa.array(~valid)))
     return pa.record_batch(columns, schema=detail_schema(world))

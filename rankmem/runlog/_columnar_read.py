@@ -40,7 +40,10 @@ class Detail:
     error: str | None = None
     """Why reading stopped early other than a cut-off end (a damaged batch), for the report."""
     _rows: dict[str, np.ndarray] = field(default_factory=dict)
-    """Per-row ``collect`` position, ``key`` index and the aggregates, for :meth:`aggregates`."""
+    """Per-row ``collect`` position and ``key`` index, for :meth:`aggregates`."""
+    _table: Any = None
+    """The mapped batches, whose aggregate columns :meth:`aggregates` reads when asked (a run whose every
+    collect has per-rank values never needs them: they are a function of those)."""
 
     def series(self) -> dict[str, np.ndarray]:
         return {k: self.cube[i] for i, k in enumerate(self.keys)}
@@ -49,11 +52,13 @@ class Detail:
         """``K/max``, ``K/min``, ... of every collect (NaN where a collect lacks ``K``; -1 ranks where
         it has ``K`` but no rank a value)."""
         n, keys = self.steps.size, self.keys
-        where, key_of, stats = self._rows["collect"], self._rows["key"], self._rows["stats"]
+        if self._table is None:
+            return {}
+        where, key_of = self._rows["collect"], self._rows["key"]
         out: dict[str, np.ndarray] = {}
-        for j, name in enumerate(DETAIL_AGGREGATES):
+        for name in DETAIL_AGGREGATES:
             grid = np.full((len(keys), n), np.nan)
-            grid[key_of, where] = stats[:, j]
+            grid[key_of, where] = self._table.column(name).to_numpy()
             if not name.endswith("_rank") and not np.isfinite(grid).any():
                 continue  # the quantiles of an all-gather run: none were written
             for i, key in enumerate(keys):
@@ -77,29 +82,37 @@ def read_detail(path: str, world: int) -> Detail:
     batches: list[Any] = []
     offsets: list[int] = []
     truncated, error = False, None
-    with pa.memory_map(path) as source:
+    # Not closed here: the batches are views of the mapping, which lives as long as they do.
+    source = pa.memory_map(path)
+    try:
+        reader = pa.ipc.open_stream(source)
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise RankmemError(f"{path} is not a rankmem per-rank file ({exc}); move it aside to read the run "
+                           "log's aggregates alone") from None
+    _check_schema(reader.schema, world, path)
+    while True:
         try:
-            reader = pa.ipc.open_stream(source)
+            batch, meta = reader.read_next_batch_with_custom_metadata()
+        except StopIteration:
+            break
         except (pa.ArrowInvalid, OSError) as exc:
-            raise RankmemError(f"{path} is not a rankmem per-rank file ({exc}); move it aside to read the run "
-                               "log's aggregates alone") from None
-        _check_schema(reader.schema, world, path)
-        while True:
-            try:
-                batch, meta = reader.read_next_batch_with_custom_metadata()
-            except StopIteration:
-                break
-            except (pa.ArrowInvalid, OSError) as exc:
-                # Cut off inside a batch (a crash) reads as invalid too: the end of the file decides.
-                truncated = source.tell() >= source.size()
-                error = None if truncated else str(exc)
-                break
-            if not _whole(batch, world):
-                error = f"batch {len(batches) + 1} holds per-rank lists that are not {world} long"
-                break
-            batches.append(batch)
-            offsets.append(_offset(meta))
-        return _assemble(batches, world, offsets[-1] if offsets else 0, truncated, error)
+            # Cut off inside a batch (a crash) reads as invalid too: the end of the file decides.
+            truncated = source.tell() >= source.size()
+            error = None if truncated else str(exc)
+            break
+        if not _whole(batch, world):
+            error = f"batch {len(batches) + 1} holds per-rank lists that are not {world} long"
+            break
+        batches.append(batch)
+        offsets.append(_offset(meta))
+    return _assemble(batches, world, offsets[-1] if offsets else 0, truncated, error)
+
+
+def empty_detail(world: int, log_offset: int = 0, truncated: bool = False, error: str | None = None) -> Detail:
+    """No collects: a side file with no whole batch yet, or none at all."""
+    empty = np.empty(0)
+    return Detail(empty.astype(np.int64), empty, empty.astype(bool), [], np.empty((0, 0, world)), log_offset,
+                  truncated, error)
 
 
 def _check_schema(schema: Any, world: int, path: str) -> None:
@@ -130,26 +143,75 @@ def _assemble(batches: list[Any], world: int, log_offset: int, truncated: bool, 
     import pyarrow.compute as pc
 
     if not batches:
-        return Detail(np.empty(0, np.int64), np.empty(0), np.empty(0, bool), [], np.empty((0, 0, world)),
-                      log_offset, truncated, error, {"collect": np.empty(0, np.intp), "key": np.empty(0, np.intp),
-                                                     "stats": np.empty((0, len(DETAIL_AGGREGATES)))})
+        return empty_detail(world, log_offset, truncated, error)
     table = pa.Table.from_batches(batches)
+    regular = _regular(batches, world)
+    if regular is not None:  # the common case: every collect has per-rank values of the same keys
+        keys, sizes, cube = regular
+        steps = np.concatenate([b.column(1).to_numpy()[:m] for b, m in zip(batches, sizes, strict=True)])
+        times = np.concatenate([b.column(2).to_numpy()[:m] for b, m in zip(batches, sizes, strict=True)])
+        return Detail(steps, times, np.ones(steps.size, dtype=bool), keys, cube, log_offset, truncated, error,
+                      _regular_rows(sizes, len(keys)), table)
     collect = table.column("collect").to_numpy()
-    starts = np.flatnonzero(np.r_[True, collect[1:] != collect[:-1]])
-    position = np.cumsum(np.r_[True, collect[1:] != collect[:-1]]) - 1  # each row's collect, 0..n-1
+    # Collect numbers rise through the file: sorted, they are the collects in file order.
+    _, first, position = np.unique(collect, return_index=True, return_inverse=True)
     key_column = table.column("key")
     keys = sorted(pc.unique(key_column).to_pylist())
-    key_of = pc.index_in(key_column, value_set=pa.array(keys, pa.string())).to_numpy().astype(np.intp)
+    key_of = pc.index_in(key_column, value_set=pa.array(keys, pa.string())).to_numpy()
     valid = table.column("ranks").is_valid().to_numpy(zero_copy_only=False)
-    has_detail = np.zeros(starts.size, dtype=bool)
+    has_detail = np.zeros(first.size, dtype=bool)
     has_detail[position[valid]] = True
     detail_at = np.cumsum(has_detail) - 1  # a collect's row in the cube
-    cube = np.full((len(keys), int(has_detail.sum()), world), np.nan)
-    _scatter(table.column("ranks"), valid, key_of, detail_at[position], cube, world)
-    stats = np.column_stack([table.column(name).to_numpy().astype(np.float64) for name in DETAIL_AGGREGATES])
-    rows = {"collect": position, "key": key_of, "stats": stats}
-    return Detail(table.column("step").to_numpy()[starts], table.column("time").to_numpy()[starts], has_detail,
-                  keys, cube, log_offset, truncated, error, rows)
+    cube_row = detail_at[position]
+    # Not np.full: every (key, collect) a row fills is written once, so only the rest needs its NaN.
+    cube = np.empty((len(keys), int(has_detail.sum()), world))
+    covered = np.zeros(cube.shape[:2], dtype=bool)
+    covered[key_of[valid], cube_row[valid]] = True
+    cube[~covered] = np.nan
+    _scatter(table.column("ranks"), valid, key_of, cube_row, cube, world)
+    return Detail(table.column("step").to_numpy()[first], table.column("time").to_numpy()[first], has_detail,
+                  keys, cube, log_offset, truncated, error, {"collect": position, "key": key_of}, table)
+
+
+def _regular(batches: list[Any], world: int) -> tuple[list[str], list[int], np.ndarray] | None:
+    """(keys, collects per batch, keys x collects x ranks) when every collect holds per-rank values of the
+    same keys: each batch is then ``keys`` blocks of its collects, in the writer's order, and each block
+    is copied whole into its key's rows. None otherwise (the general path places row by row)."""
+    import pyarrow as pa
+
+    keys = sorted(set(batches[0].column(3).to_pylist()))
+    k, sizes, last = len(keys), [], -1
+    expected: dict[int, Any] = {}
+    for batch in batches:
+        m, rest = divmod(batch.num_rows, k)
+        ranks = batch.column(len(batch.schema) - 1)
+        if rest or m == 0 or ranks.null_count:
+            return None
+        if m not in expected:
+            expected[m] = pa.array([key for key in keys for _ in range(m)], pa.string())
+        collect = batch.column(0).to_numpy().reshape(k, m)
+        if not batch.column(3).equals(expected[m]) or not (collect == collect[0]).all() \
+                or collect[0, 0] <= last or (m > 1 and not (collect[0, 1:] > collect[0, :-1]).all()):
+            return None
+        last = int(collect[0, -1])
+        sizes.append(m)
+    cube = np.empty((k, sum(sizes), world))
+    at = 0
+    for batch, m in zip(batches, sizes, strict=True):
+        ranks = batch.column(len(batch.schema) - 1)
+        cube[:, at : at + m] = ranks.flatten().to_numpy(zero_copy_only=False).reshape(k, m, world)
+        at += m
+    return keys, sizes, cube
+
+
+def _regular_rows(sizes: list[int], k: int) -> dict[str, np.ndarray]:
+    """Each row's collect position and key index in the regular layout (key blocks within a batch)."""
+    collect, key, at = [], [], 0
+    for m in sizes:
+        collect.append(np.tile(np.arange(at, at + m), k))
+        key.append(np.repeat(np.arange(k), m))
+        at += m
+    return {"collect": np.concatenate(collect), "key": np.concatenate(key)}
 
 
 def _scatter(ranks: Any, valid: np.ndarray, key_of: np.ndarray, cube_row: np.ndarray, cube: np.ndarray,
@@ -159,12 +221,13 @@ def _scatter(ranks: Any, valid: np.ndarray, key_of: np.ndarray, cube_row: np.nda
     at, count = 0, 0
     values: list[np.ndarray] = []
     rows: list[np.ndarray] = []
+    # One index into (key, collect) pairs: numpy copies a row per index, ~4x faster than two index arrays.
+    target, slot = cube.reshape(-1, world), key_of * cube.shape[1] + cube_row
 
     def scatter() -> None:
         nonlocal values, rows, count
         if values:
-            where = np.concatenate(rows)
-            cube[key_of[where], cube_row[where]] = np.concatenate(values) if len(values) > 1 else values[0]
+            target[slot[np.concatenate(rows)]] = np.concatenate(values) if len(values) > 1 else values[0]
         values, rows, count = [], [], 0
 
     for chunk in ranks.chunks:

@@ -46,7 +46,8 @@ INLINE = "inline"
 # The side file's columns, one row per (collect, key): the collect's number in the log (0, 1, ...),
 # its step and time, the key, the aggregates, and the per-rank values (a list of exactly world_size
 # floats, null on collects that carried no per-rank detail: past the all-reduce crossover). NaN where a
-# rank lacks the key or its value is not finite. The schema's metadata holds the world size.
+# rank lacks the key or its value is not finite. The schema's metadata holds the world size. Within a
+# batch the rows go key by key, then collect by collect (a reader copies a key's values as one block).
 DETAIL_AGGREGATES = ("max", "min", "mean", "max_rank", "min_rank", "p50", "p90", "p99")
 DETAIL_COLUMNS = ("collect", "step", "time", "key", *DETAIL_AGGREGATES, "ranks")
 WORLD_KEY = b"rankmem.world_size"

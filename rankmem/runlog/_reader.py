@@ -32,7 +32,7 @@ import numpy as np
 from rankmem._catalogue import phase_names
 from rankmem._scalars import to_float_or_nan
 from rankmem.errors import RankmemError
-from rankmem.runlog._columnar_read import Detail, read_detail
+from rankmem.runlog._columnar_read import Detail, empty_detail, read_detail
 from rankmem.runlog._layout import (
     DETAIL_AGGREGATES,
     HEADER_KIND,
@@ -90,7 +90,7 @@ class Run:
     corrupt_lines: list[int] = field(default_factory=list)
     """1-based line numbers that did not parse (or were not a step) and were skipped."""
     truncated: bool = False
-    """True when the last line was cut short (a crash mid-write) and skipped."""
+    """True when the last line, or the side file's last batch, was cut short (a crash mid-write) and skipped."""
     metrics: dict[str, np.ndarray] | None = None
     slow_lines: int = 0
     """Step lines read by a full ``json.loads``: those not in the writer's layout, or every one with
@@ -426,9 +426,10 @@ def _read_columnar(path: str, header: dict[str, Any], name: str, metrics: bool) 
                 raise
             note = f"{exc}; the aggregates are read from the run log's lines"
     if detail is None:
-        detail = read_detail_empty(world)
+        detail = empty_detail(world)
     elif detail.error:
-        note = f"{side} is damaged after collect {detail.steps.size} ({detail.error}); the later collects' aggregates come from the run log's lines"
+        note = (f"{side} is damaged after collect {detail.steps.size} ({detail.error}); the later collects' "
+                "aggregates come from the run log's lines")
     tail = _Tail(path, detail.log_offset, first_lineno=2 + detail.steps.size)
     has = np.r_[detail.has_detail, np.zeros(len(tail.steps), dtype=bool)]
     steps = np.r_[detail.steps, np.asarray(tail.steps, dtype=np.int64)].astype(np.int64)
@@ -444,19 +445,12 @@ def _read_columnar(path: str, header: dict[str, Any], name: str, metrics: bool) 
         times=times[has],
         series=detail.series(),
         corrupt_lines=tail.corrupt,
-        truncated=tail.truncated or (detail.truncated and not tail.steps),
+        truncated=tail.truncated or detail.truncated,
         metrics={k: v[has] for k, v in aggregates.items()} if metrics and aggregates is not None else None,
         slow_lines=len(tail.steps),
         logged=logged,
         detail_note=note,
     )
-
-
-def read_detail_empty(world: int) -> Detail:
-    empty = np.empty(0)
-    return Detail(empty.astype(np.int64), empty, empty.astype(bool), [], np.empty((0, 0, world)), 0,
-                  _rows={"collect": empty.astype(np.intp), "key": empty.astype(np.intp),
-                         "stats": np.empty((0, len(DETAIL_AGGREGATES)))})
 
 
 def _merge_aggregates(head: dict[str, np.ndarray], tail: list[dict[str, Any]], n_head: int, n_tail: int
