@@ -154,6 +154,10 @@ class DetailWriter:
             self._warn_once("write", f"rankmem: writing {self.path} failed ({exc}); its per-rank values are kept "
                                      "and written again at the next batch")
             return
+        except Exception as exc:  # noqa: BLE001 - a batch pyarrow refuses must not cost the run log's lines
+            self.dropped += len(self._pending)
+            self._warn_once("batch", f"rankmem: a batch of per-rank values could not be encoded for {self.path} "
+                                     f"({exc!r}); {len(self._pending)} collect(s) keep only their aggregates")
         self._pending.clear()
 
     def _commit(self) -> None:
