@@ -21,7 +21,6 @@ lines (the writer checks :func:`pyarrow_available` first). Online code: nothing 
 
 from __future__ import annotations
 
-import errno
 import functools
 import math
 import os
@@ -32,6 +31,7 @@ import numpy as np
 
 from rankmem._records import StepRecord
 from rankmem.errors import WarnOnce
+from rankmem.runlog._append import append_whole
 from rankmem.runlog._layout import DETAIL_AGGREGATES, DETAIL_COLUMNS, LOG_OFFSET, WORLD_KEY
 
 FLUSH_S = 1.0
@@ -164,21 +164,7 @@ class DetailWriter:
         """One write of what the stream writer produced; cut back to the last whole batch if it fails."""
         data, self._sink.data = bytes(self._sink.data), bytearray()
         assert self._fd is not None
-        done = 0
-        try:
-            while done < len(data):
-                n = os.write(self._fd, data[done:])
-                if n == 0:
-                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.path)
-                done += n
-        except OSError:
-            if done:
-                try:
-                    os.ftruncate(self._fd, self._size)
-                except OSError:
-                    pass
-            raise
-        self._size += done
+        self._size += append_whole(self._fd, data, self._size, self.path)
 
     def close(self) -> None:
         self.flush()

@@ -13,7 +13,6 @@ Online code: it imports nothing of the reader.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 from dataclasses import asdict
@@ -22,6 +21,7 @@ from typing import Any
 from rankmem._records import RunHeader, StepRecord
 from rankmem._scalars import json_safe
 from rankmem.errors import WarnOnce, warn
+from rankmem.runlog._append import append_whole
 from rankmem.runlog._columnar import DetailWriter, pyarrow_available
 from rankmem.runlog._layout import (
     DETAIL_NAME,
@@ -172,22 +172,7 @@ class RunLogWriter:
 
     def _write_line(self, line: str) -> None:
         assert self._fd is not None, "RunLogWriter.open() must come first"
-        data = memoryview((line + "\n").encode("utf-8"))
-        done = 0
-        try:
-            while done < len(data):  # a regular file takes it all in one write but when the disk fills
-                n = os.write(self._fd, data[done:])
-                if n == 0:
-                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.path)
-                done += n
-        except OSError:
-            if done:
-                try:
-                    os.ftruncate(self._fd, self._size)  # O_APPEND: the next line starts where this one did
-                except OSError:
-                    pass
-            raise
-        self._size += done
+        self._size += append_whole(self._fd, (line + "\n").encode("utf-8"), self._size, self.path)
 
     def _close_fd(self) -> None:
         if self._detail is not None:
