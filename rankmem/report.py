@@ -299,16 +299,27 @@ def _fmt(value: float, key: str) -> str:
     return f"{value:.3f}" if key.endswith("_gib") else f"{value:g}"
 
 
-def render(report: Report) -> None:
-    """Print the report with rich: a summary, one table row per key, then headroom, growth and leaks."""
+def stdout_console(width: int) -> Any:
+    """A rich Console on stdout, ``width`` columns off a terminal (piped output and tests stay stable).
+    A reader that leaves (``| head -1``) raises BrokenPipeError to the CLI, which exits quietly with the
+    command's status, instead of rich's own ``SystemExit(1)``."""
     import sys
 
-    from rich import box
     from rich.console import Console
+
+    class _PipedConsole(Console):
+        def on_broken_pipe(self) -> None:
+            raise BrokenPipeError
+
+    return _PipedConsole(file=sys.stdout, width=None if sys.stdout.isatty() else width, highlight=False)
+
+
+def render(report: Report) -> None:
+    """Print the report with rich: a summary, one table row per key, then headroom, growth and leaks."""
+    from rich import box
     from rich.table import Table
 
-    # A fixed width off a terminal keeps piped output and tests stable.
-    console = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 120, highlight=False)
+    console = stdout_console(120)
     # What happened, whether anything leaks, and who is worst come first: they are why it is opened.
     for line in [*event_lines(report), *leak_lines(report), *worst_lines(report), *summary_lines(report)]:
         console.print(line, markup=False, soft_wrap=True)  # an event or a verdict is one line, whatever its length

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -47,7 +48,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args._run(args))
+        rc = int(args._run(args))
+        sys.stdout.flush()  # here, not at exit: a reader that left (`| head -1`) is answered below
+        return rc
+    except BrokenPipeError:
+        # The reader has what it wanted (`rankmem report RUN | head -1`): no traceback, no error at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except RankmemError as exc:
         print(f"rankmem {args.command}: error: {exc}", file=sys.stderr)
         return 2

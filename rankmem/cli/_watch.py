@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from typing import TYPE_CHECKING
 
@@ -51,8 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
 
+    from rankmem.report import stdout_console
     from rankmem.watch import Watcher, render_frame
 
     if not os.path.exists(args.run) and args.once:
@@ -63,9 +62,7 @@ def run(args: argparse.Namespace) -> int:
         if frame.step is None and not frame.rows:
             raise RankmemError(f"nothing to show in {watcher.run_dir} yet: no run log lines and no heartbeats "
                                f"(expected {watcher.log_path} and {os.path.join(watcher.run_dir, 'heartbeat')})")
-        # A fixed width off a terminal keeps piped output and tests stable, as rankmem report does.
-        console = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 140, highlight=False)
-        console.print(render_frame(frame, args.stale))
+        stdout_console(140).print(render_frame(frame, args.stale))
         return 0
     try:
         _live(watcher, args)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import gzip
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ import pytest
 from rankmem.cli import main
 from rankmem.runlog import RUN_LOG_NAME, read_run
 from rankmem.runlog._layout import DETAIL_NAME
+from tests.conftest import REPO
 from tests.runlog_helpers import known_run
 
 
@@ -66,3 +69,16 @@ def test_a_log_in_another_compression_says_so(tmp_path: Path, capsys: pytest.Cap
     assert main(["leaks", str(path)]) == 2
     assert capsys.readouterr().err == (f"rankmem leaks: error: {path} is zstd-compressed: rankmem reads plain and "
                                        f"gzip'd run logs; decompress it first (unzstd -k {path})\n")
+
+
+@pytest.mark.parametrize("command", [["report"], ["report", "--json"], ["leaks", "-v"], ["watch", "--once"]])
+def test_a_reader_that_leaves_early_ends_the_command_quietly(tmp_path: Path, command: list[str]) -> None:
+    """`rankmem report RUN | head -1` where the reader has left before the output is written: exit 0
+    and nothing on stderr (rich's own answer to a closed pipe was exit 1; Python's, a traceback)."""
+    known_run(tmp_path)
+    proc = subprocess.Popen([sys.executable, "-m", "rankmem", command[0], str(tmp_path), *command[1:]],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    assert proc.stdout is not None
+    proc.stdout.close()  # the reader leaves first: the command's first write meets a closed pipe
+    _, err = proc.communicate(timeout=120)
+    assert (proc.returncode, err) == (0, "")
