@@ -175,11 +175,11 @@ def report(world: int, rounds: dict[str, list[tuple[float, ...]]], clock: str, j
     med = statistics.median
     print(f" {clock} time (ms) on the training thread")
     print(f"  off: the worker's metrics collective {med(off):.3f} [{spread(off)}]")
-    print(f"  (a) shared, memory keys in the worker's collective: +{med(shared):.3f} per step [{spread(shared)}]")
+    print(f"  (a) shared, memory keys in the worker's collective: {med(shared):+.3f} per step [{spread(shared)}]")
     print(f"  (b) own collect() {med(own):.3f} [{spread(own)}]; bare all-gather of the same vector "
           f"{med(bare):.3f} [{spread(bare)}]")
     print(f"      own/bare per round {med(ratio):.2f}x [{spread(ratio)}]; windows + own collect over off: "
-          f"+{med(own_total):.3f} per step [{spread(own_total)}]")
+          f"{med(own_total):+.3f} per step [{spread(own_total)}]")
     a, b = med(shared), med(ratio)
     if world == 2:
         print(f"  target (a) <= {A_TARGET_MS} ms/step at world 2, {clock} time: "
