@@ -36,6 +36,7 @@ demo: install
 bench: install
 	$(PY) bench/bench_probe.py
 	$(PY) bench/bench_heartbeat.py
+	$(PY) bench/bench_cold.py
 	$(PY) bench/bench_nearoom.py
 	$(PY) bench/bench_gather.py
 	$(PY) bench/bench_leaks.py

@@ -2,9 +2,10 @@
 
     python bench/bench_heartbeat.py
 
-Prints microseconds per call for one ``Heartbeat.beat`` (pack + ``os.pwrite`` of the fixed record),
-an empty Python call, and a bare ``os.pwrite`` of the same bytes with no packing; and the ratios.
-What the beat adds over the syscall it cannot avoid is the packing and the bookkeeping.
+Prints microseconds per call for one ``Heartbeat.beat`` (the fixed record packed into the file's
+memory map), an empty Python call, and a bare ``os.pwrite`` of the same bytes with no packing (what a
+beat cost before the map); and the ratios. In a loop all are warm: ``bench_cold.py`` times the same
+writes right after a step's compute, where the map's missing system call matters.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def main() -> None:
     print(f"{'case':44s} {'us/call':>9s} {'vs pwrite':>10s}")
     for name, us in best.items():
         print(f"{name:44s} {us:9.3f} {us / raw:9.2f}x")
-    print(f"beat overhead over the bare pwrite: {best['Heartbeat.beat(step, phase, rss)'] - raw:.3f} us per edge")
+    print(f"beat minus a bare pwrite: {best['Heartbeat.beat(step, phase, rss)'] - raw:+.3f} us per edge")
 
 
 if __name__ == "__main__":

@@ -159,12 +159,15 @@ def phase_names(keys: Iterable[str]) -> list[str]:
     return sorted({k.split("/")[2] for k in keys if k.startswith(PHASE_PREFIX) and k.count("/") >= 3})
 
 
+_WINDOW_FIELDS = tuple((s.key, s.field, s.unit == "GiB") for s in CATALOGUE)
+
+
 def window_metrics(w: WindowBytes, out: dict[str, float]) -> None:
     """Add the step-level keys of ``w`` to ``out`` (GiB or counts); unavailable figures are left out."""
-    for s in CATALOGUE:
-        value = getattr(w, s.field)
+    for key, name, gib in _WINDOW_FIELDS:
+        value = getattr(w, name)
         if value is not None:
-            out[s.key] = value / GIB if s.unit == "GiB" else float(value)
+            out[key] = value / GIB if gib else float(value)
 
 
 def phase_metrics(name: str, p: PhaseBytes, out: dict[str, float]) -> None:

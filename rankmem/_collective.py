@@ -137,6 +137,7 @@ class PackedGather:
         self._staging: Any = None
         self._send_np: np.ndarray = np.empty(0)
         self._out: Any = None
+        self._out_np: np.ndarray | None = None  # the output as numpy, where it lives on the CPU
 
     def _module(self) -> tuple[str, Any] | None:
         """The device type and module of device tensors; None when there is no device to gather on."""
@@ -207,6 +208,39 @@ class PackedGather:
             self._staging = torch.from_numpy(self._send_np)  # shares memory with _send_np
             self._send = self._staging if self._device.type == "cpu" else self._staging.to(self._device)
             self._out = torch.empty(self._world * width, dtype=torch.float64, device=self._device)
+            self._out_np = self._out.numpy() if self._device.type == "cpu" else None
+
+    def _gathered(self, schema: Schema, values: Sequence[float], step: float) -> tuple[np.ndarray, list[int]] | int:
+        """Pack, one all-gather, check. Every rank's vector as a ranks x width view of the reused output
+        buffer (copy what you keep) and each rank's value count; or, when layouts differ or values outgrow
+        the capacity, the count the pickled fallback must make room for (every rank returns it alike)."""
+        if schema != self._last_schema:
+            self._last_schema, self._last_sig = schema, schema_signature(schema)
+        n, world, width = len(values), self._world, self.capacity + _HEAD
+        self._buffers(width)
+        send = self._send_np
+        send[0], send[1], send[2] = self._last_sig, n, step
+        if n <= self.capacity:
+            send[_HEAD : _HEAD + n] = values
+            if n < self.capacity:
+                send[_HEAD + n :] = math.nan
+        else:
+            send[_HEAD:] = math.nan
+        if self._device.type != "cpu":
+            self._send.copy_(self._staging)  # host-to-device
+        _all_gather_single(self._out, self._send, self.group)
+        out = self._out_np if self._out_np is not None else self._out.cpu().numpy()  # a device-to-host sync on NCCL
+        block = out.reshape(world, width)
+        # The headers as Python numbers: a few per rank, cheaper to check than through numpy calls.
+        head = block[:, :_HEAD].tolist()
+        lengths = [int(h[1]) for h in head]
+        self._check_steps([h[2] for h in head])
+        sig = head[0][0]
+        # Equal layouts may still carry different numbers of values (per-rank list lengths inside
+        # the payload); all that must hold is that every rank's values fit.
+        if all(h[0] == sig for h in head) and max(lengths) <= self.capacity:
+            return block, lengths
+        return max(lengths)
 
     def gather(self, schema: Schema, values: Sequence[float], step: float = math.nan
                ) -> tuple[list[Schema], list[np.ndarray]]:
@@ -216,26 +250,29 @@ class PackedGather:
         """
         if not self._setup():
             return [schema], [np.asarray(values, dtype=np.float64)]
-        if schema != self._last_schema:
-            self._last_schema, self._last_sig = schema, schema_signature(schema)
-        n, world, width = len(values), self._world, self.capacity + _HEAD
-        self._buffers(width)
-        send = self._send_np
-        send[0], send[1], send[2] = self._last_sig, n, step
-        send[_HEAD:] = math.nan
-        if n <= self.capacity:
-            send[_HEAD : _HEAD + n] = values
-        if self._device.type != "cpu":
-            self._send.copy_(self._staging)  # host-to-device
-        _all_gather_single(self._out, self._send, self.group)
-        rows = self._out.cpu().numpy().reshape(world, width).copy()  # a device-to-host sync on NCCL
-        sigs, lengths = rows[:, 0], rows[:, 1]
-        self._check_steps(rows[:, 2])
-        # Equal layouts may still carry different numbers of values (per-rank list lengths inside
-        # the payload); all that must hold is that every rank's values fit.
-        if (sigs == sigs[0]).all() and lengths.max() <= self.capacity:
-            return [schema] * world, [rows[r, _HEAD : _HEAD + int(lengths[r])] for r in range(world)]
-        return self.fallback(schema, values, int(lengths.max()))
+        got = self._gathered(schema, values, step)
+        if isinstance(got, int):
+            return self.fallback(schema, values, got)
+        block, lengths = got
+        rows = block.copy()
+        return [schema] * len(lengths), [rows[r, _HEAD : _HEAD + n] for r, n in enumerate(lengths)]
+
+    def gather_matrix(self, schema: Schema, values: Sequence[float], step: float = math.nan
+                      ) -> np.ndarray | tuple[list[Schema], list[np.ndarray]]:
+        """:meth:`gather`, with the steady state of a :class:`Monitor` made cheap: when every rank sent
+        this layout and as many values, one ranks x values matrix (a copy); otherwise what
+        :meth:`gather` returns. A collective, like :meth:`gather`."""
+        if not self._setup():
+            return np.asarray(values, dtype=np.float64).reshape(1, -1)
+        got = self._gathered(schema, values, step)
+        if isinstance(got, int):
+            return self.fallback(schema, values, got)
+        block, lengths = got
+        n = len(values)
+        if all(length == n for length in lengths):
+            return block[:, _HEAD : _HEAD + n].copy()
+        rows = block.copy()
+        return [schema] * len(lengths), [rows[r, _HEAD : _HEAD + k] for r, k in enumerate(lengths)]
 
     def fallback(self, schema: Schema, values: Sequence[float], need: int
                  ) -> tuple[list[Schema], list[np.ndarray]]:
@@ -246,16 +283,16 @@ class PackedGather:
         self.capacity = need
         return [g[0] for g in gathered], [np.asarray(g[1], dtype=np.float64) for g in gathered]
 
-    def _check_steps(self, steps: np.ndarray) -> None:
+    def _check_steps(self, steps: list[float]) -> None:
         """Ranks meeting in one gather at different steps: one of them called collect() more (or fewer)
         times than the others and met its peers' next collect instead of its own. Every rank sees the
         same steps, so every rank says the same thing."""
-        known = steps[~np.isnan(steps)]
-        if known.size == 0 or (known == known[0]).all():
+        known = [s for s in steps if s == s]  # NaN: no step given
+        if not known or all(s == known[0] for s in known):
             return
         at: dict[int, list[int]] = {}
-        for r, s in enumerate(steps.tolist()):
-            if s == s:  # not NaN
+        for r, s in enumerate(steps):
+            if s == s:
                 at.setdefault(int(s), []).append(r)
         detail = "; ".join(f"rank(s) {ranks} at step {s}" for s, ranks in sorted(at.items()))
         self._warn_once("steps", f"ranks met in one collect() at different steps ({detail}): a rank called collect() "
@@ -455,8 +492,10 @@ class Exchange:
                 return self._from_reduced(schema, reduced)
             schemas, rows = self.packed.fallback(schema, row, self.reduce.need)
             return self._from_rows(schema, schemas, rows, self.reduce.bins)
-        schemas, rows = self.packed.gather(schema, row, step_f)
-        return self._from_rows(schema, schemas, rows)
+        got = self.packed.gather_matrix(schema, row, step_f)
+        if isinstance(got, np.ndarray):  # every rank sent this layout: the steady state
+            return self._aggregate_matrix(schema, got)
+        return self._from_rows(schema, *got)
 
     def _from_reduced(self, schema: tuple[str, ...], reduced: Reduced) -> Gathered:
         keys: Sequence[str] = schema
@@ -493,16 +532,19 @@ class Exchange:
     def _aggregate_rows(self, schema: tuple[str, ...], schemas: Sequence[Schema], rows: Sequence[np.ndarray]
                         ) -> Gathered:
         if all(s == schema for s in schemas):
-            keys: Sequence[str] = schema
-            matrix = np.vstack(rows) if rows else np.zeros((0, 0))
+            return self._aggregate_matrix(schema, np.vstack(rows) if rows else np.zeros((0, 0)))
+        keys, matrix = union_matrix(schemas, rows)
+        if len(keys) > self.MAX_LAYOUT:  # keys that never repeat: do not carry them forever
+            self._layout, self._layout_set = (), frozenset()
         else:
-            keys, matrix = union_matrix(schemas, rows)
-            if len(keys) > self.MAX_LAYOUT:  # keys that never repeat: do not carry them forever
-                self._layout, self._layout_set = (), frozenset()
-            else:
-                self._layout, self._layout_set = tuple(keys), frozenset(keys)
-                # Every rank packs the whole union from now on: make room for it in the same step.
-                self.packed.capacity = max(self.packed.capacity, len(keys))
+            self._layout, self._layout_set = tuple(keys), frozenset(keys)
+            # Every rank packs the whole union from now on: make room for it in the same step.
+            self.packed.capacity = max(self.packed.capacity, len(keys))
+        return self._aggregate_matrix(keys, matrix)
+
+    def _aggregate_matrix(self, keys: Sequence[str], matrix: np.ndarray) -> Gathered:
+        """The aggregates of a ranks x keys matrix; the keys of the agreed layout that some rank lacks
+        (:data:`ABSENT`) are aggregated over the ranks that have them."""
         absent = absent_mask(matrix) if self._layout else None
         if absent is None or not absent.any():
             return Gathered(keys, matrix, aggregate(keys, matrix), mixed=False)

@@ -2,10 +2,13 @@
 after the rank is gone.
 
 A rank killed by SIGKILL (the kernel OOM killer's signal) runs no code, so what it was doing must
-already be on disk: each window edge overwrites one fixed-size binary record in ``<dir>/rank<r>.hb``
-with a single ``os.pwrite`` (~1-2 us; see ``bench/bench_heartbeat.py``). The page cache keeps the
-record after the process dies. The launcher sets ``RANKMEM_HEARTBEAT_DIR`` so that it knows where to
-look; a rank whose sequence counter stopped while the others moved on is the one that hung.
+already be in the file: each window edge overwrites one fixed-size binary record in ``<dir>/rank<r>.hb``
+through a shared memory map of the file (``os.pwrite`` where the file cannot be mapped). The page
+cache holds the mapped page, so the record outlives the process. No system call: a ``pwrite`` costs
+~1 us in a loop but ~40 us right after a training step's compute has pushed the kernel's paths out of
+the caches, the store into the map ~20 us, most of it the cold interpreter (``bench/bench_cold.py``).
+The launcher sets ``RANKMEM_HEARTBEAT_DIR`` so that it knows where to look; a rank whose sequence
+counter stopped while the others moved on is the one that hung.
 
 Record layout (little-endian, :data:`RECORD_SIZE` bytes)::
 
@@ -14,12 +17,13 @@ Record layout (little-endian, :data:`RECORD_SIZE` bytes)::
     phase 32 bytes (UTF-8, NUL-padded, truncated), seq u64 again
 
 ``seq`` appears twice: a reader that sees two different values read the record while it was being
-written (a ``pwrite`` is not atomic against a concurrent ``read``) and reads again.
+written (a store into the page is not atomic against a concurrent ``read``) and reads again.
 """
 
 from __future__ import annotations
 
 import glob
+import mmap
 import os
 import struct
 import time
@@ -91,34 +95,50 @@ class Heartbeat:
         self._seq = 0
         self._step = -1
         self._phase = b""
+        self._phase_name: str | None = None
         self._rss = -1
         self._warn_once = WarnOnce()
         self._fd: int | None
+        self._map: mmap.mmap | None = None
         try:
             os.makedirs(directory, exist_ok=True)
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as exc:
             self._fd = None
             self._warn_once("heartbeat", f"cannot write the heartbeat {self.path} ({exc}); the launcher "
                                          "will not know this rank's last step")
+        if self._fd is not None:
+            try:
+                os.ftruncate(self._fd, RECORD_SIZE)
+                self._map = mmap.mmap(self._fd, RECORD_SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            except (OSError, ValueError):
+                self._map = None  # a file system that cannot map files: every beat is a pwrite
         self._write(0)
 
     def beat(self, step: int | None, phase: str | None, rss: int | None) -> None:
         """Record a window edge: ``step`` (None before the first), the innermost open ``phase``, and
-        this process's RSS in bytes (None when unknown). One ``pack`` and one ``pwrite``."""
+        this process's RSS in bytes (None when unknown). One ``pack_into`` the mapped record."""
         self._seq += 1
         self._step = -1 if step is None else step
-        self._phase = _phase_bytes(phase)
+        if phase != self._phase_name:  # most edges repeat the last phase: encode it once
+            self._phase_name, self._phase = phase, _phase_bytes(phase)
         self._rss = -1 if rss is None else rss
         self._write(0)
 
     def close(self, clean: bool = True) -> None:
         """Mark the exit (``clean``: a normal one) and close the file; later beats are dropped."""
         self._write(_CLEAN if clean else 0)
+        if self._map is not None:
+            self._map.close()
+            self._map = None
         _procfs.close_fd(self._fd)
         self._fd = None
 
     def _write(self, flags: int) -> None:
+        if self._map is not None:
+            _RECORD.pack_into(self._map, 0, MAGIC, VERSION, flags, self._pid, self._rank, self._seq, self._step,
+                              self._rss, time.time(), self._phase, self._seq)
+            return
         if self._fd is None:
             return
         record = _RECORD.pack(MAGIC, VERSION, flags, self._pid, self._rank, self._seq, self._step, self._rss,

@@ -194,6 +194,12 @@ class LinuxHostProbe:
         self.check_fork()
         return read_host(self)
 
+    def read_node(self) -> HostReading:
+        """What a collect adds to the window edges' reads: node, cgroup and children; this process's
+        own RSS and peak are not read (``None``): the window's closing edge has just read them."""
+        self.check_fork()
+        return read_host(self, process=False)
+
     def close(self) -> None:
         if self._children_uss is not None:
             self._children_uss.close()
@@ -285,6 +291,9 @@ class PsutilHostProbe:
     def read(self) -> HostReading:
         return read_host(self)
 
+    # No read_node(): peak_rss() folds the RSS it reads into the sampled peak, and a collect's full read
+    # is part of what the sampled peak has always seen.
+
     def check_fork(self) -> None:
         pass  # psutil.Process() follows no descriptors
 
@@ -307,8 +316,11 @@ class HostProbe(Protocol):
         ...
 
     def read(self) -> HostReading:
-        """Once per collect: every host figure now (node, cgroup and children included)."""
+        """Every host figure now (node, cgroup and children included)."""
         ...
+
+    # Optional: ``read_node() -> HostReading``, the figures of ``read`` other than this process's RSS and
+    # peak (left ``None``), read once per collect when present; probes without it are read in full.
 
     def close(self) -> None: ...
 
@@ -324,13 +336,13 @@ class _PeakSource(Protocol):
     def cgroup(self) -> tuple[int | None, int | None, int | None]: ...
 
 
-def read_host(probe: _PeakSource) -> HostReading:
-    """Every host figure of ``probe`` at one instant."""
+def read_host(probe: _PeakSource, process: bool = True) -> HostReading:
+    """Every host figure of ``probe`` at one instant; without ``process``, RSS and peak are ``None``."""
     total, available = probe.node()
     cg_used, cg_limit, cg_working = probe.cgroup()
     return HostReading(
-        rss=probe.rss(),
-        peak_rss=probe.peak_rss(),
+        rss=probe.rss() if process else None,
+        peak_rss=probe.peak_rss() if process else None,
         peak_rss_is_lifetime=probe.peak_is_lifetime,
         children_rss=probe.children_rss(),
         node_total=total,

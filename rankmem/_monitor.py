@@ -259,7 +259,9 @@ class Monitor:
         if os.getpid() != self._pid and _collective.dist_active(self.group):
             raise RankmemError("collect() in a forked child: the child shares its parent's process group and would "
                                "corrupt it; measure in the child with rankmem.sample() instead")
-        if self.rank < 0:
+        # Membership cannot change while the group lives: asked at the first collect only
+        # (torch.distributed's lookups cost tens of microseconds right after a step's compute).
+        if self._header is None and self.rank < 0:
             raise RankmemError("this rank is not a member of the Monitor's group: call collect() on the group's "
                                "ranks only, or build the Monitor with group=None")
 

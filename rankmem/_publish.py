@@ -9,6 +9,12 @@ the per-rank record, encoding it, writing the sinks and the leak watch run on on
 fed by a bounded queue. If the sinks fall behind (a tracker in a network stall), the oldest pending
 record is dropped, counted and warned about once: training is never blocked. :meth:`Publisher.flush`
 waits for the queue to drain; ``close()`` and interpreter exit flush.
+
+The training thread only appends to the queue; it does not wake the thread. Waking it every collect
+cost the training thread ~20-120 us on a 2-core machine (the futex wake, and the woken thread taking
+the CPU and contending for the GIL right inside the caller's step; bench/RESULTS.md, issue 14 item 4):
+the thread instead looks at the queue every :data:`Publisher.POLL_S` seconds; a flush, or a queue
+half full (collects faster than one per 0.4 ms), wakes it at once.
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ class Publisher:
     MAX_PENDING = 256
     """Records waiting for the sinks before the oldest is dropped (about 256 steps of a stalled tracker)."""
     FLUSH_TIMEOUT_S = 30.0
+    POLL_S = 0.1
+    """How often the background thread looks for records: the most the sinks lag behind a collect."""
 
     def __init__(self, sinks: Sequence[Sink], leak_check: bool, guard: Guard, background: bool = True) -> None:
         self._sink_objects = list(sinks)
@@ -72,7 +80,8 @@ class Publisher:
                     warn("rankmem: the sinks fall behind the training loop; the oldest pending records are "
                          "dropped (Publisher.dropped counts them) rather than blocking training", stacklevel=4)
             self._pending.append(item)
-            self._wake.notify()
+            if len(self._pending) >= self.MAX_PENDING // 2:
+                self._wake.notify()
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="rankmem-publish", daemon=True)
             self._thread.start()
@@ -84,7 +93,7 @@ class Publisher:
                 while not self._pending:
                     self._busy = False
                     self._wake.notify_all()  # flush() waits for an empty queue and an idle thread
-                    self._wake.wait()
+                    self._wake.wait(self.POLL_S)
                 item = self._pending.popleft()
                 self._busy = True
             if item is _STOP:
@@ -139,6 +148,7 @@ class Publisher:
             return True
         self._submit(_FLUSH)
         with self._wake:
+            self._wake.notify_all()  # the thread may be between polls
             return self._wake.wait_for(lambda: not self._pending and not self._busy,
                                        timeout if timeout is not None else self.FLUSH_TIMEOUT_S)
 

@@ -21,7 +21,7 @@ from rankmem._catalogue import PHASE_NAME
 from rankmem._device import DeviceBackend
 from rankmem._guard import Guard
 from rankmem._host import HostProbe
-from rankmem._records import DeviceReading, PhaseBytes, WindowBytes
+from rankmem._records import DeviceReading, HostReading, PhaseBytes, WindowBytes
 from rankmem.errors import RankmemError
 
 
@@ -87,6 +87,8 @@ class Windows:
         self.step_n: int | None = None
         """The number of the last step closed since the last :meth:`take`."""
         self._implicit: _Open | None = self._begin()
+        # A collect adds the node, cgroup and children figures; the closing edge has read RSS and peak.
+        self._read_node: Callable[[], HostReading] = getattr(host, "read_node", host.read)
 
     @property
     def where(self) -> Where:
@@ -212,7 +214,7 @@ class Windows:
                 self._implicit = self._begin()
         closed, phases = self._closed, self._phases
         self._closed, self._phases = None, {}
-        host = self._guard.call("host", "host probe failed", self.host.read, default=None)
+        host = self._guard.call("host", "host probe failed", self._read_node, default=None)
         if host is not None:
             closed.add_node(host)
         return closed, phases

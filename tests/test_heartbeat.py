@@ -81,3 +81,17 @@ def test_heartbeat_dir_rule(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv(_heartbeat.ENV_DIR, "/launcher/hb")
     assert heartbeat_dir(str(tmp_path)) == "/launcher/hb"
     assert heartbeat_dir(None) == "/launcher/hb"
+
+
+def test_a_file_that_cannot_be_mapped_is_written_with_pwrite(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_map(*args: object) -> None:
+        raise OSError(19, "No such device")  # ENODEV: what mmap gives on a file system without it
+
+    monkeypatch.setattr(_heartbeat.mmap, "mmap", no_map)
+    hb = Heartbeat(str(tmp_path), 4)
+    hb.beat(7, "update", 5 << 20)
+    rec = read_heartbeats(str(tmp_path))[4]
+    assert (rec.step, rec.phase, rec.rss_bytes, rec.seq, rec.clean) == (7, "update", 5 << 20, 1, False)
+    hb.close()
+    assert read_heartbeats(str(tmp_path))[4].clean
+    assert os.path.getsize(tmp_path / "rank4.hb") == RECORD_SIZE

@@ -133,6 +133,20 @@ def test_node_and_cgroup_match_kernel_files() -> None:
     probe.close()
 
 
+@linux_only
+def test_a_collects_node_read_leaves_the_process_figures_to_the_edges() -> None:
+    probe = LinuxHostProbe(children=True, children_refresh_s=60.0)
+    full, node = probe.read(), probe.read_node()
+    assert node.rss is None and node.peak_rss is None  # the closing edge reads them, not the collect
+    assert full.rss is not None and full.peak_rss is not None
+    assert node.node_total == full.node_total == psutil.virtual_memory().total
+    assert node.node_available is not None and full.node_available is not None
+    assert abs(node.node_available - full.node_available) < 64 * MIB
+    assert (node.cgroup_limit, node.children_rss, node.peak_rss_is_lifetime) == (
+        full.cgroup_limit, full.children_rss, full.peak_rss_is_lifetime)
+    probe.close()
+
+
 def test_psutil_fallback_flags_lifetime_peak() -> None:
     probe = PsutilHostProbe(children=False)
     reading = probe.read()
