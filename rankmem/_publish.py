@@ -54,6 +54,7 @@ class Publisher:
         self._pending: deque[_Item] = deque()
         self._wake = threading.Condition()
         self._busy = False
+        self._flush_sinks = False
         self._thread: threading.Thread | None = None
         self.dropped = 0
         """Records dropped because the sinks fell more than :data:`MAX_PENDING` behind."""
@@ -91,6 +92,10 @@ class Publisher:
         while True:
             with self._wake:
                 while not self._pending:
+                    if self._flush_sinks:  # asked by flush(): once the queue is empty, not a queue slot
+                        self._flush_sinks = False
+                        self._pending.append(_FLUSH)
+                        break
                     self._busy = False
                     self._wake.notify_all()  # flush() waits for an empty queue and an idle thread
                     self._wake.wait(self.POLL_S)
@@ -146,10 +151,10 @@ class Publisher:
             if self.opened:
                 self._handle(_FLUSH)
             return True
-        self._submit(_FLUSH)
         with self._wake:
+            self._flush_sinks = True
             self._wake.notify_all()  # the thread may be between polls
-            return self._wake.wait_for(lambda: not self._pending and not self._busy,
+            return self._wake.wait_for(lambda: not self._pending and not self._busy and not self._flush_sinks,
                                        timeout if timeout is not None else self.FLUSH_TIMEOUT_S)
 
     def close(self) -> None:

@@ -237,3 +237,18 @@ def test_past_the_crossover_the_worst_value_comes_from_every_steps_aggregates(tm
     assert report.steps == steps and report.detail_steps == steps // 10
     # The side file stays small: a collect without per-rank values costs no per-rank bytes.
     assert (tmp_path / DETAIL_NAME).stat().st_size < (steps // 10 + 1) * world * 8 + steps * 400
+
+
+def test_monitor_flush_puts_the_waiting_batch_on_disk(tmp_path: Path) -> None:
+    """Collects quicker than a batch's second wait in memory; ``flush()`` (which a near-OOM event calls)
+    writes them, so a reader sees every step's per-rank values before the job goes on or dies."""
+    import rankmem
+
+    monitor = rankmem.Monitor(out_dir=str(tmp_path), device="cpu", children=False, near_oom_watch=False)
+    for step in range(3):
+        monitor.collect({"tokens": 10.0 * step}, step=step)
+    assert monitor.flush(30)
+    run = read_run(str(tmp_path))
+    assert run.logged is None and run.steps.tolist() == [0, 1, 2]
+    assert run.series["tokens"].tolist() == [[0.0], [10.0], [20.0]]
+    monitor.close()
