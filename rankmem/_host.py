@@ -22,6 +22,25 @@ _MEMINFO_BUF = 8192
 _CGROUP_STAT_BUF = 8192  # v1 memory.stat is ~1.3 KB, v2 ~1.5 KB
 
 
+
+class Every:
+    """A refresh cadence: :meth:`due` is True at the first call, then at most once per ``seconds``."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._at = -float("inf")
+
+    def due(self) -> bool:
+        now = time.monotonic()
+        if now - self._at < self.seconds:
+            return False
+        self._at = now
+        return True
+
+    def expire(self) -> None:
+        """Make the next :meth:`due` True (after a fork, the children are another process's)."""
+        self._at = -float("inf")
+
 class LinuxHostProbe:
     """Reads ``/proc`` and cgroup files through descriptors kept open for the life of the probe.
 
@@ -38,7 +57,7 @@ class LinuxHostProbe:
         self._children_enabled = children
         self._children_refresh_s = children_refresh_s
         self._children_fds: dict[int, int] = {}
-        self._children_at = -float("inf")
+        self._children_due = Every(children_refresh_s)
         self._children_uss: ChildrenUss | None = None
         self._warn_once = WarnOnce()
         self._open()
@@ -76,7 +95,7 @@ class LinuxHostProbe:
         if os.getpid() != self._pid:
             self.close()
             self._pid = os.getpid()
-            self._children_at = -float("inf")
+            self._children_due.expire()
             self._open()
 
     def rss(self) -> int | None:
@@ -124,9 +143,7 @@ class LinuxHostProbe:
     def children_rss(self) -> int | None:
         if not self._children_enabled:
             return None
-        now = time.monotonic()
-        if now - self._children_at >= self._children_refresh_s:
-            self._children_at = now
+        if self._children_due.due():
             self._refresh_children()
         total = 0
         for pid, fd in list(self._children_fds.items()):
@@ -226,9 +243,8 @@ class PsutilHostProbe:
         self._psutil = psutil
         self._proc = psutil.Process()
         self._children_enabled = children
-        self._children_refresh_s = children_refresh_s
         self._children: list[psutil.Process] = []
-        self._children_at = -float("inf")
+        self._children_due = Every(children_refresh_s)
         self.peak_is_lifetime = True
         self.peak_scope = "sampled"
         self._peak: int | None = None
@@ -263,9 +279,7 @@ class PsutilHostProbe:
     def children_rss(self) -> int | None:
         if not self._children_enabled:
             return None
-        now = time.monotonic()
-        if now - self._children_at >= self._children_refresh_s:
-            self._children_at = now
+        if self._children_due.due():
             try:
                 self._children = self._proc.children(recursive=True)
             except Exception:

@@ -32,11 +32,10 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
-import time
 from typing import Any
 
 from rankmem import _procfs
-from rankmem._host import HostProbe, make_host_probe
+from rankmem._host import Every, HostProbe, make_host_probe
 from rankmem._monitor import Monitor
 from rankmem._records import HostReading
 from rankmem.errors import RankmemError
@@ -80,9 +79,8 @@ class RayAwareHostProbe:
         self._psutil = psutil
         self._inner: HostProbe = make_host_probe(children=False)
         self._children_enabled = children
-        self._children_refresh_s = children_refresh_s
         self._children: list[Any] = []  # psutil.Process
-        self._children_at = -float("inf")
+        self._children_due = Every(children_refresh_s)
         self._ray_dir = _ray_package_dir()
         self.ray_processes_left_out = 0
         """How many of this process's descendants the last refresh found to be Ray's (subtrees counted once)."""
@@ -100,9 +98,7 @@ class RayAwareHostProbe:
     def children_rss(self) -> int | None:
         if not self._children_enabled:
             return None
-        now = time.monotonic()
-        if now - self._children_at >= self._children_refresh_s:
-            self._children_at = now
+        if self._children_due.due():
             self._children = self._own_descendants()
         total = 0
         for child in self._children:
