@@ -75,6 +75,10 @@ def plot_run(run: Run, output: str, keys: Sequence[str] | None = None, size: tup
     return chosen
 
 
+_NAMED_RANKS = 16
+"""Ranks named in a panel's legend; past it, only the worst."""
+
+
 def draw_run(run: Run, chosen: Sequence[str], size: tuple[int, int] | None = None) -> Any:
     """The matplotlib figure of :func:`plot_run` (the caller closes it)."""
     width, height = size or (1200, 360 * len(chosen))
@@ -112,8 +116,11 @@ def _draw_key(ax: Any, run: Run, key: str, phases: Sequence[str], events: Sequen
     cmap = plt.get_cmap("tab10" if world <= 10 else "viridis")
     colors = [cmap(rank % 10 if world <= 10 else rank / max(world - 1, 1)) for rank in range(world)]
     for rank in range(world):
-        label = f"rank {rank}" + (" (worst)" if rank == worst else "")
+        # Past a legend's worth of ranks only the worst is named: 1,024 entries would bury the panel.
+        named = world <= _NAMED_RANKS or rank == worst
+        label = f"rank {rank}" + (" (worst)" if rank == worst else "") if named else None
         ax.plot(steps, matrix[:, rank], color=colors[rank], label=label, linewidth=2.2 if rank == worst else 1.0)
+    _draw_every_step(ax, run, key, low)
     _draw_phase_peaks(ax, run, key, phases, colors)
     for n, e in enumerate(events):
         # A vertical line at each event's step, labelled once per kind and rank in the legend.
@@ -126,6 +133,18 @@ def _draw_key(ax: Any, run: Run, key: str, phases: Sequence[str], events: Sequen
     ax.set_ylabel(_label(key))
     ax.grid(True, alpha=0.3)
     ax.legend(loc="best", fontsize="small", ncol=2 if world > 4 else 1)
+
+
+def _draw_every_step(ax: Any, run: Run, key: str, low: bool) -> None:
+    """Where only some steps carry per-rank values (past the all-reduce crossover), the worst over ranks
+    of every logged step, from its aggregates: the per-rank lines alone would miss the steps between."""
+    if run.logged is None:
+        return
+    stat = "min" if low else "max"
+    values = run.logged.metrics.get(f"{key}/{stat}")
+    if values is not None and np.isfinite(values).any():
+        ax.plot(run.logged.steps, values, color="black", linewidth=0.8, linestyle=":", zorder=1,
+                label=f"{stat} over ranks, every step")
 
 
 def _draw_phase_peaks(ax: Any, run: Run, key: str, phases: Sequence[str], colors: Sequence[Any]) -> None:

@@ -235,6 +235,21 @@ def test_past_the_crossover_the_worst_value_comes_from_every_steps_aggregates(tm
     per_rank_peak = values[::10].max(axis=0)
     assert worst.imbalance == pytest.approx(per_rank_peak.max() / per_rank_peak.mean())
     assert report.steps == steps and report.detail_steps == steps // 10
+    # The plot draws every step's max from the aggregates over the per-rank lines, naming only the worst.
+    from rankmem.plot import draw_run
+
+    fig = draw_run(run, [RSS])
+    try:
+        ax = fig.axes[0]
+        (every,) = [ln for ln in ax.get_lines() if ln.get_label() == "max over ranks, every step"]
+        np.testing.assert_array_equal(every.get_xdata(), np.arange(steps))
+        np.testing.assert_array_equal(every.get_ydata(), values.max(axis=1))
+        named = [t.get_text() for t in ax.get_legend().get_texts() if t.get_text().startswith("rank ")]
+        assert len(named) == 1 and named[0].endswith("(worst)")
+    finally:
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
     # The side file stays small: a collect without per-rank values costs no per-rank bytes.
     assert (tmp_path / DETAIL_NAME).stat().st_size < (steps // 10 + 1) * world * 8 + steps * 400
 
