@@ -220,7 +220,7 @@ def test_monitor_feeds_its_leak_watch(tmp_path: Path) -> None:
             with monitor.step(step):
                 held.append(b"\x01" * (1 << 20))  # 1 MiB of touched pages kept alive: a real leak
             monitor.collect()
-    monitor.close()
+        monitor.close()  # inside: the leak watch runs on the publisher thread, which close() drains
     messages = [str(w.message) for w in caught if "possible memory leak" in str(w.message)]
     assert len(messages) == 1 and "rank 0 mem/host/rss_gib" in messages[0]
 

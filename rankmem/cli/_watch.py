@@ -50,7 +50,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-
     from rankmem.report import stdout_console
     from rankmem.watch import Watcher, render_frame
 
