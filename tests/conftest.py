@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -65,3 +66,9 @@ def _torchrun_once(
 @pytest.fixture
 def run_torchrun():  # type: ignore[no-untyped-def]
     return torchrun
+
+
+def sigint_as_at_a_terminal() -> None:
+    """``preexec_fn`` for a child the test ends with SIGINT, as Ctrl-C would: a suite run as a background
+    job (``cmd &`` in a script) inherits SIGINT ignored, and so would the child, which then never ends."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

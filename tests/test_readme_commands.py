@@ -32,7 +32,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO, free_port
+from tests.conftest import REPO, free_port, sigint_as_at_a_terminal
 from tests.runlog_helpers import read_log
 
 README = REPO / "README.md"
@@ -125,7 +125,8 @@ def test_readme_command_runs_as_shown(command: str, workdir: Path) -> None:
 
 
 def _live_watch(argv: list[str], workdir: Path) -> None:
-    proc = subprocess.Popen(argv, cwd=workdir, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(argv, cwd=workdir, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=sigint_as_at_a_terminal)
     try:
         proc.wait(timeout=3)
     except subprocess.TimeoutExpired:

@@ -27,7 +27,7 @@ from rankmem.runlog._columnar_read import DetailFollower
 from rankmem.runlog._layout import DETAIL_NAME
 from rankmem.runlog._tail import FIRST_BLOCK, TailFollower, read_last_steps
 from rankmem.watch import COLUMNS, Watcher, build_frame
-from tests.conftest import REPO
+from tests.conftest import REPO, sigint_as_at_a_terminal
 from tests.runlog_helpers import write_run
 
 TRAIN_TIMEOUT_S = 240
@@ -140,7 +140,8 @@ def _run_live_in_pty(run: Path, frames_seen: int, out: Path, timeout: float = 60
     master, slave = pty.openpty()
     env = {**os.environ, "TERM": "xterm", "COLUMNS": "150", "LINES": "40"}
     proc = subprocess.Popen([sys.executable, "-m", "rankmem", "watch", str(run), "--interval", "0.2"],
-                            stdin=slave, stdout=slave, stderr=slave, env=env, cwd=REPO, start_new_session=True)
+                            stdin=slave, stdout=slave, stderr=slave, env=env, cwd=REPO, start_new_session=True,
+                            preexec_fn=sigint_as_at_a_terminal)
     os.close(slave)
     chunks: list[bytes] = []
     event_written = False
