@@ -45,16 +45,7 @@ def _batched_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, per_batch: int
 
 def _batch_ends(side: Path) -> list[int]:
     """Byte offsets where the schema and each batch end, read with pyarrow's own message reader."""
-    import pyarrow as pa
-
-    source = pa.BufferReader(side.read_bytes())
-    ends = []
-    while True:
-        try:
-            pa.ipc.read_message(source)
-        except (pa.ArrowInvalid, OSError, EOFError, StopIteration):
-            return ends
-        ends.append(source.tell())
+    return _batch_ends_of(side.read_bytes())
 
 
 def test_batches_hold_every_collect_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -267,3 +258,53 @@ def test_monitor_flush_puts_the_waiting_batch_on_disk(tmp_path: Path) -> None:
     assert run.logged is None and run.steps.tolist() == [0, 1, 2]
     assert run.series["tokens"].tolist() == [[0.0], [10.0], [20.0]]
     monitor.close()
+
+
+def test_a_batch_with_lists_of_another_length_ends_the_read_there(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch whose per-rank lists are not world_size long (a damaged or foreign batch appended to a
+    good file) is never cut or padded: reading stops before it, says why, and the lines give the rest."""
+    import pyarrow as pa
+
+    path, truth = _batched_run(tmp_path, monkeypatch)
+    side = path.parent / DETAIL_NAME
+    whole = _batch_ends(side)[2]  # the schema and two batches (8 collects)
+    with open(side, "r+b") as f:
+        f.truncate(whole)
+    bad = pa.record_batch([pa.array([8]), pa.array([8]), pa.array([1.7e9]), pa.array([RSS]),
+                           *[pa.array([1.0]) for _ in range(3)], pa.array([0], pa.int32()), pa.array([0], pa.int32()),
+                           *[pa.array([1.0]) for _ in range(3)], pa.array([[1.0, 2.0]], pa.list_(pa.float64()))],
+                          schema=_columnar.detail_schema(WORLD))
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, bad.schema) as writer:
+        writer.write_batch(bad)
+    stream = sink.getvalue().to_pybytes()
+    with open(side, "ab") as f:
+        f.write(stream[_batch_ends_of(stream)[0] :])  # the bad batch, without its stream's own schema
+    run = read_run(str(tmp_path))
+    assert run.steps.tolist() == list(range(8)) and "not 3 long" in str(run.detail_note)
+    np.testing.assert_array_equal(run.series[RSS], truth[RSS][:8])
+    assert run.logged is not None and run.logged.steps.tolist() == list(range(STEPS))
+
+
+def _batch_ends_of(data: bytes) -> list[int]:
+    """Where each whole IPC message of ``data`` ends."""
+    import pyarrow as pa
+
+    source, ends = pa.BufferReader(data), []
+    while True:
+        try:
+            pa.ipc.read_message(source)
+        except (pa.ArrowInvalid, OSError, EOFError, StopIteration):
+            return ends
+        ends.append(source.tell())
+
+
+def test_a_header_whose_detail_is_not_a_name_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write_run(tmp_path, _truth())
+    header, *lines = path.read_text().splitlines(keepends=True)
+    damaged = json.loads(header)
+    damaged["detail"] = 5
+    path.write_text(json.dumps(damaged) + "\n" + "".join(lines))
+    assert main(["report", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (f"rankmem report: error: {path}: the header's detail must name the per-rank "
+                                       'file (or be "inline"), got 5; the header is damaged\n')

@@ -376,8 +376,11 @@ def read_run(path: str, *, metrics: bool = False) -> Run:
     with _open_log(path) as f:
         lines_of = _NumberedLines(f, path)
         header = _parse_header(next(lines_of, (1, ""))[1], path)
-        detail = header.get("detail")
-        if header.get("schema") != 1 and isinstance(detail, str) and detail != INLINE:
+        detail = header.get("detail", INLINE)
+        if header.get("schema") != 1 and not isinstance(detail, str):
+            raise RankmemError(f"{path}: the header's detail must name the per-rank file (or be \"inline\"), "
+                               f"got {_short(detail)}; the header is damaged")
+        if header.get("schema") != 1 and detail != INLINE:
             return _read_columnar(path, header, detail, metrics)
         lines = _Lines(_world_size(header, path), metrics)
         for lineno, line in lines_of:
