@@ -22,7 +22,7 @@ from tests.conftest import REPO
 from tests.runlog_helpers import known_run
 
 PACKAGE = REPO / "rankmem"
-OFFLINE = ("rankmem.runlog._reader", "rankmem.runlog._tail", "rankmem.report", "rankmem._phases", "rankmem._capacity",
+OFFLINE = ("rankmem.runlog._reader", "rankmem.runlog._columnar_read", "rankmem.runlog._tail", "rankmem.report", "rankmem._phases", "rankmem._capacity",
            "rankmem._html", "rankmem.plot", "rankmem.leaks", "rankmem.watch", "rankmem.cli")
 """Offline modules; a name covers its submodules (``rankmem.cli._report`` ...)."""
 NOT_A_LAYER = ("rankmem.__main__",)
@@ -89,7 +89,8 @@ GRAPH = _graph()
 
 
 def test_the_layers_are_where_the_design_says() -> None:
-    for module in (*OFFLINE, "rankmem._trend", "rankmem.runlog._writer", "rankmem.runlog._layout", "rankmem._monitor"):
+    for module in (*OFFLINE, "rankmem._trend", "rankmem.runlog._writer", "rankmem.runlog._columnar",
+                   "rankmem.runlog._layout", "rankmem._monitor"):
         assert module in MODULES, f"{module} moved: update OFFLINE / this test"
     assert "rankmem.cli._report" in MODULES and _is_offline("rankmem.cli._report")
     assert not _is_offline("rankmem.runlog") and not _is_offline("rankmem._trend")
