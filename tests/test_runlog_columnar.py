@@ -308,3 +308,46 @@ def test_a_header_whose_detail_is_not_a_name_is_a_clear_error(tmp_path: Path, ca
     assert main(["report", str(tmp_path)]) == 2
     assert capsys.readouterr().err == (f"rankmem report: error: {path}: the header's detail must name the per-rank "
                                        'file (or be "inline"), got 5; the header is damaged\n')
+
+
+def test_a_disk_refusing_the_side_file_bounds_what_waits_and_loses_no_step(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While the side file's writes fail (ENOSPC), the waiting per-rank values are bounded in bytes, the
+    oldest shed first; once it writes again every step is there, the newest with their per-rank values."""
+    import errno
+
+    real = _columnar.append_whole
+    refusing = False
+
+    def append_whole(fd: int, data: bytes, size: int, path: str) -> int:
+        if refusing:  # the disk is full from the first batch on (the schema went in at open)
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        return real(fd, data, size, path)
+
+    monkeypatch.setattr(_columnar, "append_whole", append_whole)
+    monkeypatch.setattr(_columnar, "MAX_BATCH", 1)  # try a batch at every collect
+    monkeypatch.setattr(_columnar, "MAX_PENDING_BYTES", 3 * WORLD * 2 * 8)  # three collects' values
+    truth = _truth()
+    with pytest.warns(RuntimeWarning) as caught:
+        from rankmem._collective import aggregate
+        from rankmem._records import RankInfo, RunHeader, StepRecord
+        from rankmem.runlog import RunLogWriter
+
+        writer = RunLogWriter(str(tmp_path / RUN_LOG_NAME))
+        writer.open(RunHeader(world_size=WORLD, ranks=[RankInfo(r, r, "n", r, "none", "window") for r in range(WORLD)]))
+        refusing = True
+        keys = sorted(truth)
+        for step in range(10):
+            matrix = np.column_stack([truth[k][step] for k in keys])
+            writer.write(StepRecord(step, 1.7e9 + step, aggregate(keys, matrix, nan_is_absent=True), keys=keys,
+                                    matrix=matrix))
+        detail = writer._detail
+        assert detail is not None and detail.dropped == 7
+        refusing = False
+        writer.close()
+    assert any("cannot be written" in str(w.message) for w in caught)
+    run = read_run(str(tmp_path))
+    assert run.steps.tolist() == [7, 8, 9]  # the newest three kept their per-rank values
+    np.testing.assert_array_equal(run.series[RSS], truth[RSS][7:10])
+    assert run.logged is not None and run.logged.steps.tolist() == list(range(10))
+    np.testing.assert_allclose(run.logged.metrics[RSS + "/max"], truth[RSS][:10].max(axis=1))

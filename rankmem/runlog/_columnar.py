@@ -40,7 +40,10 @@ MAX_BATCH = 512
 """Most collects in one batch (fast collects, a synthetic log)."""
 MAX_PENDING = 8192
 """Collects held while the disk refuses the batch; beyond this the oldest are dropped, counted and warned
-about (their aggregates stay on the JSON lines)."""
+about (their lines, if written, are no longer read: the reader takes lines after the last batch only)."""
+MAX_PENDING_BYTES = 64 << 20
+"""Per-rank values held while the disk refuses the batch; beyond this the oldest collects keep only their
+aggregates (64 MiB is ~290 collects at 1,024 ranks x 28 keys, ~37,000 at 8 ranks)."""
 
 
 def pyarrow_available() -> bool:
@@ -60,6 +63,16 @@ def detail_schema(world: int) -> Any:
              "max_rank": pa.int32(), "min_rank": pa.int32(), "ranks": pa.list_(pa.float64())}
     fields = [pa.field(name, types.get(name, pa.float64()), nullable=name == "ranks") for name in DETAIL_COLUMNS]
     return pa.schema(fields, metadata={WORLD_KEY: str(world).encode()})
+
+
+def _schema_message(world: int) -> bytes:
+    """The stream's schema message alone: what a stream writer closed before any batch wrote, less its
+    8-byte end-of-stream marker."""
+    import pyarrow as pa
+
+    sink = _Bytes()
+    pa.ipc.new_stream(sink, detail_schema(world)).close()
+    return bytes(sink.data[:-8])
 
 
 class _Bytes:
@@ -109,6 +122,8 @@ class DetailWriter:
         self._sink = _Bytes()
         self._stream: Any = None
         self._pending: list[_Pending] = []
+        self._pending_bytes = 0
+        self._schema_pending = b""
         self._last_flush = time.monotonic()
         self._log_offset = 0
         self._names: dict[tuple[str, ...], list[str]] = {}
@@ -119,8 +134,13 @@ class DetailWriter:
 
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC, 0o644)
         self._size = 0
+        # pyarrow writes the schema with the first batch; if that write were refused (a full disk), the
+        # schema would be gone for good and the file unreadable. So it goes to disk now, on its own, and
+        # the copy the stream writer emits with its first batch is cut off in _commit.
+        schema = _schema_message(self.world)
+        self._size += append_whole(self._fd, schema, 0, self.path)  # a failure is the caller's open() failing
+        self._schema_pending = schema
         self._stream = pa.ipc.new_stream(self._sink, detail_schema(self.world))
-        self._commit()  # the schema message; a failure here is the caller's open() failing
 
     def add(self, collect: int, record: StepRecord, log_offset: int) -> None:
         """Queue one collect whose JSON line ends at byte ``log_offset`` of the run log; write a batch when due."""
@@ -132,14 +152,29 @@ class DetailWriter:
         stats = np.array([get(n, nan) for n in names], dtype=np.float64).reshape(len(keys), len(DETAIL_AGGREGATES))
         matrix = _matrix(record, keys, self.world)
         self._pending.append(_Pending(collect, record, keys, stats, matrix))
+        self._pending_bytes += 0 if matrix is None else matrix.nbytes
         self._log_offset = log_offset
-        if len(self._pending) > MAX_PENDING:
-            self.dropped += 1
-            del self._pending[0]
-            self._warn_once("dropped", f"rankmem: {self.path} cannot be written; the per-rank values of the oldest "
-                                       "collects are dropped (the run log's lines keep their aggregates)")
+        if len(self._pending) > MAX_PENDING or self._pending_bytes > MAX_PENDING_BYTES:
+            self._shed()
         if len(self._pending) >= MAX_BATCH or time.monotonic() - self._last_flush >= FLUSH_S:
             self.flush()
+
+    def _shed(self) -> None:
+        """The disk has refused batches for a while: bound what waits. The oldest per-rank values go first
+        (their collects keep their aggregates), then, past :data:`MAX_PENDING`, the oldest collects."""
+        for p in self._pending:
+            if self._pending_bytes <= MAX_PENDING_BYTES:
+                break
+            if p.matrix is not None:
+                self._pending_bytes -= p.matrix.nbytes
+                p.matrix = None
+                self.dropped += 1
+        while len(self._pending) > MAX_PENDING:
+            gone = self._pending.pop(0)
+            self.dropped += gone.matrix is not None
+            self._pending_bytes -= 0 if gone.matrix is None else gone.matrix.nbytes
+        self._warn_once("dropped", f"rankmem: {self.path} cannot be written; the per-rank values of the oldest "
+                                   "collects are dropped to bound the memory they hold")
 
     def flush(self) -> None:
         """Write the pending collects as one batch now (a no-op when none wait)."""
@@ -159,10 +194,14 @@ class DetailWriter:
             self._warn_once("batch", f"rankmem: a batch of per-rank values could not be encoded for {self.path} "
                                      f"({exc!r}); {len(self._pending)} collect(s) keep only their aggregates")
         self._pending.clear()
+        self._pending_bytes = 0
 
     def _commit(self) -> None:
         """One write of what the stream writer produced; cut back to the last whole batch if it fails."""
         data, self._sink.data = bytes(self._sink.data), bytearray()
+        if self._schema_pending and data.startswith(self._schema_pending):
+            data = data[len(self._schema_pending) :]  # already on disk (open)
+        self._schema_pending = b""
         assert self._fd is not None
         self._size += append_whole(self._fd, data, self._size, self.path)
 
@@ -172,6 +211,7 @@ class DetailWriter:
             self._warn_once("lost", f"rankmem: the per-rank values of {len(self._pending)} collect(s) could not be "
                                     f"written to {self.path} before closing (their aggregates are in the run log)")
         self._pending.clear()
+        self._pending_bytes = 0
         if self._stream is not None:
             try:
                 self._stream.close()  # the end-of-stream marker
