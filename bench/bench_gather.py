@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
-import socket
-import subprocess
 import sys
 import time
 from collections.abc import Callable
+
+from _torchrun import worker_result
 
 KEYS = 64  # ~20 memory keys, 3 phases x 5, and a dozen of the caller's scalars
 ITERS = 200
@@ -76,22 +75,10 @@ def worker() -> None:
     dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def main() -> None:
     print(f"{'world':>5s} {'bare us':>9s} {'rankmem us':>11s} {'object us':>10s} {'rankmem/bare':>13s} {'object/rankmem':>15s}")
     for world in (2, 4):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", __file__, "--worker"]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-        if proc.returncode != 0:
-            raise SystemExit(proc.stderr[-2000:])
-        r = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+        r = worker_result(__file__, world)
         print(f"{world:5d} {r['bare']:9.1f} {r['rankmem']:11.1f} {r['object']:10.1f} "
               f"{r['rankmem'] / r['bare']:12.2f}x {r['object'] / r['rankmem']:14.2f}x")
 

@@ -26,11 +26,11 @@ import datetime
 import json
 import math
 import os
-import socket
-import subprocess
 import sys
 import time
 from collections.abc import Callable
+
+from _torchrun import free_port, worker_result
 
 KEYS = 64
 BINS = 32  # Exchange's default quantile_bins: the SUM vector carries K x BINS histogram counts
@@ -90,22 +90,10 @@ def worker() -> None:
     dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def measure_gloo(worlds: list[int]) -> list[dict[str, float]]:
     out = []
     for world in worlds:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", __file__, "--worker"]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-        if proc.returncode != 0:
-            raise SystemExit(proc.stderr[-2000:])
-        out.append(json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1]))
+        out.append(worker_result(__file__, world))
     return out
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from rankmem._catalogue import AGGREGATES
-from rankmem._records import RankInfo, RunHeader
+from rankmem._records import RankInfo, RunHeader, per_rank_lists
 from rankmem._reduce import QUANTILE_NAMES, PackedReduce, Reduced, matrix_quantiles
 from rankmem._scalars import to_float
 from rankmem.errors import RankmemError, WarnOnce
@@ -411,8 +411,7 @@ class Gathered:
         this collect carries no detail (the run log line then holds the aggregates only)."""
         if self.matrix is None:
             return {}
-        cols = self.matrix.T.tolist()
-        return {k: [None if math.isnan(v) else v for v in col] for k, col in zip(self.keys, cols, strict=True)}
+        return per_rank_lists(self.keys, self.matrix)
 
 
 def _env_int(name: str, default: int) -> int:

@@ -181,6 +181,12 @@ class RunHeader:
     """Unix time of the first collect."""
 
 
+def per_rank_lists(keys: Sequence[str], matrix: Any) -> dict[str, list[float | None]]:
+    """Per key, each rank's value of a ranks x keys float matrix; ``None`` where it is NaN (absent)."""
+    cols = matrix.T.tolist()
+    return {k: [None if v != v else v for v in col] for k, col in zip(keys, cols, strict=True)}
+
+
 @dataclass(slots=True)
 class StepRecord:
     """One logged step, as every sink receives it on the logging rank."""
@@ -203,8 +209,7 @@ class StepRecord:
         """:attr:`ranks`, built from :attr:`matrix` when only that is given."""
         if self.ranks or self.matrix is None:
             return self.ranks
-        cols = self.matrix.T.tolist()
-        return {k: [None if v != v else v for v in col] for k, col in zip(self.keys, cols, strict=True)}
+        return per_rank_lists(self.keys, self.matrix)
 
     def key_names(self) -> Sequence[str]:
         """The per-rank keys: :attr:`keys`, else those of :attr:`ranks`, else read off the aggregates."""

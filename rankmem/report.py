@@ -157,8 +157,8 @@ def _worst_logged(run: Run, key: str, low: bool) -> tuple[float, int, int] | Non
     values, ranks = run.logged.metrics.get(f"{key}/{stat}"), run.logged.metrics.get(f"{key}/{stat}_rank")
     if values is None or ranks is None or not np.isfinite(values).any():
         return None
-    at = int(np.where(np.isfinite(values), values, np.inf if low else -np.inf).argmin() if low
-             else np.where(np.isfinite(values), values, -np.inf).argmax())
+    filled = np.where(np.isfinite(values), values, np.inf if low else -np.inf)
+    at = int(filled.argmin() if low else filled.argmax())
     return float(values[at]), int(run.logged.steps[at]), int(ranks[at]) if np.isfinite(ranks[at]) else -1
 
 

@@ -70,7 +70,7 @@ def read_detail(path: str, world: int) -> Detail:
     """Read the side file at ``path`` written for ``world`` ranks.
 
     Memory: the mapped file is paged in by the kernel, not copied; the heap holds the result (8 bytes x
-    keys x collects-with-detail x ranks), about 40 bytes per row of index and aggregates, and at most
+    keys x collects-with-detail x ranks), index arrays of one entry per row, and at most
     :data:`_SCATTER_ROWS` rows of per-rank values in flight. RankmemError when the file is not a side
     file of this run (no Arrow schema, another world size) or pyarrow is missing.
     """

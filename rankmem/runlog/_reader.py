@@ -202,8 +202,9 @@ def _fast_step(line: str) -> tuple[int, float, dict[str, Any]] | None:
     return (split[0], split[1], ranks) if isinstance(ranks, dict) else None
 
 
-def _slow_step(line: str) -> dict[str, Any] | None:
-    """A step line of any layout, fully parsed; None when it is not one."""
+def _slow_step(line: str, with_ranks: bool = True) -> dict[str, Any] | None:
+    """A step line of any layout, fully parsed; None when it is not one (or, ``with_ranks``, when it holds
+    no per-rank object: the lines of a log with a side file hold the aggregates only)."""
     try:
         obj = json.loads(line)
     except _BAD_JSON:
@@ -211,7 +212,7 @@ def _slow_step(line: str) -> dict[str, Any] | None:
     if (
         isinstance(obj, dict)
         and obj.get("kind") == STEP_KIND
-        and isinstance(obj.get("ranks"), dict)
+        and (not with_ranks or isinstance(obj.get("ranks"), dict))
         and type(obj.get("step")) is int  # not a bool
     ):
         return obj
@@ -502,8 +503,8 @@ class _Tail:
     def _add(self, lineno: int, line: str) -> None:
         if not line.strip():
             return
-        obj = None if not line.endswith("\n") else _slow_step_any(line)
-        if obj is None:
+        obj = _slow_step(line, with_ranks=False) if line.endswith("\n") else None
+        if obj is None or not STEP_MIN <= obj["step"] <= STEP_MAX:
             if line.endswith("\n"):
                 self.corrupt.append(lineno)
             else:
@@ -513,18 +514,6 @@ class _Tail:
         self.steps.append(obj["step"])
         self.times.append(to_float_or_nan(obj.get("time")))
         self.metrics.append(metrics if isinstance(metrics, dict) else {})
-
-
-def _slow_step_any(line: str) -> dict[str, Any] | None:
-    """A step line with or without per-rank values; None when it is not one."""
-    try:
-        obj = json.loads(line)
-    except _BAD_JSON:
-        return None
-    if isinstance(obj, dict) and obj.get("kind") == STEP_KIND and type(obj.get("step")) is int \
-            and STEP_MIN <= obj["step"] <= STEP_MAX:
-        return obj
-    return None
 
 
 def _is_gzip(path: str) -> bool:
