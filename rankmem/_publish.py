@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import threading
+import time
 import weakref
 from collections import deque
 from collections.abc import Sequence
@@ -176,8 +177,21 @@ _FLUSH: Any = object()
 _live: weakref.WeakSet[Publisher] = weakref.WeakSet()
 
 
+def flush_all(timeout: float | None = None) -> bool:
+    """Flush every open publisher in this process (see :meth:`Publisher.flush`), within ``timeout``
+    seconds in all; False if one did not finish in time. Safe from any thread: the sinks are still
+    written by each publisher's own thread, so a process whose training thread is blocked in a
+    collective (a Ray actor whose peer died) can still put its queued records on disk before it is
+    killed."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    done = True
+    for publisher in list(_live):
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        done = publisher.flush(left) and done
+    return done
+
+
 @atexit.register
 def _flush_at_exit() -> None:
     # A script that ends without Monitor.close() still gets its last records written.
-    for publisher in list(_live):
-        publisher.flush()
+    flush_all()

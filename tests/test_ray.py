@@ -313,6 +313,61 @@ def test_the_kept_result_names_the_worst_rank_which_rank_0s_own_figures_hide(clu
               f"RSS - USS {(rss - uss) / 2**20:.0f} MiB")
 
 
+def stalled_publisher_actor_class() -> type:
+    """The reference actor whose logging rank's publisher thread never wakes on its own (as on a
+    starved 2-core machine), with a ``block`` method: a barrier its peer never joins."""
+    from rankmem.ray.actor import EngineActor
+
+    class Stalled(EngineActor):
+        def build(self, job: Any, launch: dict[str, Any]) -> dict[str, Any]:
+            from rankmem._publish import Publisher
+
+            Publisher.POLL_S = 3600.0  # this actor's process only: records wait for a flush
+            return super().build(job, launch)
+
+        def block(self) -> None:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    return Stalled
+
+
+def test_shutdown_flushes_a_rank_blocked_in_a_collective(cluster: Any, tmp_path: Path) -> None:
+    from rankmem.engine.options import add_job_arguments, resolve_job_options
+    from rankmem.ray.group import Resources, WorkerGroup
+
+    parser = argparse.ArgumentParser()
+    add_job_arguments(parser)
+    job = parser.parse_args(["--task", "sft", "--steps", "3", "--out", str(tmp_path), "--batch-size", "8"])
+    resolve_job_options(job)
+    wait_for_free_cpus(cluster, 2)
+    group = WorkerGroup(stalled_publisher_actor_class(), 2, Resources(num_cpus=0.5))
+    try:
+        group.setup("cpu", 120)
+        group.call("build", job, {"launcher": "test"})
+        for step in range(3):
+            group.call("step", step)
+        blocked = group.actors[0].block.remote()  # rank 1 never joins: rank 0's only thread is stuck
+        ready, _ = cluster.ray.wait([blocked], timeout=1.0)
+        assert ready == []
+        # The publisher wrote what it found when it started (the header), then went to sleep.
+        lines = (tmp_path / "rankmem.jsonl").read_text().splitlines()
+        assert [json.loads(line)["step"] for line in lines[1:]] != [0, 1, 2]
+    finally:
+        group.shutdown()
+    header, steps = read_log(tmp_path)
+    assert header["world_size"] == 2
+    assert [s["step"] for s in steps] == [0, 1, 2]
+    assert all(len(s["ranks"]["mem/host/rss_gib"]) == 2 for s in steps)  # the per-rank batch too
+
+
+def wait_for_free_cpus(cluster: Any, cpus: float) -> None:
+    deadline = time.monotonic() + 20  # the previous test's placement group is being freed
+    while cluster.ray.available_resources().get("CPU", 0) < cpus and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
 def test_ray_helpers_are_not_the_drivers_children(cluster: Any) -> None:
     from rankmem._host import make_host_probe
     from rankmem.integrations.ray import RayAwareHostProbe
@@ -335,9 +390,7 @@ def test_more_ranks_than_the_cluster_holds_is_one_line(cluster: Any) -> None:
     from rankmem.errors import RankmemError
     from rankmem.ray.cluster import check_fit
 
-    deadline = time.monotonic() + 20  # the previous test's placement group is being freed
-    while cluster.ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
-        time.sleep(0.2)
+    wait_for_free_cpus(cluster, 2)
     with pytest.raises(RankmemError) as info:
         check_fit(5, {"CPU": 1.0}, one_node=True)
     assert str(info.value) == ("5 ranks of 1 CPU each do not fit in the Ray cluster (2 CPU (2 free) on 1 node): "

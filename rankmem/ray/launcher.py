@@ -119,11 +119,13 @@ def _drive(group: WorkerGroup, job: argparse.Namespace, cluster: clusters.Cluste
         peaks = group.call_rank(0, "summary", timeout_s=_remaining(deadline))
         group.call("finish", timeout_s=_remaining(deadline), during="while leaving the process group")
     except RankFailed as exc:
+        group.shutdown()  # the survivors flush what they logged first: the message below holds
         if not exc.died:
             print(exc.cause, file=sys.stderr)  # the rank's own traceback, as torchrun shows it
         print(f"rankmem train: {str(exc).rstrip('.')}; every step logged before it is in {run_log}", file=sys.stderr)
         return 1
     except TimeoutError as exc:
+        group.shutdown()
         print(f"rankmem train: stopped after --timeout-s: {exc}", file=sys.stderr)
         return 124
     per_node = ", ".join(str(sum(p.node_id == n for p in group.placements))
