@@ -132,7 +132,9 @@ def test_a_killed_actor_ends_the_job_naming_its_rank(tmp_path: Path) -> None:
     assert last.endswith(f"; every step logged before it is in {log}")
     header, steps = read_log(tmp_path)  # every line parses
     step = int(last[len(prefix):].split(":")[0])
-    assert [s["step"] for s in steps] == list(range(step))
+    # Every step before the one the driver was waiting for; and that step too where the kill came after
+    # rank 1's last collective of it (the logging rank then finished it), never a gap.
+    assert [s["step"] for s in steps] in (list(range(step)), list(range(step + 1)))
     assert_nothing_left(mark)
 
 
