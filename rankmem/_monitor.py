@@ -185,6 +185,13 @@ class Monitor:
         self._check_open()
         return self._windows.step(n)
 
+    def set_step(self, n: int) -> None:
+        """Name the step in progress without opening a step window: heartbeats and OOM events say it.
+        For a framework whose hooks bracket a step (``on_step_begin`` .. ``on_step_end``) rather than a
+        ``with`` block; :meth:`step` sets it too. Local."""
+        self._check_open()
+        self._windows.set_step(n)
+
     def phase(self, name: str) -> AbstractContextManager[None]:
         """A named phase (``rollout``, ``log_prob``, ``update``, ...): its own peaks and the RSS /
         allocated deltas across it, under ``mem/phase/<name>/...``. Local to this rank."""

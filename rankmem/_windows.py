@@ -160,6 +160,10 @@ class Windows:
         with self._window(lambda window, rss, dev: self._close_step(window, rss, dev, n)):
             yield
 
+    def set_step(self, n: int) -> None:
+        """Name the step in progress (for the listener and failures) without opening a window."""
+        self._step = _step_number(n)
+
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """A named phase: its own peaks and the RSS / allocated deltas across it."""

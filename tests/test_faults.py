@@ -57,6 +57,8 @@ def test_a_bad_step_number_is_refused_at_entry_not_at_exit() -> None:
         with monitor.step(2**70):
             entered = True
     assert not entered
+    with pytest.raises(rankmem.RankmemError, match="a step number must be an integer, got 1.5"):
+        monitor.set_step(1.5)  # type: ignore[arg-type]
     with pytest.raises(KeyError, match="the user's own"):  # a good step never replaces the body's exception
         with monitor.step(3):
             raise KeyError("the user's own")

@@ -68,6 +68,45 @@ def test_trainer_single_process(tmp_path: Path) -> None:
     assert abs(evals[0]["mem/host/rss_gib/max"] - _statm_rss_gib()) < 1 / 16
 
 
+def test_an_oom_leaving_train_is_an_event_at_its_step(tmp_path: Path) -> None:
+    import numpy as np
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from rankmem._events import read_events
+    from rankmem._heartbeat import read_heartbeats
+    from rankmem.integrations.hf import attach
+
+    class RunsOutInTheThirdStep(GPT2LMHeadModel):  # type: ignore[misc]
+        forwards = 0
+
+        def forward(self, **kwargs: Any) -> Any:
+            type(self).forwards += 1
+            if type(self).forwards == 3:
+                np.ones(1 << 62, dtype=np.uint8)  # a real MemoryError (4 EiB)
+            return super().forward(**kwargs)
+
+    torch.manual_seed(0)
+    model = RunsOutInTheThirdStep(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=128, n_positions=32))
+    data = [{"input_ids": x, "labels": x} for x in torch.randint(0, 128, (32, 16))]
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "hf"), max_steps=5, per_device_train_batch_size=4, logging_steps=1,
+        use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True, remove_unused_columns=False,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=data)
+    cb = attach(trainer, out_dir=str(tmp_path), near_oom_watch=False)
+    attach(trainer, cb)  # twice: train is wrapped once
+    with pytest.raises(MemoryError):
+        trainer.train()
+    assert [e["step"] for e in trainer.state.log_history if "loss" in e] == [1, 2]
+    (event,) = read_events(str(tmp_path)).events
+    assert (event["kind"], event["where"], event["step"], event["phase"]) == ("oom", "host", 3, "train_step")
+    # The callback's own monitor was closed, as by a failure: its heartbeat says the exit was not clean.
+    assert cb.monitor is None
+    beat = read_heartbeats(str(tmp_path / "heartbeat"))[0]
+    assert beat.step == 3 and beat.phase == "train_step" and not beat.clean
+
+
 def test_importing_rankmem_imports_no_framework() -> None:
     code = "import sys, rankmem; print(sorted(m for m in ('transformers', 'lightning', 'torch') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)

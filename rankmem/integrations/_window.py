@@ -48,8 +48,10 @@ class StepWindow:
             self.monitor = Monitor(**self._options)
         return self.monitor
 
-    def _open_step(self) -> None:
-        """Enter the step's phase, first closing one left open by a step that never reported its end."""
+    def _open_step(self, step: int) -> None:
+        """Name the step in progress (``step``: the number its collect will log), then enter the step's
+        phase, first closing one left open by a step that never reported its end."""
+        self._monitor().set_step(step)
         if self.step_phase is None:
             return
         self._close_step()

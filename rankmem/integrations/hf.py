@@ -15,11 +15,18 @@ collective in :meth:`rankmem.Monitor.collect` safe there. The aggregates (``K/ma
 
 Ordering: the Trainer runs its ``report_to`` trackers' callbacks before the ones passed in
 ``callbacks=``, so those trackers would miss the keys; :func:`attach` puts the callback ahead of them.
+
+Failures: heartbeats and events name the step in progress as ``on_log`` will (``global_step`` + 1).
+The Trainer calls no callback when ``train()`` raises, so :func:`attach` also wraps ``trainer.train``:
+an out-of-memory error leaving it becomes an ``oom`` event (``rankmem report`` lists it) at its step
+and phase, and the callback's own monitor is closed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from rankmem._monitor import Monitor
@@ -59,7 +66,8 @@ class RankmemCallback(StepWindow, TrainerCallback):  # type: ignore[misc]
         self._monitor()
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._open_step()
+        # global_step counts the steps done; on_log names this one global_step + 1 once it is.
+        self._open_step(int(state.global_step) + 1)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._close_step()
@@ -84,7 +92,9 @@ def attach(trainer: Any, callback: RankmemCallback | None = None, **options: Any
     """Add ``callback`` (or a new one from ``options``) to ``trainer`` ahead of its tracker callbacks.
 
     Placed right after the Trainer's flow callback, so W&B, TensorBoard, MLflow and the progress bar
-    all see the memory keys in the same ``logs``.
+    all see the memory keys in the same ``logs``. ``trainer.train`` is wrapped so that an exception
+    leaving it is seen: an out-of-memory error becomes an ``oom`` event at its step and phase (the
+    Trainer has no exception hook, so a callback passed in ``callbacks=`` alone cannot record one).
     """
     cb = callback if callback is not None else RankmemCallback(**options)
     callbacks: list[Any] = trainer.callback_handler.callbacks
@@ -92,4 +102,31 @@ def attach(trainer: Any, callback: RankmemCallback | None = None, **options: Any
 
     flow = [i for i, c in enumerate(callbacks) if isinstance(c, DefaultFlowCallback)]
     callbacks.insert(flow[0] + 1 if flow else 0, cb)
+    if not getattr(trainer.train, _RECORDS_FAILURES, False):
+        trainer.train = _recording_failures(trainer.train, cb)
     return cb
+
+
+_RECORDS_FAILURES = "__rankmem_records_failures__"
+
+
+def _recording_failures(train: Callable[..., Any], cb: RankmemCallback) -> Callable[..., Any]:
+    """``trainer.train``, but an exception leaving it first closes the open step as that exception (an
+    out-of-memory error becomes an ``oom`` event at its step and phase) and closes the callback's own
+    monitor (its heartbeat then says the exit was not clean). The Trainer has no exception hook:
+    ``on_train_end`` never runs on a failure."""
+
+    @functools.wraps(train)
+    def train_recording_failures(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return train(*args, **kwargs)
+        except BaseException as exc:
+            # Telemetry must not replace the Trainer's own exception: what it raised is what propagates.
+            with contextlib.suppress(Exception):
+                cb._close_step(exc)
+            with contextlib.suppress(Exception):
+                cb._close_monitor()
+            raise
+
+    setattr(train_recording_failures, _RECORDS_FAILURES, True)
+    return train_recording_failures

@@ -73,7 +73,7 @@ class RankmemCallback(StepWindow, Callback):  # type: ignore[misc]
         self._monitor()
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        self._open_step()
+        self._open_step(logging_step(trainer))
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._close_step()
