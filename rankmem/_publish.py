@@ -87,7 +87,8 @@ class Publisher:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="rankmem-publish", daemon=True)
             self._thread.start()
-            _live.add(self)
+            with _live_lock:
+                _live.add(self)
 
     def _run(self) -> None:
         while True:
@@ -166,7 +167,8 @@ class Publisher:
                 self._pending.append(_STOP)
                 self._wake.notify()
             self._thread.join(self.FLUSH_TIMEOUT_S)
-        _live.discard(self)
+        with _live_lock:
+            _live.discard(self)
         for sink in self._sinks:
             sink.close()
         self._sinks = []
@@ -175,6 +177,7 @@ class Publisher:
 _STOP: Any = object()
 _FLUSH: Any = object()
 _live: weakref.WeakSet[Publisher] = weakref.WeakSet()
+_live_lock = threading.Lock()  # flush_all may run on another thread (a Ray actor's control group)
 
 
 def flush_all(timeout: float | None = None) -> bool:
@@ -185,7 +188,9 @@ def flush_all(timeout: float | None = None) -> bool:
     killed."""
     deadline = None if timeout is None else time.monotonic() + timeout
     done = True
-    for publisher in list(_live):
+    with _live_lock:
+        publishers = list(_live)
+    for publisher in publishers:
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         done = publisher.flush(left) and done
     return done
