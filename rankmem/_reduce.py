@@ -106,23 +106,50 @@ class PackedReduce:
         """The aggregates of this collect, or None when every rank must take the pickled fallback.
 
         ``sig`` is the layout's checksum, ``values`` the row over the layout, ``absent`` where it holds
-        the ABSENT marker.
+        the ABSENT marker. Three all-reduces: MAX (layout check, max, min, NaNs, the detail request),
+        SUM (mean, counts, the quantile histogram), MIN (the ranks holding the max, the min, a NaN).
         """
+        isnan = np.isnan(values) & ~absent
+        bounds = self._reduce_bounds(sig, values, absent, isnan, step, want_detail)
+        if bounds is None:
+            return None
+        top, bottom, any_nan, detail = bounds
+        present = ~absent
+        sums, counts, quantiles = self._reduce_sums(values, present, isnan, bottom, top)
+        top_rank, bottom_rank, nan_rank = self._reduce_holders(values, present, isnan, bottom, top)
+
+        stats = np.empty((values.size, 5))
+        stats[:, 0], stats[:, 1] = top, bottom
+        with np.errstate(invalid="ignore", divide="ignore"):
+            stats[:, 2] = sums / np.maximum(counts, 1)
+        stats[:, 3], stats[:, 4] = top_rank, bottom_rank
+        # A NaN the caller sent wins, as on the all-gather path: max/min/mean NaN, both ranks the first NaN.
+        stats[any_nan, :3] = math.nan
+        stats[any_nan, 3] = stats[any_nan, 4] = nan_rank[any_nan]
+        none = counts == 0
+        stats[none, :3] = math.nan
+        stats[none, 3:] = -1
+        if quantiles is not None:
+            quantiles[any_nan | none] = math.nan
+        per_rank = self._gather_detail(values, self.packed.capacity) if detail else None
+        return Reduced(stats, counts, per_rank, quantiles)
+
+    def _reduce_bounds(self, sig: float, values: np.ndarray, absent: np.ndarray, isnan: np.ndarray, step: float,
+                       want_detail: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool] | None:
+        """The MAX all-reduce: each key's max, min (as max of the negation) and whether a rank sent NaN,
+        and whether any rank wants the per-rank detail; None where the layouts differ or outgrew it."""
         import torch.distributed as dist
 
-        packed = self.packed
-        cap, n, world = packed.capacity, values.size, packed._world
-        isnan = np.isnan(values) & ~absent
-        fits = n <= cap
+        cap, n = self.packed.capacity, values.size
         high, buf = self._buffer("max", _HEAD + 3 * cap)
         step_hi = step if step == step else -math.inf  # a NaN step is unknown: it must not win MAX
         step_lo = -step if step == step else -math.inf
         high[:_HEAD] = (sig, -sig, n, step_hi, step_lo, 1.0 if want_detail else 0.0)
         high[_HEAD:] = -math.inf
-        if fits:
-            clean = np.where(absent | isnan, -math.inf, values)
-            high[_HEAD : _HEAD + n] = clean
-            high[_HEAD + cap : _HEAD + cap + n] = np.where(absent | isnan, -math.inf, -values)
+        if n <= cap:
+            hidden = absent | isnan
+            high[_HEAD : _HEAD + n] = np.where(hidden, -math.inf, values)
+            high[_HEAD + cap : _HEAD + cap + n] = np.where(hidden, -math.inf, -values)
             high[_HEAD + 2 * cap : _HEAD + 2 * cap + n] = isnan
         got = self._all_reduce(buf, dist.ReduceOp.MAX)
         # Equal signatures on every rank: the largest and the smallest agree. Equal layouts have equal n.
@@ -134,12 +161,17 @@ class PackedReduce:
         top = got[_HEAD : _HEAD + n].copy()
         bottom = -got[_HEAD + cap : _HEAD + cap + n]
         any_nan = got[_HEAD + 2 * cap : _HEAD + 2 * cap + n] > 0
-        detail = bool(got[5] > 0)
+        return top, bottom, any_nan, bool(got[5] > 0)
 
-        bins = self.bins
+    def _reduce_sums(self, values: np.ndarray, present: np.ndarray, isnan: np.ndarray, bottom: np.ndarray,
+                     top: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """The SUM all-reduce: each key's sum and count of ranks with a value, and its quantiles from a
+        histogram over [min, max] (None without bins)."""
+        import torch.distributed as dist
+
+        cap, n, bins = self.packed.capacity, values.size, self.bins
         total, buf = self._buffer("sum", (2 + bins) * cap)
         total[:] = 0.0
-        present = ~absent
         total[:n] = np.where(present & ~isnan, values, 0.0)
         total[cap : cap + n] = present
         if bins:
@@ -149,7 +181,15 @@ class PackedReduce:
         got = self._all_reduce(buf, dist.ReduceOp.SUM)
         sums, counts = got[:n].copy(), got[cap : cap + n].copy()
         quantiles = self._quantiles(got[2 * cap :].reshape(cap, bins)[:n], counts, bottom, top) if bins else None
+        return sums, counts, quantiles
 
+    def _reduce_holders(self, values: np.ndarray, present: np.ndarray, isnan: np.ndarray, bottom: np.ndarray,
+                        top: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The MIN all-reduce: the lowest rank holding each key's max, its min, and a NaN."""
+        import torch.distributed as dist
+
+        packed = self.packed
+        cap, n, world = packed.capacity, values.size, packed._world
         rank = float(dist.get_rank(packed.group))
         low, buf = self._buffer("min", 3 * cap)
         low[:] = world
@@ -157,21 +197,7 @@ class PackedReduce:
         low[cap : cap + n] = np.where(present & (values == bottom), rank, world)
         low[2 * cap : 2 * cap + n] = np.where(isnan, rank, world)
         got = self._all_reduce(buf, dist.ReduceOp.MIN)
-
-        stats = np.empty((n, 5))
-        stats[:, 0], stats[:, 1] = top, bottom
-        with np.errstate(invalid="ignore", divide="ignore"):
-            stats[:, 2] = sums / np.maximum(counts, 1)
-        stats[:, 3], stats[:, 4] = got[:n], got[cap : cap + n]
-        # A NaN the caller sent wins, as on the all-gather path: max/min/mean NaN, both ranks the first NaN.
-        stats[any_nan, :3] = math.nan
-        stats[any_nan, 3] = stats[any_nan, 4] = got[2 * cap : 2 * cap + n][any_nan]
-        none = counts == 0
-        stats[none, :3] = math.nan
-        stats[none, 3:] = -1
-        if quantiles is not None:
-            quantiles[any_nan | none] = math.nan
-        return Reduced(stats, counts, self._gather_detail(values, cap) if detail else None, quantiles)
+        return got[:n].copy(), got[cap : cap + n].copy(), got[2 * cap : 2 * cap + n].copy()
 
     def _quantiles(self, hist: np.ndarray, counts: np.ndarray, bottom: np.ndarray, top: np.ndarray) -> np.ndarray:
         return bucket_quantiles(hist, counts, bottom, top, self.bins)

@@ -74,6 +74,13 @@ def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
+def _segment_size(pool: str, size: int) -> int:
+    """The segment torch's allocator reserves for a request of ``size`` bytes that no cached one holds."""
+    if pool == "small_pool":
+        return _SMALL_SEGMENT
+    return _MID_SEGMENT if size < _MIN_LARGE_ALLOC else _round_up(size, _ROUND_LARGE)
+
+
 def format_size(n: int) -> str:
     """Bytes as torch's allocator writes them in its messages: ``2.00 GiB``, ``512.00 MiB``."""
     if n <= 1024:
@@ -151,6 +158,71 @@ class _Allocator:
             oversize_allocations=_Stat().as_dict(), oversize_segments=_Stat().as_dict(),
         )
         return out
+
+    def cached(self, pool: str, size: int) -> int | None:
+        """The handle of the smallest free cached segment of ``pool`` that holds ``size``, if any."""
+        fits = [h for h, s in self.segments.items() if s.used == 0 and s.pool == pool and s.size >= size]
+        return min(fits, key=lambda h: self.segments[h].size) if fits else None
+
+    def new_segment(self, handle: int, pool: str, alloc_size: int) -> _Segment:
+        segment = self.segments[handle] = _Segment(self.next_address, alloc_size, pool)
+        self.next_address += alloc_size
+        self.update("segment", pool, 1)
+        self.update("reserved_bytes", pool, alloc_size)
+        self.trace(2, {"action": "segment_alloc", "addr": segment.address, "size": alloc_size})
+        return segment
+
+    def occupy(self, segment: _Segment, size: int, nbytes: int) -> None:
+        """Put one block of ``size`` bytes (``nbytes`` requested) at the start of a free segment."""
+        segment.used, segment.requested = size, nbytes
+        segment.frames = _frames() if self.stacks >= 1 else []
+        self._count_block(segment, +1)
+        self.trace(2, {"action": "alloc", "addr": segment.address, "size": size})
+
+    def vacate(self, segment: _Segment) -> None:
+        """Free the segment's block; the segment stays reserved (cached)."""
+        self._count_block(segment, -1)
+        for action in ("free_requested", "free_completed"):
+            self.trace(3, {"action": action, "addr": segment.address, "size": segment.used})
+        segment.used = segment.requested = 0
+        segment.frames = []
+
+    def _count_block(self, segment: _Segment, sign: int) -> None:
+        size, pool = segment.used, segment.pool
+        for name, amount in (("allocated", 1), ("active", 1), ("allocated_bytes", size), ("active_bytes", size),
+                             ("requested_bytes", segment.requested)):
+            self.update(name, pool, sign * amount)
+        if segment.size > size:
+            self.update("inactive_split", pool, sign)
+            self.update("inactive_split_bytes", pool, sign * (segment.size - size))
+
+    def release_cache(self) -> list[int]:
+        """Give every free segment back to the device; their handles."""
+        released = [h for h, s in self.segments.items() if s.used == 0]
+        for handle in released:
+            segment = self.segments.pop(handle)
+            self.update("segment", segment.pool, -1)
+            self.update("reserved_bytes", segment.pool, -segment.size)
+            self.trace(3, {"action": "segment_free", "addr": segment.address, "size": segment.size})
+        return released
+
+    def out_of_memory(self, index: int, size: int, alloc_size: int, total: int, free: int) -> None:
+        """Count and trace a failed reservation and tell the observers, before the error is raised."""
+        self.trace(2, {"action": "oom", "size": size, "device_free": free})
+        self.ooms += 1
+        for observer in list(self.observers):  # torch calls them without the allocator lock, before raising
+            observer(index, alloc_size, total, free)
+
+    def reset_peaks(self) -> None:
+        for stat in self.stats.values():
+            for s in stat.values():
+                s.peak = s.current
+
+    def record_history(self, enabled: str | None, context: str | None, max_entries: int, clear: bool) -> None:
+        self.recording = enabled == "all"
+        self.stacks = _HISTORY_LEVELS[context] if enabled is not None else 0
+        if enabled is None or clear or self.history.maxlen != max_entries:
+            self.history = collections.deque(maxlen=max_entries)  # a ring of max_entries
 
     def trace(self, level: int, entry: dict[str, Any]) -> None:
         """Keep ``entry`` when recording; with the stack when ``context`` covers its ``level``."""
@@ -240,14 +312,11 @@ class FakeCuda:
         dev = self._devices[index]
         size = _round_up(max(nbytes, 1), 512)
         pool = "small_pool" if size <= _SMALL_REQUEST else "large_pool"
-        fits = [h for h, s in dev.segments.items() if s.used == 0 and s.pool == pool and s.size >= size]
-        if fits:
-            handle = min(fits, key=lambda h: dev.segments[h].size)
+        handle = dev.cached(pool, size)
+        if handle is not None:
             segment = dev.segments[handle]
         else:
-            alloc_size = _SMALL_SEGMENT if pool == "small_pool" else (
-                _MID_SEGMENT if size < _MIN_LARGE_ALLOC else _round_up(size, _ROUND_LARGE)
-            )
+            alloc_size = _segment_size(pool, size)
             if self._device_free(index) < alloc_size:
                 dev.retries += 1
                 self._release_cache(index)
@@ -255,69 +324,29 @@ class FakeCuda:
                     self._out_of_memory(index, size, alloc_size)
             self._next_handle += 1
             handle = self._next_handle
-            segment = dev.segments[handle] = _Segment(dev.next_address, alloc_size, pool)
-            dev.next_address += alloc_size
-            dev.update("segment", pool, 1)
-            dev.update("reserved_bytes", pool, alloc_size)
-            dev.trace(2, {"action": "segment_alloc", "addr": segment.address, "size": alloc_size})
+            segment = dev.new_segment(handle, pool, alloc_size)
         self._handles[handle] = index
-        segment.used, segment.requested = size, nbytes
-        segment.frames = _frames() if dev.stacks >= 1 else []
-        for name, amount in (("allocated", 1), ("active", 1), ("allocated_bytes", size), ("active_bytes", size),
-                             ("requested_bytes", nbytes)):
-            dev.update(name, pool, amount)
-        if segment.size > size:
-            dev.update("inactive_split", pool, 1)
-            dev.update("inactive_split_bytes", pool, segment.size - size)
-        dev.trace(2, {"action": "alloc", "addr": segment.address, "size": size})
+        dev.occupy(segment, size, nbytes)
         return handle
 
     def free(self, handle: int) -> None:
         """Free a block; its segment stays reserved (cached) until :meth:`empty_cache`."""
         dev = self._devices[self._handles[handle]]
-        segment = dev.segments[handle]
-        size, pool = segment.used, segment.pool
-        for name, amount in (("allocated", -1), ("active", -1), ("allocated_bytes", -size), ("active_bytes", -size),
-                             ("requested_bytes", -segment.requested)):
-            dev.update(name, pool, amount)
-        if segment.size > size:
-            dev.update("inactive_split", pool, -1)
-            dev.update("inactive_split_bytes", pool, -(segment.size - size))
-        dev.trace(3, {"action": "free_requested", "addr": segment.address, "size": size})
-        dev.trace(3, {"action": "free_completed", "addr": segment.address, "size": size})
-        segment.used = segment.requested = 0
-        segment.frames = []
+        dev.vacate(dev.segments[handle])
 
     def _device_free(self, index: int) -> int:
         context = self.context if self.contexts_created.get(index) else 0
         return self.total - context - self.other_process - self._devices[index].current("reserved_bytes")
 
     def _release_cache(self, index: int) -> None:
-        dev = self._devices[index]
-        for handle, segment in list(dev.segments.items()):
-            if segment.used == 0:
-                dev.update("segment", segment.pool, -1)
-                dev.update("reserved_bytes", segment.pool, -segment.size)
-                dev.trace(3, {"action": "segment_free", "addr": segment.address, "size": segment.size})
-                del dev.segments[handle]
-                self._handles.pop(handle, None)
+        for handle in self._devices[index].release_cache():
+            self._handles.pop(handle, None)
 
     def _out_of_memory(self, index: int, size: int, alloc_size: int) -> None:
-        dev = self._devices[index]
-        free = self._device_free(index)
-        dev.trace(2, {"action": "oom", "size": size, "device_free": free})
-        dev.ooms += 1
-        for observer in list(dev.observers):  # torch calls them without the allocator lock, before raising
-            observer(index, alloc_size, self.total, free)
-        allocated, reserved = dev.current("allocated_bytes"), dev.current("reserved_bytes")
-        others = f"Process 4242 has {format_size(self.other_process)} memory in use. " if self.other_process else ""
-        raise FakeOutOfMemoryError(
-            f"CUDA out of memory. Tried to allocate {format_size(alloc_size)}. GPU {index} has a total capacity "
-            f"of {format_size(self.total)} of which {format_size(free)} is free. {others}Including non-PyTorch "
-            f"memory, this process has {format_size(self.context + reserved)} memory in use. Of the allocated "
-            f"memory {format_size(allocated)} is allocated by PyTorch, and {format_size(reserved - allocated)} "
-            f"is reserved by PyTorch but unallocated.{_OOM_HINT}"
-        )
+        dev, free = self._devices[index], self._device_free(index)
+        dev.out_of_memory(index, size, alloc_size, self.total, free)
+        raise FakeOutOfMemoryError(_oom_message(index, alloc_size, self.total, free, self.other_process,
+                                                self.context, dev))
 
     # ---- the torch.cuda API -------------------------------------------------------------------------
     def is_available(self) -> bool:
@@ -358,15 +387,7 @@ class FakeCuda:
     def memory_stats(self, device: Any = None) -> dict[str, Any]:
         """The nested stats flattened to ``a.b.c`` keys and sorted, as torch does in Python."""
         flat: list[tuple[str, Any]] = []
-
-        def walk(prefix: str, value: Any) -> None:
-            if isinstance(value, dict):
-                for k, v in value.items():
-                    walk(f"{prefix}.{k}" if prefix else str(k), v)
-            else:
-                flat.append((prefix, value))
-
-        walk("", self.memory_stats_as_nested_dict(device))
+        _flatten("", self.memory_stats_as_nested_dict(device), flat)
         flat.sort()
         return dict(flat)
 
@@ -387,9 +408,7 @@ class FakeCuda:
         if not self._initialized:
             raise RuntimeError(f"Invalid device argument {index}: did you call init?")
         self._check_index(index)
-        for stat in self._devices[index].stats.values():
-            for s in stat.values():
-                s.peak = s.current
+        self._devices[index].reset_peaks()
 
     def mem_get_info(self, device: Any = None) -> tuple[int, int]:
         index = self._index(device)
@@ -428,10 +447,7 @@ class FakeCuda:
         if not self._initialized:  # lost, as in torch
             return
         for dev in self._devices:
-            dev.recording = enabled == "all"
-            dev.stacks = _HISTORY_LEVELS[context] if enabled is not None else 0
-            if enabled is None or clear_history or dev.history.maxlen != max(int(max_entries), 1):
-                dev.history = collections.deque(maxlen=max(int(max_entries), 1))  # a ring of max_entries
+            dev.record_history(enabled, context, max(int(max_entries), 1), clear_history)
 
     def _set_memory_metadata(self, metadata: str) -> None:
         for dev in self._devices:
@@ -440,11 +456,29 @@ class FakeCuda:
     def _snapshot(self, device: Any = None) -> dict[str, Any]:
         if not self._initialized:
             return {"segments": [], "device_traces": []}
-        segments: list[dict[str, Any]] = []
-        for index, dev in enumerate(self._devices):
-            for segment in sorted(dev.segments.values(), key=lambda s: s.address):
-                segments.append(_segment_dict(index, segment))
+        segments = [_segment_dict(index, segment) for index, dev in enumerate(self._devices)
+                    for segment in sorted(dev.segments.values(), key=lambda s: s.address)]
         return {"segments": segments, "device_traces": [list(dev.history) for dev in self._devices]}
+
+
+def _flatten(prefix: str, value: Any, into: list[tuple[str, Any]]) -> None:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _flatten(f"{prefix}.{k}" if prefix else str(k), v, into)
+    else:
+        into.append((prefix, value))
+
+
+def _oom_message(index: int, alloc_size: int, total: int, free: int, other_process: int, context: int,
+                 dev: _Allocator) -> str:
+    """torch's out-of-memory message, figure for figure."""
+    allocated, reserved = dev.current("allocated_bytes"), dev.current("reserved_bytes")
+    others = f"Process 4242 has {format_size(other_process)} memory in use. " if other_process else ""
+    return (f"CUDA out of memory. Tried to allocate {format_size(alloc_size)}. GPU {index} has a total capacity "
+            f"of {format_size(total)} of which {format_size(free)} is free. {others}Including non-PyTorch "
+            f"memory, this process has {format_size(context + reserved)} memory in use. Of the allocated "
+            f"memory {format_size(allocated)} is allocated by PyTorch, and {format_size(reserved - allocated)} "
+            f"is reserved by PyTorch but unallocated.{_OOM_HINT}")
 
 
 def _segment_dict(index: int, segment: _Segment) -> dict[str, Any]:
