@@ -395,6 +395,64 @@ def phase_delta_keys(key: str, keys: Sequence[str]) -> dict[str, str]:
 
 # ---- online ----------------------------------------------------------------------------------------
 
+class _LeakRing:
+    """The leak watch's memory of the last ``capacity`` collects: their steps and times, the watched
+    keys' values and the phase deltas (slot x key x rank, GiB, nan-padded), and each rank's latest finite
+    capacity figure of each context key. Widened as ranks and phase keys appear."""
+
+    def __init__(self, capacity: int, keys: int) -> None:
+        self.capacity = capacity
+        self.steps = np.zeros(capacity, dtype=np.int64)
+        self.times = np.full(capacity, np.nan)
+        self.values = np.full((capacity, keys, 0), np.nan)
+        self.phases = np.full((capacity, 0, 0), np.nan)
+        self.context = np.full((len(_outlook.CONTEXT_KEYS), 0), np.nan)
+        self.next = 0
+        """The slot the next collect goes to."""
+        self.count = 0
+        """Collects held (at most ``capacity``)."""
+        self.fed = 0
+        """Collects pushed so far."""
+
+    @property
+    def world(self) -> int:
+        return int(self.values.shape[2])
+
+    def widen(self, world: int, phase_keys: int) -> None:
+        """Room for ``world`` ranks and ``phase_keys`` phase delta keys (nan-padded)."""
+        if world > self.world:
+            wider = np.full((self.capacity, self.values.shape[1], world), np.nan)
+            wider[:, :, : self.world] = self.values
+            self.values = wider
+            context = np.full((self.context.shape[0], world), np.nan)
+            context[:, : self.context.shape[1]] = self.context
+            self.context = context
+        if self.phases.shape[1:] != (phase_keys, self.world):
+            phases = np.full((self.capacity, phase_keys, self.world), np.nan)
+            phases[:, : self.phases.shape[1], : self.phases.shape[2]] = self.phases
+            self.phases = phases
+
+    def push(self, step: int, when: float, row: np.ndarray, phase_row: np.ndarray, context: np.ndarray) -> None:
+        """One collect: ``row`` key x rank, ``phase_row`` phase key x rank, ``context`` context key x rank."""
+        world = row.shape[1]
+        self.widen(world, phase_row.shape[0])
+        slot = self.next
+        self.steps[slot], self.times[slot] = step, when
+        self.values[slot] = np.nan
+        self.values[slot, :, :world] = row
+        self.phases[slot] = np.nan
+        self.phases[slot, :, :world] = phase_row
+        known = np.isfinite(context)
+        self.context[:, :world][known] = context[known]
+        self.next = (slot + 1) % self.capacity
+        self.count = min(self.count + 1, self.capacity)
+        self.fed += 1
+
+    def last(self, take: int) -> np.ndarray:
+        """The slots of the last ``take`` collects, oldest first."""
+        return (self.next - take + np.arange(take)) % self.capacity
+
+
 class LeakWatch:
     """Online leak check on the logging rank: feed it every collect; it warns once per rank and key.
 
@@ -437,18 +495,9 @@ class LeakWatch:
         if ranks_per_node is None:
             ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
         self.ranks_per_node = max(ranks_per_node, 1)
-        self._steps = np.zeros(capacity, dtype=np.int64)
-        self._times = np.full(capacity, np.nan)
-        self._values = np.full((capacity, len(self.keys), 0), np.nan)
-        """Ring buffer: row (slot) x key x rank, GiB; widened to the world size at the first feed."""
+        self._ring = _LeakRing(capacity, len(self.keys))
         self._phase_keys: list[str] = []
-        self._phases = np.full((capacity, 0, 0), np.nan)
-        """Ring buffer of the phase delta keys (``_phase_keys``): slot x key x rank, GiB."""
-        self._context = np.full((len(_outlook.CONTEXT_KEYS), 0), np.nan)
-        """Each rank's latest finite capacity figure of each context key, GiB."""
-        self._next = 0
-        self._count = 0
-        self._fed = 0
+        """The phase delta keys the ring holds, in its order."""
         self._cursor = 0
         """The next series to test, counting key-major over (key, rank)."""
         self._credit = 0
@@ -466,7 +515,7 @@ class LeakWatch:
                 for k in phase_delta_keys(key, keys).values():
                     if k not in self._phase_keys:
                         self._phase_keys.append(k)
-            self._widen(self._values.shape[2])
+            self._ring.widen(self._ring.world, len(self._phase_keys))
             self._layout = (
                 keys,
                 np.array([where.get(k, -1) for k in self.keys], dtype=np.intp),
@@ -500,42 +549,16 @@ class LeakWatch:
             matrix[: len(vec), i] = [math.nan if v is None else v for v in vec]
         return self.feed_matrix(record.step, keys, matrix, record.time)
 
-    def _widen(self, world: int) -> None:
-        """Room for ``world`` ranks and every phase key seen so far (nan-padded)."""
-        if world > self._values.shape[2]:
-            wider = np.full((self.capacity, len(self.keys), world), np.nan)
-            wider[:, :, : self._values.shape[2]] = self._values
-            self._values = wider
-            context = np.full((self._context.shape[0], world), np.nan)
-            context[:, : self._context.shape[1]] = self._context
-            self._context = context
-        world = self._values.shape[2]
-        if self._phases.shape[1:] != (len(self._phase_keys), world):
-            phases = np.full((self.capacity, len(self._phase_keys), world), np.nan)
-            phases[:, : self._phases.shape[1], : self._phases.shape[2]] = self._phases
-            self._phases = phases
-
     def _push(self, step: int, row: np.ndarray, phase_row: np.ndarray, context: np.ndarray, when: float) -> list[Trend]:
-        world = row.shape[1]
-        self._widen(world)
-        slot = self._next
-        self._steps[slot], self._times[slot] = step, when
-        self._values[slot] = np.nan
-        self._values[slot, :, :world] = row
-        self._phases[slot] = np.nan
-        self._phases[slot, :, :world] = phase_row
-        known = np.isfinite(context)
-        self._context[:, :world][known] = context[known]
-        self._next = (slot + 1) % self.capacity
-        self._count = min(self._count + 1, self.capacity)
-        self._fed += 1
+        ring = self._ring
+        ring.push(step, when, row, phase_row, context)
         take = self._take()
         if take is None:
             return []
-        series = self._values.shape[1] * self._values.shape[2]
+        series = len(self.keys) * ring.world
         if not self._started:  # the first collect with a whole window: every series is judged on it
             self._started = True
-            return self._judge({k: list(range(self._values.shape[2])) for k in range(len(self.keys))}, take)
+            return self.check()
         interval = max(1, min(self.check_every, take // 4))
         due, self._credit = divmod(self._credit + series, interval)
         picked = [(self._cursor + i) % series for i in range(min(due, series))]
@@ -544,38 +567,38 @@ class LeakWatch:
         self._cursor = (picked[-1] + 1) % series
         ranks_of: dict[int, list[int]] = {}
         for s in picked:
-            ranks_of.setdefault(s // self._values.shape[2], []).append(s % self._values.shape[2])
+            ranks_of.setdefault(s // ring.world, []).append(s % ring.world)
         return self._judge(ranks_of, take)
 
     def _take(self) -> int | None:
         """How many of the buffered collects a test examines now: the window the offline verdict would
         examine at this point (within what the buffer holds); None until that window lies wholly after
         the warm-up and has ``min_steps`` collects."""
-        take = _window(self._fed, self.config)
-        if take > self._fed - self.warmup or take < self.config.min_steps:
+        take = _window(self._ring.fed, self.config)
+        if take > self._ring.fed - self.warmup or take < self.config.min_steps:
             return None
-        return min(take, self._count)
+        return min(take, self._ring.count)
 
     def check(self) -> list[Trend]:
         """Test every series now; warn for and return trends flagged for the first time."""
         take = self._take()
         if take is None:
             return []
-        everyone = list(range(self._values.shape[2]))
+        everyone = list(range(self._ring.world))
         return self._judge({k: everyone for k in range(len(self.keys))}, take)
 
     # ---- judging ---------------------------------------------------------------------------------------
     def _judge(self, ranks_of: dict[int, list[int]], take: int) -> list[Trend]:
         """Test the given ranks of the given keys (by index) on the last ``take`` buffered collects."""
-        order = (self._next - take + np.arange(take)) % self.capacity
-        steps = self._steps[order]
+        order = self._ring.last(take)
+        steps = self._ring.steps[order]
         new: list[Trend] = []
         for k, ranks in ranks_of.items():
             key = self.keys[k]
             todo = [r for r in ranks if (key, r) not in self.flagged]
             if not todo:
                 continue
-            columns = self._values[order[:, None], k, np.asarray(todo)]
+            columns = self._ring.values[order[:, None], k, np.asarray(todo)]
             caps = [_outlook.capacity_gib(key, self._rank_context(r), self.ranks_per_node) for r in todo]
             for t in trends(steps, columns, key, todo, self._judging, caps):
                 if t.leak:
@@ -590,23 +613,24 @@ class LeakWatch:
         return new
 
     def _rank_context(self, rank: int) -> dict[str, float | None]:
-        return {k: float(self._context[i, rank]) for i, k in enumerate(_outlook.CONTEXT_KEYS)}
+        return {k: float(self._ring.context[i, rank]) for i, k in enumerate(_outlook.CONTEXT_KEYS)}
 
     def _outlook(self, new: list[Trend], order: np.ndarray) -> list[Trend]:
         """Phase and exhaustion of the newly flagged trends; the node's rate counts every host leak
         flagged on it so far."""
-        steps, times = self._steps[order], self._times[order]
+        ring = self._ring
+        steps, times = ring.steps[order], ring.times[order]
         gaps = np.diff(steps)
         rows_per_step = 1.0 / float(np.median(gaps)) if gaps.size and np.median(gaps) > 0 else 1.0
         earlier = [t for t in self.flagged.values() if t not in new]
 
         def current(t: Trend) -> float | None:
-            column = self._values[order, self.keys.index(t.key), t.rank]
+            column = ring.values[order, self.keys.index(t.key), t.rank]
             return _outlook.fitted_last(steps, column, t.slope_mib, t.last_step)
 
         def deltas(t: Trend) -> dict[str, np.ndarray]:
             names = phase_delta_keys(t.key, self._phase_keys)
-            return {p: self._phases[order, self._phase_keys.index(k), t.rank] for p, k in names.items()}
+            return {p: ring.phases[order, self._phase_keys.index(k), t.rank] for p, k in names.items()}
 
         return outlook(new, current, self._rank_context, lambda r: r // self.ranks_per_node,
                        _outlook.seconds_per_step(steps, times), deltas, rows_per_step, earlier)
