@@ -101,9 +101,14 @@ def read_log(out: str | os.PathLike[str]) -> tuple[dict[str, Any], list[dict[str
     header, steps = json.loads(lines[0]), [json.loads(line) for line in lines[1:]]
     if header.get("detail", "inline") != "inline":
         run = read_run(str(out))
-        row_of = {step: i for i, step in enumerate(run.steps.tolist())}
+        # A step number can repeat (a Trainer's final summary logs at the last step again): the side
+        # file's rows of one step follow its lines in order.
+        rows_of: dict[int, list[int]] = {}
+        for i, number in enumerate(run.steps.tolist()):
+            rows_of.setdefault(number, []).append(i)
         for step in steps:
-            i = row_of.get(step["step"])
+            rows = rows_of.get(step["step"])
+            i = rows.pop(0) if rows else None
             if i is not None:
                 step["ranks"] = {k: [None if math.isnan(v) else v for v in m[i].tolist()]
                                  for k, m in run.series.items() if not np.isnan(m[i]).all()}
