@@ -186,7 +186,8 @@ class Monitor:
         return self._windows.step(n)
 
     def set_step(self, n: int) -> None:
-        """Name the step in progress without opening a step window: heartbeats and OOM events say it.
+        """Name the step in progress without opening a step window: heartbeats and OOM events say it,
+        and the next :meth:`collect` logs it unless given ``step=``.
         For a framework whose hooks bracket a step (``on_step_begin`` .. ``on_step_end``) rather than a
         ``with`` block; :meth:`step` sets it too. Local."""
         self._check_open()
@@ -250,7 +251,8 @@ class Monitor:
         self._last, self._last_record = (int(step), time.time(), gathered), None
         if self._publisher.opened:
             self._publisher.publish(*self._last)
-        return gathered.aggregated
+        # The caller's own copy: the run log is written from this dict later, on the publisher's thread.
+        return dict(gathered.aggregated)
 
     def _start(self) -> None:
         """The first collect: every rank learns who every rank is; the logging rank opens the sinks."""

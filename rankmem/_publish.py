@@ -20,6 +20,7 @@ half full (collects faster than one per 0.4 ms), wakes it at once.
 from __future__ import annotations
 
 import atexit
+import os
 import threading
 import time
 import weakref
@@ -57,6 +58,10 @@ class Publisher:
         self._busy = False
         self._flush_sinks = False
         self._thread: threading.Thread | None = None
+        self._sync = threading.RLock()  # without the thread: one caller at a time in _handle (a flush
+        # from the near-OOM watch's thread must not run inside the training thread's write)
+        self._pid = os.getpid()  # a forked child inherits this object, not its thread or its files' state
+        self._closed = False
         self.dropped = 0
         """Records dropped because the sinks fell more than :data:`MAX_PENDING` behind."""
         self.opened = False
@@ -64,6 +69,8 @@ class Publisher:
     def open(self, header: RunHeader) -> None:
         """On the logging rank, at the first collect: open every sink with the run header."""
         self.opened = True
+        with _live_lock:
+            _live.add(self)  # flushed at exit (and by flush_all), with or without the thread
         self._submit(header)
 
     def publish(self, step: int, when: float, gathered: Gathered) -> None:
@@ -72,7 +79,8 @@ class Publisher:
 
     def _submit(self, item: _Item) -> None:
         if not self._background:
-            self._handle(item)
+            with self._sync:
+                self._handle(item)
             return
         with self._wake:
             if len(self._pending) >= self.MAX_PENDING:
@@ -87,8 +95,6 @@ class Publisher:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="rankmem-publish", daemon=True)
             self._thread.start()
-            with _live_lock:
-                _live.add(self)
 
     def _run(self) -> None:
         while True:
@@ -108,7 +114,8 @@ class Publisher:
                     self._busy = False
                     self._wake.notify_all()
                 return
-            self._handle(item)
+            # A bug in a record's encoding must not end the thread: flush() would wait for it in vain.
+            self._guard.call("publish", "writing a record failed", self._handle, item, default=None)
 
     def _handle(self, item: _Item) -> None:
         if item is _FLUSH:
@@ -148,10 +155,18 @@ class Publisher:
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every submitted record is written, and what the sinks buffer (the run log's
-        per-rank batch) is on disk; False if ``timeout`` passed first."""
-        if self._thread is None or self._thread is threading.current_thread():
-            if self.opened:
+        per-rank batch) is on disk; False if ``timeout`` passed first. After :meth:`close`, and in a
+        forked child (whose copy is not its to write), there is nothing to do."""
+        if self._closed or os.getpid() != self._pid or not self.opened:
+            return True
+        thread = self._thread
+        if thread is None or thread is threading.current_thread():
+            if not self._sync.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
+                return False  # a write is still running on the training thread
+            try:
                 self._handle(_FLUSH)
+            finally:
+                self._sync.release()
             return True
         with self._wake:
             self._flush_sinks = True
@@ -160,6 +175,9 @@ class Publisher:
                                        timeout if timeout is not None else self.FLUSH_TIMEOUT_S)
 
     def close(self) -> None:
+        """Flush, stop the thread, close the sinks; a second call (or one in a forked child) does nothing."""
+        if self._closed or os.getpid() != self._pid:
+            return
         if not self.flush():
             warn(f"rankmem: the sinks did not finish within {self.FLUSH_TIMEOUT_S:.0f} s; closing them anyway")
         if self._thread is not None and self._thread.is_alive():
@@ -167,6 +185,7 @@ class Publisher:
                 self._pending.append(_STOP)
                 self._wake.notify()
             self._thread.join(self.FLUSH_TIMEOUT_S)
+        self._closed = True
         with _live_lock:
             _live.discard(self)
         for sink in self._sinks:
@@ -194,6 +213,17 @@ def flush_all(timeout: float | None = None) -> bool:
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         done = publisher.flush(left) and done
     return done
+
+
+def _forget_in_child() -> None:
+    # A forked child (a dataloader worker) has copies of the publishers but not their threads; the lock
+    # may have been held by a thread that does not exist here.
+    global _live_lock
+    _live_lock = threading.Lock()
+    _live.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 @atexit.register

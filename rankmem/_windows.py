@@ -161,8 +161,9 @@ class Windows:
             yield
 
     def set_step(self, n: int) -> None:
-        """Name the step in progress (for the listener and failures) without opening a window."""
-        self._step = _step_number(n)
+        """Name the step in progress (for the listener and failures, and the next collect) without
+        opening a window."""
+        self._step = self.step_n = _step_number(n)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:

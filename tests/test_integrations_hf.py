@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 
+from rankmem.runlog import read_run
+
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
@@ -124,3 +126,32 @@ def test_missing_framework_names_the_extra() -> None:
         "MissingExtraError rankmem.integrations.hf needs transformers, which is not installed: "
         "pip install 'rankmem[hf]'"
     )
+
+
+# ---- HF attach() twice (as its own test does) registers the callback twice ----------------------
+
+def test_hf_attach_twice_collects_once_per_log(tmp_path: Path) -> None:
+    """attach(trainer, cb) inserts cb again even when it is already in the callback list (passed in
+    callbacks=, or attach()ed before: tests/test_integrations_hf.py does exactly that). Every on_log
+    then runs two collects: the run log holds each step twice, and the second collect's window (the
+    microseconds between the two on_log calls) overwrites the step's figures in the Trainer's logs."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from rankmem.integrations.hf import RankmemCallback, attach
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=128, n_positions=32))
+    data = [{"input_ids": x, "labels": x} for x in torch.randint(0, 128, (16, 16))]
+    args = TrainingArguments(output_dir=str(tmp_path / "hf"), max_steps=2, per_device_train_batch_size=4,
+                             logging_steps=1, use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True)
+    cb = RankmemCallback(out_dir=str(tmp_path / "run"), sinks=("jsonl",), near_oom_watch=False)
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[cb])
+    attach(trainer, cb)  # "puts the callback ahead of the trackers"
+    trainer.train()
+    run = read_run(str(tmp_path / "run"))
+    # One collect per on_log: the two steps, then the final summary (logged at the last step again).
+    assert run.steps.tolist() == [1, 2, 2]
+    assert sum(c is cb for c in trainer.callback_handler.callbacks) == 1

@@ -5,10 +5,13 @@ from __future__ import annotations
 import subprocess
 import sys
 import warnings
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 import rankmem
+from rankmem.runlog import read_run
 from rankmem.sinks import SafeSink
 
 
@@ -182,3 +185,21 @@ def test_warnings_name_the_callers_line(tmp_path: object) -> None:
         monitor.collect({"loss": 1.0})
         assert monitor.flush(30)
     assert (caught[0].filename, caught[0].lineno) == ("rankmem", 0)
+
+
+def _monitor(out: Path, **options: Any) -> rankmem.Monitor:
+    return rankmem.Monitor(out_dir=str(out), device="cpu", near_oom_watch=False, **options)
+
+
+# ---- Monitor.set_step names a step the run log does not ----------------------------------------
+
+def test_set_step_is_the_step_collect_logs(tmp_path: Path) -> None:
+    """set_step(n) makes heartbeats and OOM events say step n, but collect() without step= logs the
+    collect counter: events and the run log then disagree on which step a window was (step() windows
+    do not have this problem: they set step_n)."""
+    m = _monitor(tmp_path)
+    for n in (10, 11):
+        m.set_step(n)
+        m.collect({"loss": 1.0})
+    m.close()
+    assert read_run(str(tmp_path)).steps.tolist() == [10, 11]

@@ -351,3 +351,26 @@ def test_a_disk_refusing_the_side_file_bounds_what_waits_and_loses_no_step(
     np.testing.assert_array_equal(run.series[RSS], truth[RSS][7:10])
     assert run.logged is not None and run.logged.steps.tolist() == list(range(10))
     np.testing.assert_allclose(run.logged.metrics[RSS + "/max"], truth[RSS][:10].max(axis=1))
+
+
+# ---- A batch pyarrow refuses costs its collects' aggregates and steps too --------------------------
+
+def test_a_batch_arrow_cannot_encode_keeps_its_collects_aggregates(tmp_path: Path) -> None:
+    """DetailWriter.flush's `except Exception` drops the pending collects ("keep only their aggregates"),
+    but the next batch's LOG_OFFSET lies past their JSON lines, and the reader only reads lines after the
+    last batch's offset: those collects vanish from read_run altogether, and Run.logged is None (the
+    reader believes every collect is there). Trigger here: a caller's metric key holding a lone surrogate
+    (a name decoded with surrogateescape), which json.dumps writes but Arrow refuses."""
+    import rankmem
+
+    m = rankmem.Monitor(out_dir=str(tmp_path), device="cpu", near_oom_watch=False)
+    m.collect({"loss": 0.0}, step=0)
+    m.collect({"loss": 1.0, "io/\udcffname": 1.0}, step=1)
+    m.flush()
+    m.collect({"loss": 2.0}, step=2)
+    m.close()
+    lines = (tmp_path / "rankmem.jsonl").read_text(errors="replace").splitlines()
+    assert len(lines) == 4  # header + 3 steps: every line was written
+    run = read_run(str(tmp_path))
+    every = run.logged.steps.tolist() if run.logged is not None else run.steps.tolist()
+    assert every == [0, 1, 2], f"read_run sees steps {every} of the 3 logged"

@@ -22,7 +22,7 @@ from rankmem._catalogue import key_of, worse
 from rankmem._events import EventWriter
 from rankmem._heartbeat import Heartbeat, read_heartbeats
 from rankmem.cli import main
-from rankmem.runlog import RUN_LOG_NAME
+from rankmem.runlog import RUN_LOG_NAME, read_run
 from rankmem.runlog._columnar_read import DetailFollower
 from rankmem.runlog._layout import DETAIL_NAME
 from rankmem.runlog._tail import FIRST_BLOCK, TailFollower, read_last_steps
@@ -237,3 +237,49 @@ def test_watch_follows_a_real_job(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.count("(exited)") == 2, done.stdout
     assert json.loads((out / RUN_LOG_NAME).read_text().splitlines()[-1])["step"] == 59
+
+
+# ---- rankmem watch crashes on a step line the reader counts as corrupt --------------------------
+
+@pytest.mark.parametrize("bad", ['{"kind":"step","step":null,"time":5.0,"metrics":{}}',
+                                 '{"kind":"step","step":3,"time":5.0,"metrics":{},"ranks":null}'])
+def test_watch_skips_a_corrupt_last_step_line(tmp_path: Path, bad: str) -> None:
+    """read_last_steps accepts any object with kind=step and a metrics dict; build_frame then does
+    int(last["step"]) (TypeError on null) and step.get("ranks", {}).get(...) (AttributeError on null).
+    read_run counts the same line as corrupt and reads on."""
+    from rankmem.watch import Watcher
+    from tests.runlog_helpers import write_run
+
+    write_run(tmp_path, {"mem/host/rss_gib": np.array([[1.0, 2.0], [1.5, 2.5]])}, detail="inline")
+    with open(tmp_path / "rankmem.jsonl", "a") as f:
+        f.write(bad + "\n")
+    assert read_run(str(tmp_path)).corrupt_lines == [4]
+    frame = Watcher(str(tmp_path)).frame()
+    assert frame.step == 1
+    assert frame.rows[1].values["mem/host/rss_gib"] == 2.5
+
+
+# ---- rankmem watch reads the whole side file into memory at its first frame ----------------------
+
+def test_watch_first_frame_does_not_read_the_whole_side_file(tmp_path: Path) -> None:
+    """DetailFollower.poll() starts at offset 0 and f.read()s everything up to the end into one bytes
+    object, then decodes every batch, to show the last one: on a long run at scale (1,024 ranks x 28
+    keys x 100k steps is ~23 GB of side file) `rankmem watch` allocates the whole file on a login node
+    at start-up. TailFollower reads the JSON log from its end for exactly this reason."""
+    import tracemalloc
+
+    from rankmem.runlog._columnar_read import DetailFollower
+    from tests.runlog_helpers import write_run
+
+    steps, world = 1500, 64
+    rng = np.random.default_rng(0)
+    write_run(tmp_path, {f"k{i}": rng.random((steps, world)) for i in range(8)})
+    side = tmp_path / "rankmem.ranks.arrow"
+    size = side.stat().st_size
+    follower = DetailFollower(str(side))
+    tracemalloc.start()
+    latest = follower.poll()
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert latest is not None and latest[0] == steps - 1
+    assert peak < size / 4, f"the first poll held {peak / 2**20:.1f} MiB for a {size / 2**20:.1f} MiB side file"

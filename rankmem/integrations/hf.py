@@ -100,32 +100,35 @@ def attach(trainer: Any, callback: RankmemCallback | None = None, **options: Any
     callbacks: list[Any] = trainer.callback_handler.callbacks
     from transformers.trainer_callback import DefaultFlowCallback
 
+    callbacks[:] = [c for c in callbacks if c is not cb]  # already there (callbacks=, attach twice): moved
     flow = [i for i, c in enumerate(callbacks) if isinstance(c, DefaultFlowCallback)]
     callbacks.insert(flow[0] + 1 if flow else 0, cb)
     if not getattr(trainer.train, _RECORDS_FAILURES, False):
-        trainer.train = _recording_failures(trainer.train, cb)
+        trainer.train = _recording_failures(trainer)
     return cb
 
 
 _RECORDS_FAILURES = "__rankmem_records_failures__"
 
 
-def _recording_failures(train: Callable[..., Any], cb: RankmemCallback) -> Callable[..., Any]:
-    """``trainer.train``, but an exception leaving it first closes the open step as that exception (an
-    out-of-memory error becomes an ``oom`` event at its step and phase) and closes the callback's own
-    monitor (its heartbeat then says the exit was not clean). The Trainer has no exception hook:
-    ``on_train_end`` never runs on a failure."""
+def _recording_failures(trainer: Any) -> Callable[..., Any]:
+    """``trainer.train``, but an exception leaving it first closes each rankmem callback's open step as
+    that exception (an out-of-memory error becomes an ``oom`` event at its step and phase) and the
+    monitor the callback built (its heartbeat then says the exit was not clean). The Trainer has no
+    exception hook: ``on_train_end`` never runs on a failure."""
+    train = trainer.train
 
     @functools.wraps(train)
     def train_recording_failures(*args: Any, **kwargs: Any) -> Any:
         try:
             return train(*args, **kwargs)
         except BaseException as exc:
-            # Telemetry must not replace the Trainer's own exception: what it raised is what propagates.
-            with contextlib.suppress(Exception):
-                cb._close_step(exc)
-            with contextlib.suppress(Exception):
-                cb._close_monitor()
+            for cb in [c for c in trainer.callback_handler.callbacks if isinstance(c, RankmemCallback)]:
+                # Telemetry must not replace the Trainer's own exception: what it raised is what propagates.
+                with contextlib.suppress(Exception):
+                    cb._close_step(exc)
+                with contextlib.suppress(Exception):
+                    cb._close_monitor()
             raise
 
     setattr(train_recording_failures, _RECORDS_FAILURES, True)

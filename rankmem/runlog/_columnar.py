@@ -126,7 +126,9 @@ class DetailWriter:
         self._schema_pending = b""
         self._last_flush = time.monotonic()
         self._log_offset = 0
-        self._names: dict[tuple[str, ...], list[str]] = {}
+        self._names: dict[tuple[str, ...], tuple[tuple[str, ...], list[str], np.ndarray | None]] = {}
+        """A collect's keys -> the keys the side file takes, their aggregates' names, and the columns
+        that keeps (None: all)."""
         self._warn_once = WarnOnce()
 
     def open(self) -> None:
@@ -144,13 +146,16 @@ class DetailWriter:
 
     def add(self, collect: int, record: StepRecord, log_offset: int) -> None:
         """Queue one collect whose JSON line ends at byte ``log_offset`` of the run log; write a batch when due."""
-        keys = tuple(record.key_names())
-        names = self._names.get(keys)
-        if names is None:
-            names = self._names[keys] = [f"{k}/{a}" for k in keys for a in DETAIL_AGGREGATES]
+        all_keys = tuple(record.key_names())
+        layout = self._names.get(all_keys)
+        if layout is None:
+            layout = self._names[all_keys] = self._layout(all_keys)
+        keys, names, columns = layout
         get, nan = record.metrics.get, math.nan
         stats = np.array([get(n, nan) for n in names], dtype=np.float64).reshape(len(keys), len(DETAIL_AGGREGATES))
-        matrix = _matrix(record, keys, self.world)
+        matrix = _matrix(record, all_keys, self.world)
+        if matrix is not None and columns is not None:
+            matrix = matrix[:, columns]
         self._pending.append(_Pending(collect, record, keys, stats, matrix))
         self._pending_bytes += 0 if matrix is None else matrix.nbytes
         self._log_offset = log_offset
@@ -158,6 +163,17 @@ class DetailWriter:
             self._shed()
         if len(self._pending) >= MAX_BATCH or time.monotonic() - self._last_flush >= FLUSH_S:
             self.flush()
+
+    def _layout(self, keys: tuple[str, ...]) -> tuple[tuple[str, ...], list[str], np.ndarray | None]:
+        # Arrow strings are UTF-8: a key that is not (a name decoded with surrogateescape) would make
+        # every batch it is in fail. It stays on the run log's lines only.
+        bad = [k for k in keys if not _utf8(k)]
+        for key in bad:
+            self._warn_once(f"key:{key!r}", f"metric key {key!r} is not valid UTF-8: its values are kept on the "
+                                             f"run log's lines only, not in {self.path}")
+        kept = tuple(k for k in keys if _utf8(k)) if bad else keys
+        columns = np.array([i for i, k in enumerate(keys) if _utf8(k)], dtype=np.intp) if bad else None
+        return kept, [f"{k}/{a}" for k in kept for a in DETAIL_AGGREGATES], columns
 
     def _shed(self) -> None:
         """The disk has refused batches for a while: bound what waits. The oldest per-rank values go first
@@ -173,7 +189,7 @@ class DetailWriter:
             gone = self._pending.pop(0)
             self.dropped += gone.matrix is not None
             self._pending_bytes -= 0 if gone.matrix is None else gone.matrix.nbytes
-        self._warn_once("dropped", f"rankmem: {self.path} cannot be written; the per-rank values of the oldest "
+        self._warn_once("dropped", f"{self.path} cannot be written; the per-rank values of the oldest "
                                    "collects are dropped to bound the memory they hold")
 
     def flush(self) -> None:
@@ -182,19 +198,37 @@ class DetailWriter:
         if not self._pending or self._stream is None:
             return
         try:
-            batch = _batch(self._pending, self.world)
-            self._stream.write_batch(batch, custom_metadata={LOG_OFFSET: str(self._log_offset).encode()})
-            self._commit()
+            self._write_batch()
         except OSError as exc:
-            self._warn_once("write", f"rankmem: writing {self.path} failed ({exc}); its per-rank values are kept "
-                                     "and written again at the next batch")
+            self._warn_once("write", f"writing {self.path} failed ({exc}); its per-rank values are kept and "
+                                     "written again at the next batch")
             return
         except Exception as exc:  # noqa: BLE001 - a batch pyarrow refuses must not cost the run log's lines
-            self.dropped += len(self._pending)
-            self._warn_once("batch", f"rankmem: a batch of per-rank values could not be encoded for {self.path} "
-                                     f"({exc!r}); {len(self._pending)} collect(s) keep only their aggregates")
+            # Again without the per-rank values: the collects' aggregates and steps still reach the reader.
+            self._sink.data = bytearray()  # whatever the refused batch left half-encoded
+            with_values = sum(p.matrix is not None for p in self._pending)
+            for p in self._pending:
+                p.matrix = None
+            self.dropped += with_values
+            try:
+                self._write_batch()
+            except OSError:
+                return  # kept, now without their per-rank values; the next batch tries again
+            except Exception as again:  # noqa: BLE001
+                self._sink.data = bytearray()
+                self._warn_once("batch-lost", f"a batch could not be encoded for {self.path} ({again!r}): "
+                                              f"{len(self._pending)} collect(s) are not in it; their aggregates "
+                                              "are on the run log's lines")
+            else:
+                self._warn_once("batch", f"a batch of per-rank values could not be encoded for {self.path} "
+                                         f"({exc!r}); {with_values} collect(s) keep only their aggregates")
         self._pending.clear()
         self._pending_bytes = 0
+
+    def _write_batch(self) -> None:
+        batch = _batch(self._pending, self.world)
+        self._stream.write_batch(batch, custom_metadata={LOG_OFFSET: str(self._log_offset).encode()})
+        self._commit()
 
     def _commit(self) -> None:
         """One write of what the stream writer produced; cut back to the last whole batch if it fails."""
@@ -208,7 +242,7 @@ class DetailWriter:
     def close(self) -> None:
         self.flush()
         if self._pending:
-            self._warn_once("lost", f"rankmem: the per-rank values of {len(self._pending)} collect(s) could not be "
+            self._warn_once("lost", f"the per-rank values of {len(self._pending)} collect(s) could not be "
                                     f"written to {self.path} before closing (their aggregates are in the run log)")
         self._pending.clear()
         self._pending_bytes = 0
@@ -222,6 +256,14 @@ class DetailWriter:
         if self._fd is not None:
             fd, self._fd = self._fd, None
             os.close(fd)
+
+
+def _utf8(key: str) -> bool:
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _matrix(record: StepRecord, keys: tuple[str, ...], world: int) -> np.ndarray | None:

@@ -267,25 +267,29 @@ class DetailFollower:
             self._identity, self._offset, self._schema, self.latest = identity, 0, None, None
         if st.st_size == self._offset:
             return self.latest
-        with open(self.path, "rb") as f:
-            f.seek(self._offset)
-            data = f.read(st.st_size - self._offset)
-        source = pa.BufferReader(data)
-        batch, consumed = None, 0
-        while True:
-            try:
-                message = pa.ipc.read_message(source)
-                if self._schema is None:
-                    self._schema = pa.ipc.read_schema(message)
-                else:
-                    read = pa.ipc.read_record_batch(message, self._schema)
-                    if read.column(read.schema.get_field_index("ranks")).null_count < read.num_rows:
-                        batch = read  # past the crossover most collects carry none: keep the last that does
-            except (pa.ArrowInvalid, OSError, EOFError, StopIteration, TypeError):
-                break  # the end, a batch still being written, or the end-of-stream marker
-            consumed = source.tell()
-        self._offset += consumed
-        found = _last_collect(batch) if batch is not None else None
+        try:
+            # Mapped, not read: the batches are decoded in place, so a first poll of a long run's file
+            # (gigabytes at scale) holds one batch's values, not the file.
+            source = pa.memory_map(self.path)
+        except (pa.ArrowInvalid, OSError):
+            return self.latest
+        with source:
+            source.seek(self._offset)
+            batch, consumed = None, self._offset
+            while True:
+                try:
+                    message = pa.ipc.read_message(source)
+                    if self._schema is None:
+                        self._schema = pa.ipc.read_schema(message)
+                    else:
+                        read = pa.ipc.read_record_batch(message, self._schema)
+                        if read.column(read.schema.get_field_index("ranks")).null_count < read.num_rows:
+                            batch = read  # past the crossover most collects carry none: keep the last that does
+                except (pa.ArrowInvalid, OSError, EOFError, StopIteration, TypeError):
+                    break  # the end, a batch still being written, or the end-of-stream marker
+                consumed = source.tell()
+            self._offset = consumed
+            found = _last_collect(batch) if batch is not None else None
         if found is not None:
             self.latest = found
         return self.latest

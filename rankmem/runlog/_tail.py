@@ -44,10 +44,16 @@ def _step(line: bytes) -> dict[str, Any] | None:
     except ValueError:
         return None
     # A step line with its per-rank values (schema 1, inline) or with the aggregates alone (schema 2).
-    if isinstance(obj, dict) and obj.get("kind") == STEP_KIND and (
-            isinstance(obj.get("ranks"), dict) or isinstance(obj.get("metrics"), dict)):
-        return obj
-    return None
+    # What the reader counts as corrupt is skipped here too: a step that is not an integer, a "ranks"
+    # or "metrics" that is there but not an object.
+    if not isinstance(obj, dict) or obj.get("kind") != STEP_KIND or type(obj.get("step")) is not int:
+        return None
+    ranks, metrics = obj.get("ranks"), obj.get("metrics")
+    if not (isinstance(ranks, dict) or isinstance(metrics, dict)):
+        return None
+    if ("ranks" in obj and not isinstance(ranks, dict)) or ("metrics" in obj and not isinstance(metrics, dict)):
+        return None
+    return obj
 
 
 def read_last_steps(path: str, count: int = 2, size: int | None = None) -> tuple[list[dict[str, Any]], int]:
