@@ -112,6 +112,7 @@ class Publisher:
             if item is _STOP:
                 with self._wake:
                     self._busy = False
+                    self._flush_sinks = False  # close() closes the sinks next, which writes what they hold
                     self._wake.notify_all()
                 return
             # A bug in a record's encoding must not end the thread: flush() would wait for it in vain.
@@ -171,8 +172,10 @@ class Publisher:
         with self._wake:
             self._flush_sinks = True
             self._wake.notify_all()  # the thread may be between polls
-            return self._wake.wait_for(lambda: not self._pending and not self._busy and not self._flush_sinks,
-                                       timeout if timeout is not None else self.FLUSH_TIMEOUT_S)
+            # A thread that has ended (close() is stopping it, on another thread) flushed on its way out.
+            return self._wake.wait_for(
+                lambda: (not self._pending and not self._busy and not self._flush_sinks) or not thread.is_alive(),
+                timeout if timeout is not None else self.FLUSH_TIMEOUT_S)
 
     def close(self) -> None:
         """Flush, stop the thread, close the sinks; a second call (or one in a forked child) does nothing."""

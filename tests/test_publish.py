@@ -259,3 +259,41 @@ def test_sync_publisher_flush_from_another_thread_waits_for_the_write() -> None:
     writer.join(10)
     flusher.join(10)
     assert not sink.flush_during_write, "the sink's flush() ran inside its write(), on another thread"
+
+
+# ---- A flush racing close() (flush_all from a Ray actor's control thread while the job closes) ----------
+
+class _SlowCloseSink:
+    def __init__(self) -> None:
+        self.written: list[int] = []
+
+    def open(self, header: RunHeader) -> None:
+        pass
+
+    def write(self, record: StepRecord) -> None:
+        time.sleep(0.2)
+        self.written.append(record.step)
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        time.sleep(0.5)
+
+
+def test_a_flush_racing_close_returns_when_close_is_done() -> None:
+    sink = _SlowCloseSink()
+    publisher = Publisher([sink], leak_check=False, guard=Guard())
+    publisher.open(RunHeader(world_size=1, ranks=[], config={}, started=0.0))
+    for step in range(3):
+        publisher.publish(step, 0.0, Gathered(["loss"], np.array([[1.0]]), {"loss/max": 1.0}, mixed=False))
+    closer = threading.Thread(target=publisher.close)
+    closer.start()
+    time.sleep(0.85)  # close() has flushed the records (0.6 s) and stopped the thread; it closes the sink
+    started = time.monotonic()
+    assert publisher.flush(10.0)
+    took = time.monotonic() - started
+    closer.join(10)
+    assert sink.written == [0, 1, 2]
+    # Nothing left to wait for: not its 10 s timeout for a thread that has ended.
+    assert took < 3.0, took
