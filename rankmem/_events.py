@@ -13,6 +13,7 @@ This module imports neither torch nor numpy: the offline reader and the launcher
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -153,18 +154,29 @@ _REQUESTED = re.compile(r"Tried to allocate " + _SIZE, re.IGNORECASE)
 _CAPACITY = re.compile(r"total capacity of " + _SIZE + r" of which " + _SIZE + r" is free", re.IGNORECASE)
 
 
+_CPU_ALLOCATOR = "DefaultCPUAllocator: can't allocate memory"
+
+
 def _bytes(number: str, unit: str) -> int:
     return round(float(number) * _UNITS[unit.lower()])
 
 
 def oom_where(exc: BaseException) -> str | None:
-    """``"host"`` for ``MemoryError``, ``"device"`` for an accelerator's out-of-memory error, else None.
+    """``"host"`` for a host allocation that failed, ``"device"`` for an accelerator's out-of-memory
+    error, else None.
 
+    Host: ``MemoryError`` (Python, numpy); torch's CPU allocator, which raises a plain ``RuntimeError``
+    ("DefaultCPUAllocator: can't allocate memory: you tried to allocate N bytes", torch 2.13); and an
+    ``OSError`` with ``ENOMEM`` (a ``fork`` for a DataLoader worker, an ``mmap``). Device:
     ``torch.OutOfMemoryError`` (alias ``torch.cuda.OutOfMemoryError``, also raised by XPU) is a
     ``RuntimeError`` subclass, matched by class name so that this needs no torch import; torch_npu and
     older builds raise a plain ``RuntimeError`` whose text says "out of memory".
     """
     if isinstance(exc, MemoryError):
+        return "host"
+    if isinstance(exc, OSError) and exc.errno == errno.ENOMEM:
+        return "host"
+    if isinstance(exc, RuntimeError) and _CPU_ALLOCATOR in str(exc):
         return "host"
     if any("OutOfMemory" in cls.__name__ for cls in type(exc).__mro__):
         return "device"

@@ -117,12 +117,23 @@ def test_reader_without_events_directory(tmp_path: Path) -> None:
         (OutOfMemoryError(CUDA_OOM), "device"),
         (CudaSubclassOOM("x"), "device"),  # a subclass of an OutOfMemory class
         (RuntimeError("NPU out of memory. Tried to allocate 20.00 MiB"), "device"),  # torch_npu
+        (OSError(12, "Cannot allocate memory"), "host"),  # ENOMEM: a fork for a DataLoader worker
+        (OSError(28, "No space left on device"), None),
         (RuntimeError("Expected all tensors to be on the same device"), None),
         (ValueError("out of memory"), None),  # only RuntimeErrors carry an accelerator's OOM text
     ],
 )
 def test_oom_where(exc: BaseException, where: str | None) -> None:
     assert oom_where(exc) == where
+
+
+def test_torchs_own_cpu_allocation_failure_is_a_host_oom() -> None:
+    torch = pytest.importorskip("torch")
+    with pytest.raises(RuntimeError) as info:
+        torch.empty(1 << 60, dtype=torch.uint8)  # 1 EiB: torch's CPU allocator refuses it
+    assert oom_where(info.value) == "host"
+    event = oom_event(info.value, 0, 3, "update", {}, None)
+    assert event["where"] == "host" and event["requested_bytes"] == 1 << 60
 
 
 def test_oom_event_from_torch_cuda_text() -> None:

@@ -71,6 +71,21 @@ def test_a_real_memory_error_in_a_phase_is_a_host_event_and_goes_on_unchanged(tm
     assert event["host"]["node_available_bytes"] > 0
 
 
+def test_torchs_cpu_allocator_failing_in_a_phase_is_a_host_event(tmp_path: Path) -> None:
+    import torch
+
+    monitor = rankmem.Monitor(out_dir=str(tmp_path), device="cpu", children=False, near_oom_watch=False)
+    with pytest.raises(RuntimeError, match="DefaultCPUAllocator") as info:
+        with monitor.step(4):
+            with monitor.phase("update"):
+                torch.empty(1 << 60, dtype=torch.uint8)  # 1 EiB: a plain RuntimeError from torch, not MemoryError
+    monitor.close()
+    (event,) = read_events(str(tmp_path)).events
+    assert (event["kind"], event["step"], event["phase"], event["where"]) == ("oom", 4, "update", "host")
+    assert event["requested_bytes"] == 1 << 60 and event["error"].startswith("RuntimeError: ")
+    assert str(info.value).splitlines()[0] in event["error"]
+
+
 def test_an_oom_caught_inside_the_window_is_still_recorded(tmp_path: Path) -> None:
     cuda = FakeCuda(total=4 * GIB)
     monitor = rankmem.Monitor(out_dir=str(tmp_path), device_module=cuda, children=False, near_oom_watch=False)
