@@ -109,6 +109,36 @@ def test_an_oom_leaving_train_is_an_event_at_its_step(tmp_path: Path) -> None:
     assert beat.step == 3 and beat.phase == "train_step" and not beat.clean
 
 
+def test_an_oom_auto_find_batch_size_retries_is_still_an_event(tmp_path: Path) -> None:
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from rankmem._events import read_events
+    from rankmem.integrations.hf import attach
+
+    class TooBigAtBatch8(GPT2LMHeadModel):  # type: ignore[misc]
+        def forward(self, **kwargs: Any) -> Any:
+            if kwargs["input_ids"].shape[0] == 8:
+                torch.empty(1 << 60, dtype=torch.uint8)  # torch's CPU allocator refuses 1 EiB
+            return super().forward(**kwargs)
+
+    torch.manual_seed(0)
+    model = TooBigAtBatch8(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=128, n_positions=32))
+    data = [{"input_ids": x, "labels": x} for x in torch.randint(0, 128, (32, 16))]
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "hf"), max_steps=2, per_device_train_batch_size=8, logging_steps=1,
+        use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True, remove_unused_columns=False,
+        auto_find_batch_size=True,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=data)
+    attach(trainer, out_dir=str(tmp_path), near_oom_watch=False)
+    trainer.train()  # accelerate takes the OOM, shrinks the batch (to 7) and trains on
+    assert [e["step"] for e in trainer.state.log_history if "loss" in e] == [1, 2]
+    (event,) = read_events(str(tmp_path)).events
+    assert (event["kind"], event["where"], event["step"], event["phase"]) == ("oom", "host", 1, "train_step")
+    assert event["requested_bytes"] == 1 << 60
+
+
 def test_importing_rankmem_imports_no_framework() -> None:
     code = "import sys, rankmem; print(sorted(m for m in ('transformers', 'lightning', 'torch') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)

@@ -17,9 +17,10 @@ Ordering: the Trainer runs its ``report_to`` trackers' callbacks before the ones
 ``callbacks=``, so those trackers would miss the keys; :func:`attach` puts the callback ahead of them.
 
 Failures: heartbeats and events name the step in progress as ``on_log`` will (``global_step`` + 1).
-The Trainer calls no callback when ``train()`` raises, so :func:`attach` also wraps ``trainer.train``:
-an out-of-memory error leaving it becomes an ``oom`` event (``rankmem report`` lists it) at its step
-and phase, and the callback's own monitor is closed.
+The Trainer calls no callback when ``train()`` raises, so :func:`attach` also wraps ``trainer.train``
+and ``trainer.training_step``: an out-of-memory error leaving either becomes an ``oom`` event
+(``rankmem report`` lists it) at its step and phase, once, also when ``auto_find_batch_size`` catches
+it and retries with a smaller batch; a failure leaving ``train()`` closes the callback's own monitor.
 """
 
 from __future__ import annotations
@@ -104,32 +105,36 @@ def attach(trainer: Any, callback: RankmemCallback | None = None, **options: Any
     flow = [i for i, c in enumerate(callbacks) if isinstance(c, DefaultFlowCallback)]
     callbacks.insert(flow[0] + 1 if flow else 0, cb)
     if not getattr(trainer.train, _RECORDS_FAILURES, False):
-        trainer.train = _recording_failures(trainer)
+        trainer.train = _recording_failures(trainer, "train", close=True)
+        # An OOM that auto_find_batch_size catches (it halves the batch and retries) never leaves train().
+        trainer.training_step = _recording_failures(trainer, "training_step", close=False)
     return cb
 
 
 _RECORDS_FAILURES = "__rankmem_records_failures__"
 
 
-def _recording_failures(trainer: Any) -> Callable[..., Any]:
-    """``trainer.train``, but an exception leaving it first closes each rankmem callback's open step as
-    that exception (an out-of-memory error becomes an ``oom`` event at its step and phase) and the
-    monitor the callback built (its heartbeat then says the exit was not clean). The Trainer has no
+def _recording_failures(trainer: Any, method: str, close: bool) -> Callable[..., Any]:
+    """``trainer.<method>``, but an exception leaving it first closes each rankmem callback's open step
+    as that exception (an out-of-memory error becomes an ``oom`` event at its step and phase, once:
+    the same exception leaving ``training_step`` and then ``train`` is one event) and, with ``close``,
+    the monitor the callback built (its heartbeat then says the exit was not clean). The Trainer has no
     exception hook: ``on_train_end`` never runs on a failure."""
-    train = trainer.train
+    wrapped = getattr(trainer, method)
 
-    @functools.wraps(train)
-    def train_recording_failures(*args: Any, **kwargs: Any) -> Any:
+    @functools.wraps(wrapped)
+    def recording_failures(*args: Any, **kwargs: Any) -> Any:
         try:
-            return train(*args, **kwargs)
+            return wrapped(*args, **kwargs)
         except BaseException as exc:
             for cb in [c for c in trainer.callback_handler.callbacks if isinstance(c, RankmemCallback)]:
                 # Telemetry must not replace the Trainer's own exception: what it raised is what propagates.
                 with contextlib.suppress(Exception):
                     cb._close_step(exc)
-                with contextlib.suppress(Exception):
-                    cb._close_monitor()
+                if close:
+                    with contextlib.suppress(Exception):
+                        cb._close_monitor()
             raise
 
-    setattr(train_recording_failures, _RECORDS_FAILURES, True)
-    return train_recording_failures
+    setattr(recording_failures, _RECORDS_FAILURES, True)
+    return recording_failures
