@@ -508,7 +508,9 @@ class Exchange:
                 stats, counts = stats[kept], counts[kept]
                 quantiles = None if quantiles is None else quantiles[kept]
                 matrix = None if matrix is None else matrix[:, kept]
-            self._warn_mixed(keys, counts < world)
+            mixed = bool((counts < world).any())  # every rank dropped the same keys: they agree again
+            if mixed:
+                self._warn_mixed(keys, counts < world)
         if matrix is not None:
             matrix[absent_mask(matrix)] = math.nan  # downstream (run log, leak watch) reads NaN as absent
         aggregated = dict(zip(_aggregate_names(keys), stats.ravel().tolist(), strict=True))
@@ -551,6 +553,8 @@ class Exchange:
         if not kept.all():
             keys = [k for k, keep in zip(keys, list(kept), strict=True) if keep]
             matrix, absent = matrix[:, kept], absent[:, kept]
+            if not absent.any():  # every rank dropped the same keys: they agree again
+                return Gathered(keys, matrix, aggregate(keys, matrix), mixed=False)
         self._warn_mixed(keys, np.asarray(absent.any(axis=0)))
         matrix[absent] = math.nan  # downstream (run log, leak watch) reads NaN as absent
         return Gathered(keys, matrix, aggregate(keys, matrix, absent=absent), mixed=True)

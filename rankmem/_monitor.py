@@ -181,9 +181,10 @@ class Monitor:
 
     def step(self, n: int | None = None) -> AbstractContextManager[None]:
         """A step window: peaks reset at entry, current values and the window's peaks read at exit.
-        Local to this rank; call :meth:`collect` after it on every rank, every step or every N steps."""
+        Local to this rank; call :meth:`collect` after it on every rank, every step or every N steps.
+        Without ``n``, heartbeats and events name the step as the next collect will log it."""
         self._check_open()
-        return self._windows.step(n)
+        return self._windows.step(n, label=self._collects if n is None else None)
 
     def set_step(self, n: int) -> None:
         """Name the step in progress without opening a step window: heartbeats and OOM events say it,

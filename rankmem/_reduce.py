@@ -245,12 +245,15 @@ def bucket_quantiles(hist: np.ndarray, counts: np.ndarray, bottom: np.ndarray, t
     holding the ``ceil(q n)``-th value (never below it, at most one bucket above it); NaN where the
     range is not finite (an infinite value leaves the buckets no width)."""
     cum = hist.cumsum(axis=1)
-    width = (top - bottom) / bins
     out = np.empty((hist.shape[0], len(QUANTILES)))
-    for j, q in enumerate(QUANTILES):
-        target = np.maximum(np.ceil(q * counts), 1.0)
-        bucket = (cum < target[:, None]).sum(axis=1)
-        out[:, j] = np.minimum(bottom + (bucket + 1) * width, top)
+    # A key no rank has (bottom +inf, top -inf) or with an infinite value computes inf - inf here: those
+    # rows become NaN below, so numpy's warnings would only reach the training process's stderr.
+    with np.errstate(invalid="ignore", over="ignore"):
+        width = (top - bottom) / bins
+        for j, q in enumerate(QUANTILES):
+            target = np.maximum(np.ceil(q * counts), 1.0)
+            bucket = (cum < target[:, None]).sum(axis=1)
+            out[:, j] = np.minimum(bottom + (bucket + 1) * width, top)
     out[~np.isfinite(width) | (counts == 0)] = math.nan
     return out
 

@@ -149,14 +149,15 @@ class Windows:
 
     # ---- windows ------------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def step(self, n: int | None = None) -> Iterator[None]:
-        """A step window. Steps closed before the next :meth:`take` merge (max peaks, summed events)."""
+    def step(self, n: int | None = None, label: int | None = None) -> Iterator[None]:
+        """A step window. Steps closed before the next :meth:`take` merge (max peaks, summed events).
+        ``label``: what the listener and failures call an unnumbered step (the collect it will be in)."""
         if n is not None:
             n = _step_number(n)  # at entry: a bad number must not replace the step body's own exception
         if self._implicit is not None:
             self._open.remove(self._implicit)
             self._implicit = None
-        self._step = n
+        self._step = n if n is not None else label
         with self._window(lambda window, rss, dev: self._close_step(window, rss, dev, n)):
             yield
 

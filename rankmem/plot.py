@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import math
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -198,7 +199,10 @@ def _draw_capacity_and_range(ax: Any, steps: np.ndarray, matrix: np.ndarray, cap
     bottom = mid - span / 2
     if gib and bottom < 0 <= lo:  # memory is never negative: keep the floor's span above 0
         bottom = 0.0
-    ax.set_ylim(bottom - 0.05 * span, bottom + span * 1.05)
+    low, high = bottom - 0.05 * span, bottom + span * 1.05
+    if not (math.isfinite(low) and math.isfinite(high)):  # values near float64's limit: matplotlib's choice
+        return
+    ax.set_ylim(low, high)
     if gib and hi - lo < floor:  # the panel is wider than the data: say how wide the data is
         ax.text(0.01, 0.97, f"data range {lo:.3f}..{hi:.3f} GiB ({(hi - lo) * 1024:.1f} MiB)",
                 transform=ax.transAxes, fontsize="small", va="top", ha="left", color="dimgray",

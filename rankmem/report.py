@@ -374,6 +374,10 @@ def event_lines(report: Report) -> list[str]:
     return lines
 
 
+def _mapping(value: Any) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
+
+
 def describe_event(e: Mapping[str, Any]) -> str:
     where = f"{e.get('kind')} rank {e.get('rank')} step {e.get('step')} phase {e.get('phase') or '-'}"
     kind = e.get("kind")
@@ -382,15 +386,16 @@ def describe_event(e: Mapping[str, Any]) -> str:
         requested = e.get("requested_bytes")
         if isinstance(requested, (int, float)):
             what += f"; requested {requested / 2**30:.3f} GiB"
-        device = e.get("device") or {}
+        device = _mapping(e.get("device"))  # an event line is another process's writing: trust no type
         if isinstance(device.get("free_bytes"), (int, float)) and isinstance(device.get("total_bytes"), (int, float)):
             what += f"; device free {device['free_bytes'] / 2**30:.3f} of {device['total_bytes'] / 2**30:.3f} GiB"
-        host = e.get("host") or {}
+        host = _mapping(e.get("host"))
         if isinstance(host.get("rss_bytes"), (int, float)):
             what += f"; RSS {host['rss_bytes'] / 2**30:.3f} GiB"
         return f"{where}: {what}"
     if kind == "near_oom":
-        return f"{where}: {', '.join(map(str, e.get('reasons') or [])) or 'low headroom'}"
+        reasons = e.get("reasons")
+        return f"{where}: {', '.join(map(str, reasons if isinstance(reasons, list) else [])) or 'low headroom'}"
     rss = e.get("last_rss_bytes")
     last = f", last RSS {rss / 2**30:.3f} GiB" if isinstance(rss, (int, float)) else ""
     if kind == "killed":

@@ -26,10 +26,12 @@ from typing import Any
 from rankmem._catalogue import key_of, worse
 from rankmem._events import EVENTS_DIR, read_events
 from rankmem._heartbeat import HeartbeatRecord, read_heartbeats
+from rankmem._scalars import to_float
 from rankmem.report import describe_event
 from rankmem.runlog import RUN_LOG_NAME
 from rankmem.runlog._columnar_read import DetailFollower
 from rankmem.runlog._layout import INLINE, detail_path
+from rankmem.runlog._reader import header_world_size
 from rankmem.runlog._tail import Tail, TailFollower
 
 # (column label, WindowBytes field): what a rank row shows, in this order, where the log has it.
@@ -99,7 +101,8 @@ def _vector(step: dict[str, Any], key: str, world: int) -> list[float | None]:
         return [None] * world
     out: list[float | None] = []
     for v in raw[:world]:
-        out.append(float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None)
+        number = to_float(v) if isinstance(v, (int, float)) else None  # None for an int past float64
+        out.append(number if number is not None and math.isfinite(number) else None)
     return out + [None] * (world - len(out))
 
 
@@ -125,7 +128,9 @@ def build_frame(run_dir: str, tail: Tail, beats: dict[int, HeartbeatRecord], eve
     if last is not None and not isinstance(last.get("ranks"), dict) and detail is not None:
         detail_step = detail[0]
         last = {**last, "ranks": detail[1]}
-    world = int(header.get("world_size") or 0) or (max(beats) + 1 if beats else 0)
+    # A header says the world size (checked as the reader checks it: a damaged one is one error line);
+    # before it is written, the heartbeats do.
+    world = header_world_size(header, os.path.join(run_dir, RUN_LOG_NAME)) if "world_size" in header else (max(beats) + 1 if beats else 0)
     hosts = sorted({str(r.get("host")) for r in header.get("ranks", []) if isinstance(r, dict)})
     step_time = None
     if len(tail.steps) >= 2:
@@ -206,6 +211,16 @@ class Watcher:
 
 # ---- rendering ----------------------------------------------------------------------------------------
 
+def _clock(t: Any) -> str:
+    """An event's time as HH:MM:SS; ``?`` for one that is not a time (another process wrote the line)."""
+    if not isinstance(t, (int, float)) or not math.isfinite(t):
+        return "?"
+    try:
+        return time.strftime("%H:%M:%S", time.localtime(t))
+    except (OverflowError, OSError, ValueError):
+        return "?"
+
+
 def _age(seconds: float) -> str:
     return f"{seconds:.1f} s" if seconds < 60 else f"{seconds / 60:.0f} min" if seconds < 3600 else f"{seconds / 3600:.1f} h"
 
@@ -271,7 +286,7 @@ def render_frame(frame: Frame, stale_s: float = 30.0) -> Any:
     if frame.event_count:
         parts.append(Text(f"events ({frame.event_count}, newest last):"))
         for e in frame.events:
-            when = time.strftime("%H:%M:%S", time.localtime(e["time"])) if isinstance(e.get("time"), (int, float)) else "?"
+            when = _clock(e.get("time"))
             parts.append(Text(f"  {when} {describe_event(e)}", "red" if e.get("kind") in ("oom", "killed") else ""))
     else:
         parts.append(Text("events: none"))

@@ -113,3 +113,11 @@ def read_log(out: str | os.PathLike[str]) -> tuple[dict[str, Any], list[dict[str
                 step["ranks"] = {k: [None if math.isnan(v) else v for v in m[i].tolist()]
                                  for k, m in run.series.items() if not np.isnan(m[i]).all()}
     return header, steps
+
+
+def run_with_events(tmp_path: Path, *lines: str) -> Path:
+    """A two-rank run of five steps with ``lines`` as rank 0's event file."""
+    write_run(tmp_path, {"mem/host/rss_gib": np.full((5, 2), 1.0)})
+    (tmp_path / "events").mkdir()
+    (tmp_path / "events" / "rank0.jsonl").write_text("".join(line + "\n" for line in lines))
+    return tmp_path

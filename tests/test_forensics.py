@@ -181,3 +181,23 @@ def test_a_rank_that_runs_out_of_address_space_leaves_an_oom_event(tmp_path: Pat
     assert report.returncode == 0, report.stderr
     events = [e for e in json.loads(report.stdout)["events"] if e["kind"] == "oom"]
     assert [(e["rank"], e["step"], e["phase"], e["where"]) for e in events] == [(1, 3, "update", "host")]
+
+
+
+def test_oom_event_in_an_unnumbered_step_names_the_step_the_run_log_uses(tmp_path: Path) -> None:
+    """``with monitor.step():`` (no number) logs collects as steps 0, 1, 2, ... but the OOM event (and
+    the heartbeat) of the third step says step None: report cannot tie the OOM to its step."""
+    m = rankmem.Monitor(out_dir=str(tmp_path), device="cpu", children=False, near_oom_watch=False)
+    for i in range(3):
+        try:
+            with m.step():
+                if i == 2:
+                    raise MemoryError("boom")
+        except MemoryError:
+            pass
+        m.collect()
+    m.close()
+    logged = rankmem.runlog.read_run(str(tmp_path)).steps.tolist()
+    assert logged == [0, 1, 2]
+    (event,) = read_events(str(tmp_path)).events
+    assert event["step"] == 2, event["step"]

@@ -24,6 +24,23 @@ def _statm_rss_gib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
 
 
+def tiny_trainer(tmp_path: Path, model_class: Any = None, samples: int = 32, callbacks: Any = None,
+                 **arguments: Any) -> Any:
+    """A Trainer over a tiny random GPT-2 (``model_class``, a subclass, to make it fail) on ``samples``
+    random sequences, on the CPU, logging every step; ``arguments`` override the TrainingArguments."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    model = (model_class or GPT2LMHeadModel)(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=128,
+                                                        n_positions=32))
+    data = [{"input_ids": x, "labels": x} for x in torch.randint(0, 128, (samples, 16))]
+    options = {"output_dir": str(tmp_path / "hf"), "max_steps": 3, "per_device_train_batch_size": 4,
+               "logging_steps": 1, "use_cpu": True, "report_to": [], "save_strategy": "no", "disable_tqdm": True,
+               **arguments}
+    return Trainer(model=model, args=TrainingArguments(**options), train_dataset=data, callbacks=callbacks)
+
+
 def _check_entry(entry: dict[str, Any], world: int) -> None:
     for key in KEYS:
         lo, mean, hi = entry[key + "/min"], entry[key + "/mean"], entry[key + "/max"]
@@ -34,19 +51,10 @@ def _check_entry(entry: dict[str, Any], world: int) -> None:
 
 
 def test_trainer_single_process(tmp_path: Path) -> None:
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
-
     from rankmem.integrations.hf import RankmemCallback, attach
 
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=128, n_positions=32))
-    data = [{"input_ids": x, "labels": x} for x in torch.randint(0, 128, (32, 16))]
-    args = TrainingArguments(
-        output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4, logging_steps=1,
-        use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True,
-    )
-    trainer = Trainer(model=model, args=args, train_dataset=data)
+    trainer = tiny_trainer(tmp_path, output_dir=str(tmp_path))
+    data = trainer.train_dataset
     cb = attach(trainer)
     order = [type(c).__name__ for c in trainer.callback_handler.callbacks]
     assert order.index("RankmemCallback") == order.index("DefaultFlowCallback") + 1
@@ -72,8 +80,7 @@ def test_trainer_single_process(tmp_path: Path) -> None:
 
 def test_an_oom_leaving_train_is_an_event_at_its_step(tmp_path: Path) -> None:
     import numpy as np
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+    from transformers import GPT2LMHeadModel
 
     from rankmem._events import read_events
     from rankmem._heartbeat import read_heartbeats
@@ -88,14 +95,7 @@ def test_an_oom_leaving_train_is_an_event_at_its_step(tmp_path: Path) -> None:
                 np.ones(1 << 62, dtype=np.uint8)  # a real MemoryError (4 EiB)
             return super().forward(**kwargs)
 
-    torch.manual_seed(0)
-    model = RunsOutInTheThirdStep(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=128, n_positions=32))
-    data = [{"input_ids": x, "labels": x} for x in torch.randint(0, 128, (32, 16))]
-    args = TrainingArguments(
-        output_dir=str(tmp_path / "hf"), max_steps=5, per_device_train_batch_size=4, logging_steps=1,
-        use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True, remove_unused_columns=False,
-    )
-    trainer = Trainer(model=model, args=args, train_dataset=data)
+    trainer = tiny_trainer(tmp_path, RunsOutInTheThirdStep, max_steps=5, remove_unused_columns=False)
     cb = attach(trainer, out_dir=str(tmp_path), near_oom_watch=False)
     attach(trainer, cb)  # twice: train is wrapped once
     with pytest.raises(MemoryError):
@@ -111,7 +111,7 @@ def test_an_oom_leaving_train_is_an_event_at_its_step(tmp_path: Path) -> None:
 
 def test_an_oom_auto_find_batch_size_retries_is_still_an_event(tmp_path: Path) -> None:
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+    from transformers import GPT2LMHeadModel
 
     from rankmem._events import read_events
     from rankmem.integrations.hf import attach
@@ -122,15 +122,8 @@ def test_an_oom_auto_find_batch_size_retries_is_still_an_event(tmp_path: Path) -
                 torch.empty(1 << 60, dtype=torch.uint8)  # torch's CPU allocator refuses 1 EiB
             return super().forward(**kwargs)
 
-    torch.manual_seed(0)
-    model = TooBigAtBatch8(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=128, n_positions=32))
-    data = [{"input_ids": x, "labels": x} for x in torch.randint(0, 128, (32, 16))]
-    args = TrainingArguments(
-        output_dir=str(tmp_path / "hf"), max_steps=2, per_device_train_batch_size=8, logging_steps=1,
-        use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True, remove_unused_columns=False,
-        auto_find_batch_size=True,
-    )
-    trainer = Trainer(model=model, args=args, train_dataset=data)
+    trainer = tiny_trainer(tmp_path, TooBigAtBatch8, max_steps=2, per_device_train_batch_size=8,
+                           remove_unused_columns=False, auto_find_batch_size=True)
     attach(trainer, out_dir=str(tmp_path), near_oom_watch=False)
     trainer.train()  # accelerate takes the OOM, shrinks the batch (to 7) and trains on
     assert [e["step"] for e in trainer.state.log_history if "loss" in e] == [1, 2]
@@ -158,27 +151,18 @@ def test_missing_framework_names_the_extra() -> None:
     )
 
 
-# ---- HF attach() twice (as its own test does) registers the callback twice ----------------------
+# ---- attach() of a callback already in the Trainer's list moves it: one collect per on_log ----------
 
 def test_hf_attach_twice_collects_once_per_log(tmp_path: Path) -> None:
-    """attach(trainer, cb) inserts cb again even when it is already in the callback list (passed in
-    callbacks=, or attach()ed before: tests/test_integrations_hf.py does exactly that). Every on_log
-    then runs two collects: the run log holds each step twice, and the second collect's window (the
-    microseconds between the two on_log calls) overwrites the step's figures in the Trainer's logs."""
+    """A callback passed in callbacks= and then attach()ed is moved, not added twice: twice, every
+    on_log would run two collects, the second one's near-empty window overwriting the step's figures."""
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
     from rankmem.integrations.hf import RankmemCallback, attach
 
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=128, n_positions=32))
-    data = [{"input_ids": x, "labels": x} for x in torch.randint(0, 128, (16, 16))]
-    args = TrainingArguments(output_dir=str(tmp_path / "hf"), max_steps=2, per_device_train_batch_size=4,
-                             logging_steps=1, use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True)
     cb = RankmemCallback(out_dir=str(tmp_path / "run"), sinks=("jsonl",), near_oom_watch=False)
-    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[cb])
+    trainer = tiny_trainer(tmp_path, samples=16, max_steps=2, callbacks=[cb])
     attach(trainer, cb)  # "puts the callback ahead of the trackers"
     trainer.train()
     run = read_run(str(tmp_path / "run"))

@@ -167,3 +167,22 @@ def test_plot_defaults_to_the_run_directory(tmp_path: Path, capsys: pytest.Captu
     assert main(["plot", str(tmp_path / "rankmem.jsonl")]) == 0
     assert capsys.readouterr().out.startswith(f"wrote {tmp_path / 'rankmem.png'} (")
     assert _png_size(tmp_path / "rankmem.png") == (1200, 720)
+
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_plot_of_a_value_near_float_max_is_one_error_line_not_a_traceback(tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """A per-rank value of 1.7e308 (finite, "huge") makes the y range overflow to inf; matplotlib's
+    ValueError("Axis limits cannot be NaN or Inf") escapes the CLI as a traceback."""
+    rss = np.full((10, 2), 1.0)
+    rss[4, 1] = 1.7e308
+    write_run(tmp_path, {"mem/host/rss_gib": rss})
+    rc, out, err = _cli(capsys, "plot", str(tmp_path))
+    assert rc == 2 and err.startswith("rankmem plot: error: cannot draw ") and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "rankmem.png").exists()

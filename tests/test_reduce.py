@@ -7,6 +7,7 @@ import json
 import math
 from typing import Any
 
+import numpy as np
 import pytest
 
 from rankmem.runlog import read_run
@@ -153,3 +154,18 @@ def test_quantiles_are_exact_to_one_bucket(results: tuple[list[dict[str, Any]], 
             for g, q in zip(got, QUANTILES.values(), strict=True):
                 true = values[max(math.ceil(q * len(values)), 1) - 1]  # nearest rank
                 assert true <= g <= true + width * (1 + 1e-9), (name, key, q, g, true)
+
+
+
+def test_bucketed_quantiles_of_a_key_no_rank_has_raise_no_numpy_warning() -> None:
+    """On the all-reduce path (and its fallback) a key every rank lacks, or all-NaN, has bottom=+inf and
+    top=-inf: bucket_quantiles computes inf + (-inf) outside any errstate, so the training process gets
+    "RuntimeWarning: invalid value encountered in add" from rankmem (seen in a 2-rank reduce_above=1 run)."""
+    import warnings
+
+    from rankmem._reduce import matrix_quantiles
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = matrix_quantiles(np.array([[1.0, np.nan], [2.0, np.nan]]), None, 32)
+    assert np.isnan(out[1]).all()

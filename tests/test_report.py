@@ -14,7 +14,7 @@ import pytest
 from rankmem._catalogue import key_of, phase_key
 from rankmem.cli import main
 from rankmem.runlog import RUN_LOG_NAME
-from tests.runlog_helpers import known_run, write_run
+from tests.runlog_helpers import known_run, run_with_events, write_run
 
 
 def test_report_names_the_rank_step_and_phase(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -118,3 +118,27 @@ def test_report_html_is_one_self_contained_page(tmp_path: Path, capsys: pytest.C
     assert "cgroup headroom (limit - used): min 10.000 GiB at step 0 on rank 0 (of 40.000 GiB)" in text
     assert main(["report", str(tmp_path), "--json", "--html", str(page)]) == 0
     json.loads(capsys.readouterr().out)  # --json keeps stdout one JSON object
+
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+
+
+@pytest.mark.parametrize("event", [
+    '{"kind":"oom","rank":0,"step":1,"phase":null,"time":1.0,"device":"cuda:0"}',  # device not an object
+    '{"kind":"oom","rank":0,"step":1,"phase":null,"time":1.0,"host":[1]}',  # host not an object
+    '{"kind":"near_oom","rank":0,"step":1,"phase":null,"time":1.0,"reasons":7}',  # reasons not a list
+])
+def test_report_of_an_event_with_an_odd_field_is_not_a_traceback(tmp_path: Path, event: str,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """read_events keeps any JSON object with a "kind"; describe_event then calls .get() on whatever
+    "device"/"host" hold and iterates "reasons": AttributeError / TypeError out of `rankmem report`
+    (and `watch --once`, `report --html`), while `report --json` of the same run works."""
+    run = run_with_events(tmp_path, event)
+    rc, out, err = _cli(capsys, "report", str(run))
+    assert rc == 0 and "EVENT" in out

@@ -176,3 +176,24 @@ def test_blank_lines_skipped_and_a_whole_last_line_without_newline_kept(tmp_path
     run = read_run(str(path))
     assert run.series["a"].tolist() == [[1.0, 2.0], [3.0, 4.0]]
     assert run.corrupt == 0 and not run.truncated
+
+
+
+def test_a_string_per_rank_value_is_nan_whatever_the_other_rows_hold(tmp_path: Path) -> None:
+    """_Columns._blocks_of tries np.fromiter(dtype=float) first, which parses the string "7.5" as 7.5;
+    only when something else in the same 256-row chunk fails (a null) does it fall back to
+    to_float_or_nan, which makes the same string NaN. So one string value reads as 7.5 GiB or as
+    absent depending on its neighbours (the docstring says strings are NaN, as on the slow path)."""
+    from rankmem.runlog import read_run
+
+    head = '{"kind":"header","schema":1,"world_size":2}\n'
+    line = '{"kind":"step","step":0,"time":1.0,"metrics":{},"ranks":{"mem/host/rss_gib":["7.5",1.0]}}\n'
+    other = '{"kind":"step","step":1,"time":2.0,"metrics":{},"ranks":{"mem/host/rss_gib":[null,1.0]}}\n'
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "rankmem.jsonl").write_text(head + line)
+    (tmp_path / "b" / "rankmem.jsonl").write_text(head + line + other)
+    alone = read_run(str(tmp_path / "a")).series["mem/host/rss_gib"][0, 0]
+    with_null = read_run(str(tmp_path / "b")).series["mem/host/rss_gib"][0, 0]
+    assert math.isnan(with_null)
+    assert math.isnan(alone), alone  # 7.5 today

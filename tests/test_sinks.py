@@ -175,3 +175,22 @@ def test_monitor_writes_tensorboard_and_run_log(tmp_path: Path) -> None:
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("loss/max")] == [(0, 0.0), (1, 1.0), (2, 2.0)]
     assert (tmp_path / "rankmem.jsonl").read_text().count("\n") == 4
+
+
+
+def test_mlflow_sink_makes_a_key_starting_with_two_dots_valid(tmp_path: Path) -> None:
+    """mlflow_key keeps "..x/max" (its normpath is itself) but MLflow refuses any name whose normpath
+    starts with "..": the whole log_batch is refused, so under SafeSink every key of every step is lost
+    (the outage never ends) because of one caller metric named "..x"."""
+    import time
+
+    from rankmem._records import RankInfo, RunHeader, StepRecord
+    from rankmem.sinks._mlflow import MlflowSink
+
+    sink = MlflowSink(out_dir=str(tmp_path))
+    sink.open(RunHeader(world_size=1, ranks=[RankInfo(rank=0, local_rank=0, host="h", pid=1, device="none",
+                                                      peak_rss_scope="window")], config={}, started=time.time()))
+    sink.write(StepRecord(step=1, time=time.time(), metrics={"..x/max": 1.0, "mem/host/rss_gib/max": 2.0}))
+    history = sink._client.get_metric_history(sink.run_id, "mem/host/rss_gib/max")
+    assert [m.value for m in history] == [2.0]
+    sink.close()

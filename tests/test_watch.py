@@ -28,7 +28,7 @@ from rankmem.runlog._layout import DETAIL_NAME
 from rankmem.runlog._tail import FIRST_BLOCK, TailFollower, read_last_steps
 from rankmem.watch import COLUMNS, Watcher, build_frame
 from tests.conftest import REPO, sigint_as_at_a_terminal
-from tests.runlog_helpers import write_run
+from tests.runlog_helpers import run_with_events, write_run
 
 TRAIN_TIMEOUT_S = 240
 
@@ -283,3 +283,44 @@ def test_watch_first_frame_does_not_read_the_whole_side_file(tmp_path: Path) -> 
     tracemalloc.stop()
     assert latest is not None and latest[0] == steps - 1
     assert peak < size / 4, f"the first poll held {peak / 2**20:.1f} MiB for a {size / 2**20:.1f} MiB side file"
+
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_watch_once_with_an_event_time_out_of_range_is_not_a_traceback(tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """An event whose "time" is 1e20 (or NaN, accepted by json.loads): time.localtime raises
+    OverflowError / ValueError in render_frame."""
+    run = run_with_events(tmp_path, '{"kind":"oom","rank":0,"step":1,"phase":null,"time":1e20}')
+    rc, out, err = _cli(capsys, "watch", "--once", str(run))
+    assert rc == 0 and "oom rank 0" in out
+
+
+
+def test_watch_once_with_a_per_rank_int_past_float_range_is_not_a_traceback(tmp_path: Path,
+                                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """A per-rank value written as a 400-digit JSON integer: watch._vector calls math.isfinite on it,
+    which raises OverflowError (the reader files the same value as NaN)."""
+    huge = "1" + "0" * 400
+    (tmp_path / "rankmem.jsonl").write_text(
+        '{"kind":"header","schema":1,"world_size":2}\n'
+        '{"kind":"step","step":1,"time":1.0,"metrics":{},"ranks":{"mem/host/rss_gib":[' + huge + ',2.0]}}\n')
+    rc, out, err = _cli(capsys, "watch", "--once", str(tmp_path))
+    assert rc in (0, 2), err
+
+
+
+def test_watch_once_with_a_damaged_world_size_is_one_error_line(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """build_frame does int(header["world_size"]) unchecked: "two" raises ValueError (and 10**9 would
+    build a billion rows); read_run refuses both with a RankmemError naming the damaged header."""
+    (tmp_path / "rankmem.jsonl").write_text(
+        '{"kind":"header","schema":1,"world_size":"two"}\n'
+        '{"kind":"step","step":1,"time":1.0,"metrics":{},"ranks":{"mem/host/rss_gib":[1.0,2.0]}}\n')
+    rc, out, err = _cli(capsys, "watch", "--once", str(tmp_path))
+    assert rc == 2 and "world_size" in err

@@ -41,9 +41,16 @@ def run(args: argparse.Namespace) -> int:
     output = args.output or os.path.join(os.path.dirname(the_run.path), DEFAULT_NAME)
     try:
         keys = plot_run(the_run, output, keys=args.keys, size=args.size)
+    except RankmemError:
+        raise  # a ValueError too, and already one line
     except OSError as exc:  # a full disk, /dev/full, a read-only directory: one line, not a traceback
         if os.path.isfile(output):
             os.unlink(output)  # what was written of it is a broken PNG
         raise RankmemError(f"cannot write {output}: {exc.strerror or exc}") from None
+    except (ValueError, OverflowError) as exc:  # matplotlib's limits and ticks: a value near float64's maximum
+        if os.path.isfile(output):
+            os.unlink(output)
+        raise RankmemError(f"cannot draw {the_run.path}: matplotlib refused the figure ({exc}); a value in it is "
+                           "too large to plot (`rankmem report` lists the largest)") from None
     print(f"wrote {output} ({', '.join(keys)})")
     return 0

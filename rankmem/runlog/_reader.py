@@ -168,11 +168,11 @@ def _parse_header(first: str, path: str) -> dict[str, Any]:
             f"{path} has run log schema {_short(schema)}; this rankmem reads schema {supported}: "
             "read it with the rankmem version that wrote it (see the header's 'rankmem' field)"
         )
-    _world_size(header, path)
+    header_world_size(header, path)
     return header
 
 
-def _world_size(header: dict[str, Any], path: str) -> int:
+def header_world_size(header: dict[str, Any], path: str) -> int:
     """The header's ``world_size``, checked: every row of every series is that wide, so a wrong one
     would misfile values or allocate without bound."""
     world, ranks = header.get("world_size"), header.get("ranks")
@@ -263,10 +263,15 @@ class _Columns:
         self._pending_rows = 0
 
     def _blocks_of(self, keys: tuple[str, ...], rows: list[int], flat: list[Any]) -> None:
+        # Types first: np.fromiter would also parse a string "7.5" as a number, where the slow path
+        # (and a chunk holding a null beside it) reads it as absent.
+        numbers = set(map(type, flat)) <= _NUMBER_TYPES
         try:
+            if not numbers:
+                raise TypeError
             values = np.fromiter(flat, dtype=float, count=len(flat))
         except (TypeError, ValueError, OverflowError):
-            if set(map(type, flat)) <= _NUMBER_TYPES and not any(type(v) is int and abs(v) > 2**1023 for v in flat):
+            if numbers and not any(type(v) is int and abs(v) > 2**1023 for v in flat):
                 values = np.array(flat, dtype=float)  # nulls (None) become nan
             else:  # strings, nested lists, ints past float64...: nan, as on the slow path (bools are numbers)
                 values = np.array([to_float_or_nan(v) for v in flat], dtype=float)
@@ -383,7 +388,7 @@ def read_run(path: str, *, metrics: bool = False) -> Run:
                                f"got {_short(detail)}; the header is damaged")
         if header.get("schema") != 1 and detail != INLINE:
             return _read_columnar(path, header, detail, metrics)
-        lines = _Lines(_world_size(header, path), metrics)
+        lines = _Lines(header_world_size(header, path), metrics)
         for lineno, line in lines_of:
             lines.add(lineno, line)
         lines.truncated = lines.truncated or lines_of.ended_early
@@ -416,7 +421,7 @@ class _NumberedLines:
 def _read_columnar(path: str, header: dict[str, Any], name: str, metrics: bool) -> Run:
     """A schema-2 log: the per-rank values and aggregates from its side file, then the lines the side
     file does not hold yet (after its last batch's offset: a crash's last second) from the log."""
-    world = _world_size(header, path)
+    world = header_world_size(header, path)
     side = detail_path(path, name)
     detail: Detail | None = None
     note = None

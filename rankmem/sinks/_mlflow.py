@@ -36,6 +36,9 @@ def mlflow_key(key: str) -> str:
     if posixpath.normpath(name) != name or name.startswith(("/", ".")):
         parts = [p for p in name.split("/") if p not in ("", ".", "..")]
         name = "/".join(parts) or "_"
+    if name.startswith(".."):  # MLflow refuses any name whose normpath starts with "..": "..x" too
+        dots = len(name) - len(name.lstrip("."))
+        name = "_" * dots + name[dots:]
     if len(name) > MAX_KEY:
         digest = hashlib.sha1(key.encode("utf-8", "replace")).hexdigest()[:10]
         name = name[: MAX_KEY - len(digest) - 1].rstrip("/") + "-" + digest
