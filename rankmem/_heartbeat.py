@@ -13,7 +13,7 @@ counter stopped while the others moved on is the one that hung.
 Record layout (little-endian, :data:`RECORD_SIZE` bytes)::
 
     magic b"RMHB", version u16, flags u16 (bit 0: clean exit), pid u32, rank i32, seq u64,
-    step i64 (-1: none yet), rss i64 (-1: unknown), time f64 (Unix seconds),
+    step i64 (-2**63: none yet; a step may be negative), rss i64 (-1: unknown), time f64 (Unix seconds),
     phase 32 bytes (UTF-8, NUL-padded, truncated), seq u64 again
 
 ``seq`` appears twice: a reader that sees two different values read the record while it was being
@@ -36,7 +36,9 @@ __all__ = ["ENV_DIR", "Heartbeat", "HeartbeatRecord", "heartbeat_dir", "heartbea
 
 ENV_DIR = "RANKMEM_HEARTBEAT_DIR"
 MAGIC = b"RMHB"
-VERSION = 1
+VERSION = 2
+NO_STEP = -(2**63)
+"""The step field before the first step (version 1 used -1, which hid negative steps)."""
 PHASE_BYTES = 32
 _CLEAN = 1
 _RECORD = struct.Struct(f"<4sHHIiQqqd{PHASE_BYTES}sQ")
@@ -93,7 +95,7 @@ class Heartbeat:
         self._rank = rank
         self._pid = os.getpid()
         self._seq = 0
-        self._step = -1
+        self._step = NO_STEP
         self._phase = b""
         self._phase_name: str | None = None
         self._rss = -1
@@ -119,7 +121,7 @@ class Heartbeat:
         """Record a window edge: ``step`` (None before the first), the innermost open ``phase``, and
         this process's RSS in bytes (None when unknown). One ``pack_into`` the mapped record."""
         self._seq += 1
-        self._step = -1 if step is None else step
+        self._step = NO_STEP if step is None else step
         if phase != self._phase_name:  # most edges repeat the last phase: encode it once
             self._phase_name, self._phase = phase, _phase_bytes(phase)
         self._rss = -1 if rss is None else rss
@@ -161,7 +163,7 @@ def unpack_record(data: bytes) -> HeartbeatRecord | None:
     magic, version, flags, pid, rank, seq, step, rss, t, phase, seq2 = _RECORD.unpack_from(data)
     if magic != MAGIC or version != VERSION or seq != seq2:
         return None
-    return HeartbeatRecord(pid=pid, rank=rank, step=None if step < 0 else step,
+    return HeartbeatRecord(pid=pid, rank=rank, step=None if step == NO_STEP else step,
                            phase=phase.rstrip(b"\0").decode("utf-8", "replace"),
                            rss_bytes=None if rss < 0 else rss, time=t, seq=seq, clean=bool(flags & _CLEAN))
 

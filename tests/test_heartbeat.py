@@ -31,6 +31,15 @@ def test_beat_round_trip(tmp_path: Path) -> None:
     assert read_heartbeats(str(tmp_path))[1].step == 58
 
 
+def test_a_negative_step_reads_back_as_itself(tmp_path: Path) -> None:
+    hb = Heartbeat(str(tmp_path), 0)
+    hb.beat(-1, "validate", 1 << 30)  # an evaluation before training, numbered -1
+    assert read_heartbeats(str(tmp_path))[0].step == -1
+    hb.beat(None, None, None)
+    assert read_heartbeats(str(tmp_path))[0].step is None
+    hb.close()
+
+
 def test_unclean_close_and_outliving_the_process(tmp_path: Path) -> None:
     pid = os.fork()
     if pid == 0:
