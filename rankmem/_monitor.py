@@ -15,11 +15,12 @@ Build one on every rank after ``init_process_group``::
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -73,19 +74,26 @@ class MonitorConfig:
     collect over); False does it inside :meth:`Monitor.collect`."""
 
     def __post_init__(self) -> None:
+        # Types first: options read from YAML or a command line arrive as strings, and a comparison of a
+        # string would be a TypeError from inside rankmem rather than a line naming the option.
+        if self.out_dir is not None and not isinstance(self.out_dir, (str, os.PathLike)):
+            raise RankmemError(f"out_dir must be a directory path (a str), got {self.out_dir!r}")
         sinks = self.sinks
         if sinks is None:
             sinks = ("jsonl",) if self.out_dir is not None else ()
         elif isinstance(sinks, str):
             sinks = (sinks,)
+        elif not isinstance(sinks, Iterable):
+            raise RankmemError(f"sinks must be a list of sink names or objects, got {sinks!r}")
         object.__setattr__(self, "sinks", tuple(sinks))
         check_sink_specs(self.sinks or (), self.out_dir)
-        if self.log_rank < 0:
-            raise RankmemError(f"log_rank must be >= 0, got {self.log_rank}")
-        if not isinstance(self.oom_history, int) or self.oom_history < 0:
+        if not _whole(self.log_rank) or self.log_rank < 0:
+            raise RankmemError(f"log_rank must be a rank: a whole number >= 0, got {self.log_rank!r}")
+        if not _whole(self.oom_history) or self.oom_history < 0:
             raise RankmemError(f"oom_history must be a whole number of entries >= 0, got {self.oom_history!r}")
-        if not (self.children_refresh_s > 0):
-            raise RankmemError(f"children_refresh_s must be > 0, got {self.children_refresh_s}")
+        refresh = self.children_refresh_s
+        if isinstance(refresh, bool) or not isinstance(refresh, (int, float)) or not 0 < refresh < math.inf:
+            raise RankmemError(f"children_refresh_s must be a finite number of seconds > 0, got {refresh!r}")
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> MonitorConfig:
@@ -100,6 +108,10 @@ class MonitorConfig:
         config["sinks"] = [s if isinstance(s, str) else type(s).__name__ for s in self.sinks or ()]
         config["run"] = self.run_config
         return config
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class Monitor:

@@ -16,6 +16,7 @@ before anything is killed, so plain usage would cry wolf on every job that reads
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -59,11 +60,11 @@ class NearOomConfig:
     pressure under half its threshold): one event per episode, not one per poll."""
 
     def __post_init__(self) -> None:
-        if not self.interval_s > 0:
-            raise RankmemError(f"NearOomConfig.interval_s must be > 0, got {self.interval_s}")
+        if not 0 < self.interval_s < math.inf:  # `not` also refuses NaN; inf would overflow the thread's wait
+            raise RankmemError(f"NearOomConfig.interval_s must be a finite number of seconds > 0, got {self.interval_s}")
         if not 0 < self.headroom_fraction < 1:
             raise RankmemError(f"NearOomConfig.headroom_fraction must be in (0, 1), got {self.headroom_fraction}")
-        if self.headroom_bytes is not None and self.headroom_bytes <= 0:
+        if self.headroom_bytes is not None and not 0 < self.headroom_bytes < math.inf:
             raise RankmemError(f"NearOomConfig.headroom_bytes must be > 0 bytes, got {self.headroom_bytes}")
         if self.psi_some_avg10 is not None and not 0 < self.psi_some_avg10 <= 100:
             raise RankmemError(f"NearOomConfig.psi_some_avg10 must be in (0, 100] percent or None, "
@@ -315,7 +316,8 @@ def oom_kill_count(proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> 
     """How many processes the OOM killer has killed in this process's memory cgroup; None when
     unreadable. v2 ``memory.events`` counts the cgroup and its descendants; v1 ``memory.oom_control``
     (``oom_kill`` since Linux 4.13) counts only kills charged to this cgroup itself."""
-    cg = _procfs.own_cgroup_files(proc, cgroup_root)
+    # Its own cgroup, not the tightest limit above it: the kernel counts a kill where the process was.
+    cg = _procfs.own_cgroup_files(proc, cgroup_root, tightest=False)
     if cg is None:
         return None
     if cg.version == 2:

@@ -238,12 +238,47 @@ class CgroupFiles:
     """``memory.max`` (v2) or ``memory.limit_in_bytes`` (v1)."""
 
 
-def find_cgroup_files(proc_self_cgroup: str, root: str = "/sys/fs/cgroup") -> CgroupFiles | None:
+def find_cgroup_files(proc_self_cgroup: str, root: str = "/sys/fs/cgroup", tightest: bool = True
+                      ) -> CgroupFiles | None:
     """Locate the memory files of the cgroup named in ``/proc/self/cgroup``; v2 first, then v1.
 
     Inside a container with a cgroup namespace the path is ``/`` and the mount root is the
     container's own cgroup, so the mount root is tried after the full path.
+
+    ``tightest``: the cgroup on the path from this one up to the mount root with the smallest limit,
+    which is where the kernel's OOM killer acts: a Slurm step or a systemd slice (``MemoryMax``) is
+    often limited while the task's own cgroup says ``max``. ``False``: this process's own cgroup.
     """
+    files = _own_cgroup_files(proc_self_cgroup, root)
+    return _tightest(files, root) if files is not None and tightest else files
+
+
+def _tightest(files: CgroupFiles, root: str) -> CgroupFiles:
+    """``files``, or the files of the ancestor (up to the hierarchy's mount) with the smallest limit."""
+    mount = os.path.normpath(root if files.version == 2 else os.path.join(root, "memory"))
+    current_name, limit_name = os.path.basename(files.current), os.path.basename(files.limit)
+    best, best_limit = files, _read_limit(files.limit)
+    directory = os.path.normpath(files.dir)
+    while directory != mount and directory.startswith(mount + os.sep):
+        directory = os.path.dirname(directory)
+        limit = _read_limit(os.path.join(directory, limit_name))
+        if limit is not None and (best_limit is None or limit < best_limit) and \
+                os.path.isfile(os.path.join(directory, current_name)):
+            best = CgroupFiles(files.version, directory, os.path.join(directory, current_name),
+                               os.path.join(directory, limit_name))
+            best_limit = limit
+    return best
+
+
+def _read_limit(path: str) -> int | None:
+    try:
+        with open(path, "rb") as f:
+            return parse_cgroup_limit(f.read(64))
+    except OSError:
+        return None
+
+
+def _own_cgroup_files(proc_self_cgroup: str, root: str) -> CgroupFiles | None:
     v2_path: str | None = None
     v1_path: str | None = None
     for line in proc_self_cgroup.splitlines():
@@ -270,14 +305,15 @@ def find_cgroup_files(proc_self_cgroup: str, root: str = "/sys/fs/cgroup") -> Cg
     return None
 
 
-def own_cgroup_files(proc: str = "/proc", root: str = "/sys/fs/cgroup") -> CgroupFiles | None:
+def own_cgroup_files(proc: str = "/proc", root: str = "/sys/fs/cgroup", tightest: bool = True
+                     ) -> CgroupFiles | None:
     """:func:`find_cgroup_files` for this process (``PROC/self/cgroup``); ``None`` when unreadable."""
     try:
         with open(os.path.join(proc, "self", "cgroup")) as f:
             text = f.read()
     except OSError:
         return None
-    return find_cgroup_files(text, root)
+    return find_cgroup_files(text, root, tightest)
 
 
 def open_ro(path: str) -> int | None:

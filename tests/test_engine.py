@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+from rankmem.cli import main
+from rankmem.runlog._lock import RunDirLock
 from tests.conftest import REPO, free_port, torchrun
 from tests.runlog_helpers import read_log
 
@@ -236,3 +238,86 @@ def test_torchrun_command_passes_launch_options_through() -> None:
     job = single[single.index(ENTRY) + 1:]
     assert job[job.index("--task") + 1] == "grpo" and job[job.index("--steps") + 1] == "400"
     assert job[job.index("--lr") + 1] == "0.005"
+
+
+
+def _earlier_run(out) -> str:
+    os.makedirs(out, exist_ok=True)
+    log = os.path.join(out, "rankmem.jsonl")
+    with open(log, "w") as f:
+        f.write('{"kind": "header"}\n{"step": 0}\n')
+    return log
+
+
+
+def test_train_bad_option_does_not_rotate_earlier_run(tmp_path, capsys):
+    """A user error (--steps 0) must be one line and exit 2 *before* anything is touched; instead the
+    earlier run's log is moved aside to rankmem.jsonl.1 first."""
+    out = tmp_path / "run"
+    log = _earlier_run(out)
+    rc = main(["train", "--steps", "0", "--device", "cpu", "--out", str(out)])
+    assert rc == 2
+    assert "--steps must be >= 1" in capsys.readouterr().err
+    assert os.path.exists(log), sorted(os.listdir(out))  # fails: ['rankmem.jsonl.1']
+
+
+
+def test_train_refused_by_lock_does_not_rotate_the_live_jobs_log(tmp_path, capsys):
+    """A second `rankmem train --out DIR` while a job holds DIR is refused by the lock, but only after
+    rotate_earlier_run() has renamed the live job's rankmem.jsonl (and events/): the running job keeps
+    writing into rankmem.jsonl.1 through its open descriptor, and `rankmem watch/report DIR` lose it."""
+    out = tmp_path / "run"
+    log = _earlier_run(out)
+    os.makedirs(out / "events")
+    live = RunDirLock(str(out))
+    live.acquire()  # the running job
+    try:
+        rc = main(["train", "--steps", "1", "--device", "cpu", "--out", str(out)])
+    finally:
+        live.release()
+    assert rc == 2
+    assert "in use by another rankmem job" in capsys.readouterr().err
+    assert os.path.exists(log) and os.path.isdir(out / "events"), sorted(os.listdir(out))
+
+
+
+def test_train_second_node_on_shared_out_is_not_refused(tmp_path, monkeypatch, capsys):
+    """README's multi-node recipe runs the same line, same --out, on every node, and _train.py's
+    rotate_earlier_run() expects 'another node's launcher sharing OUT'. But every node's launcher takes
+    the exclusive OUT/.lock (lock_run_dir, _train.py run()), which the lock module says is arbitrated
+    across nodes on NFS: on a shared --out, node 1 is refused as 'in use by another rankmem job'
+    (exit 2) while node 0 waits for it at the rendezvous."""
+    from rankmem.cli import _train
+
+    out = tmp_path / "big"
+    node0 = RunDirLock(str(out))
+    node0.acquire()  # node 0's launcher, holding the lock for its whole job
+    launched = []
+    monkeypatch.setattr(_train, "launch", lambda args, cmd, lock: launched.append(cmd) or 0)
+    try:
+        rc = main(["train", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "127.0.0.1:29500",
+                       "--nproc-per-node", "1", "--device", "cpu", "--steps", "1", "--out", str(out)])
+    finally:
+        node0.release()
+    err = capsys.readouterr().err
+    assert rc == 0 and launched, err  # fails: rc 2, "... is in use by another rankmem job ..."
+
+
+
+def test_train_more_ranks_than_local_gpus_is_one_line(monkeypatch):
+    """--device cuda (or auto on a GPU node) puts local rank r on cuda:r (engine/train.py
+    init_distributed). check_local_device only asks whether CUDA is available, so on a 1-GPU node the
+    default --nproc-per-node 2 gets past every check and rank 1 dies in set_device(cuda:1) with
+    'invalid device ordinal' tracebacks instead of one line naming --nproc-per-node."""
+    import argparse
+
+    import torch
+
+    from rankmem.cli import _train
+    from rankmem.errors import RankmemError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    args = argparse.Namespace(device="cuda", nproc_per_node=2)
+    with pytest.raises(RankmemError, match="nproc-per-node"):
+        _train.check_local_device(args)  # fails: returns None, no error

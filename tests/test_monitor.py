@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -53,8 +54,8 @@ def test_import_does_not_import_torch() -> None:
     [
         ({"sinks": ("jsonl",)}, "set out_dir='runs/NAME'"),
         ({"sinks": ("graphite",)}, "unknown sink 'graphite': choose from console, jsonl"),
-        ({"log_rank": -1}, "log_rank must be >= 0"),
-        ({"children_refresh_s": 0}, "children_refresh_s must be > 0"),
+        ({"log_rank": -1}, "log_rank must be a rank: a whole number >= 0, got -1"),
+        ({"children_refresh_s": 0}, "children_refresh_s must be a finite number of seconds > 0, got 0"),
         ({"colour": "red"}, "unknown Monitor option(s) ['colour']"),
     ],
 )
@@ -203,3 +204,48 @@ def test_set_step_is_the_step_collect_logs(tmp_path: Path) -> None:
         m.collect({"loss": 1.0})
     m.close()
     assert read_run(str(tmp_path)).steps.tolist() == [10, 11]
+
+
+
+def test_children_refresh_inf_is_refused_or_works(monkeypatch):
+    """MonitorConfig accepts children_refresh_s=inf (only `> 0` is checked, _monitor.py __post_init__);
+    the children-USS thread then dies on its first Event.wait(inf) with OverflowError ('timestamp out
+    of range'), an uncaught exception in a rankmem thread (_children.py _run: the wait is outside the
+    try). Either refuse it with a RankmemError, or treat it as 'never refresh' without a crash."""
+    import time
+
+    import rankmem
+    from rankmem.errors import RankmemError
+
+    crashes = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: crashes.append(args.exc_value))
+    try:
+        monitor = rankmem.Monitor(device="cpu", near_oom_watch=False, leak_check=False,
+                                  children_refresh_s=float("inf"))
+    except RankmemError:
+        return  # refused up front: fine
+    try:
+        monitor.collect()
+        time.sleep(0.3)
+    finally:
+        monitor.close()
+    assert crashes == []  # fails: [OverflowError('timestamp out of range for platform time_t')]
+
+
+
+@pytest.mark.parametrize("options", [
+    {"log_rank": "0"},  # a value read from YAML / an environment variable / a CLI string
+    {"children_refresh_s": "5"},
+    {"children_refresh_s": None},
+    {"sinks": 5},
+    {"out_dir": 123},
+])
+def test_monitor_config_wrong_type_is_one_rankmem_error(options):
+    """MonitorConfig.__post_init__ (_monitor.py) compares before checking types: a string log_rank or
+    children_refresh_s raises a bare TypeError ('<' not supported between 'str' and 'int'), a non-path
+    out_dir a TypeError from os.path.join inside Monitor, instead of one RankmemError naming the option."""
+    import rankmem
+    from rankmem.errors import RankmemError
+
+    with pytest.raises(RankmemError):
+        rankmem.Monitor(device="cpu", near_oom_watch=False, **options).close()

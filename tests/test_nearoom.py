@@ -5,6 +5,7 @@ real cgroup as a process allocates toward its limit."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 import threading
@@ -209,8 +210,12 @@ def test_thread_calls_back_and_survives_a_failing_callback(root: FakeRoot) -> No
 def test_config_is_checked() -> None:
     with pytest.raises(RankmemError, match=r"headroom_fraction must be in \(0, 1\), got 5"):
         NearOomConfig(headroom_fraction=5)
-    with pytest.raises(RankmemError, match="interval_s must be > 0"):
+    with pytest.raises(RankmemError, match="interval_s must be a finite number of seconds > 0, got 0"):
         NearOomConfig(interval_s=0)
+    with pytest.raises(RankmemError, match="interval_s must be a finite number of seconds > 0, got inf"):
+        NearOomConfig(interval_s=math.inf)  # the watch thread's wait would overflow
+    with pytest.raises(RankmemError, match="headroom_bytes must be > 0 bytes, got nan"):
+        NearOomConfig(headroom_bytes=math.nan)  # would never fire
     with pytest.raises(RankmemError, match="psi_some_avg10 must be in"):
         NearOomConfig(psi_some_avg10=150)
     with pytest.raises(RankmemError, match="headroom_bytes must be > 0 bytes"):
@@ -269,3 +274,39 @@ def test_fires_on_a_real_memory_cgroup() -> None:
     assert me["pid"] == pid and me["rank"] == 0
     # The child's own RSS and private memory hold what it allocated (within its interpreter's ~30 MiB).
     assert me["rss_bytes"] >= result["allocated"] and me["uss_bytes"] >= result["allocated"]
+
+
+
+def _fake_nested_cgroup(tmp_path, own_max: bytes = b"max\n"):
+    """cgroup v2, as Slurm (job/step limited, task not) or a systemd slice with MemoryMax lays it out:
+    the process sits in job/step/task, whose memory.max is 'max'; its parent step has a 1 GiB limit."""
+    proc, root = tmp_path / "proc", tmp_path / "cg"
+    (proc / "self").mkdir(parents=True)
+    (proc / "self" / "cgroup").write_text("0::/job/step/task\n")
+    (proc / "meminfo").write_text("MemTotal:       263000000 kB\nMemAvailable:   250000000 kB\n")
+    step, task = root / "job" / "step", root / "job" / "step" / "task"
+    task.mkdir(parents=True)
+    (step / "memory.max").write_bytes(b"%d\n" % GIB)
+    (step / "memory.current").write_bytes(b"%d\n" % (GIB - 10 * MIB))
+    (step / "memory.stat").write_bytes(b"anon 1000000000\ninactive_file 0\n")
+    (task / "memory.max").write_bytes(own_max)
+    (task / "memory.current").write_bytes(b"%d\n" % (GIB - 10 * MIB))
+    (task / "memory.stat").write_bytes(b"anon 1000000000\ninactive_file 0\n")
+    return str(proc), str(root)
+
+
+
+def test_near_oom_watch_sees_an_ancestor_cgroups_limit(tmp_path):
+    """The OOM killer acts at the tightest limit on the path to the root, not only the process's own
+    memory.max. With the process's own cgroup unlimited ('max') and its parent limited to 1 GiB with
+    10 MiB left, the watch reads 'no limit' (_procfs.parse_cgroup_limit -> None, _nearoom.py
+    _read_figures) and never fires: the node has 250 GB available, so no other reason fires either."""
+    from rankmem._nearoom import NearOomWatch
+
+    proc, root = _fake_nested_cgroup(tmp_path)
+    watch = NearOomWatch(lambda info: None, proc=proc, cgroup_root=root)
+    try:
+        info = watch.check()
+    finally:
+        watch.stop()
+    assert info is not None and "cgroup_headroom" in info["reasons"]  # fails: info is None

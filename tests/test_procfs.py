@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from rankmem import _procfs
 
 STATUS = b"""Name:\tpython3
@@ -102,6 +104,25 @@ def test_cgroup_v1_memory_controller(tmp_path: Path) -> None:
     files = _procfs.find_cgroup_files(text, root=str(tmp_path))
     assert files is not None and files.version == 1
     assert files.current == str(base / "memory.usage_in_bytes")
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_the_tightest_limit_on_the_path_to_the_root_is_the_one_that_counts(tmp_path: Path, version: int) -> None:
+    # job (4 GiB) > step (1 GiB) > task (unlimited): the step's limit is where the OOM killer acts.
+    mount = tmp_path / "memory" if version == 1 else tmp_path
+    current, limit = ("memory.usage_in_bytes", "memory.limit_in_bytes") if version == 1 else ("memory.current",
+                                                                                            "memory.max")
+    unlimited = "9223372036854771712\n" if version == 1 else "max\n"
+    for path, value in (("job", f"{4 << 30}\n"), ("job/step", f"{1 << 30}\n"), ("job/step/task", unlimited)):
+        _write(mount / path / current, "1000\n")
+        _write(mount / path / limit, value)
+    _write(mount / current, "5000\n")  # the hierarchy's root: no limit file, as on a host
+    text = "4:memory:/job/step/task\n0::/\n" if version == 1 else "0::/job/step/task\n"
+    files = _procfs.find_cgroup_files(text, root=str(tmp_path))
+    assert files is not None and files.version == version and files.dir == str(mount / "job" / "step")
+    assert _procfs.parse_cgroup_limit(Path(files.limit).read_bytes()) == 1 << 30
+    own = _procfs.find_cgroup_files(text, root=str(tmp_path), tightest=False)
+    assert own is not None and own.dir == str(mount / "job" / "step" / "task")
 
 
 def test_no_cgroup_files_is_none(tmp_path: Path) -> None:

@@ -107,15 +107,23 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
 
 
 def check_local_device(args: argparse.Namespace) -> None:
-    """``--device cuda`` needs CUDA here: torchrun's ranks run on this node (every rank would fail)."""
-    if args.device != "cuda":
+    """``--device cuda`` needs CUDA here, and (``cuda`` or ``auto`` on a CUDA node) a device per local
+    rank: torchrun's ranks run on this node, local rank r on ``cuda:r`` (every rank, or the ranks past
+    the device count, would fail with a traceback)."""
+    if args.device == "cpu":
         return
     import torch
 
     if not torch.cuda.is_available():
+        if args.device != "cuda":
+            return
         build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}, no device visible"
         raise RankmemError(f"--device cuda, but this torch {torch.__version__} has no CUDA device ({build}): "
                            "use --device cpu, or auto")
+    devices = torch.cuda.device_count()
+    if args.nproc_per_node > devices:
+        raise RankmemError(f"--nproc-per-node {args.nproc_per_node} needs a CUDA device per rank, and this node has "
+                           f"{devices}: use --nproc-per-node {devices}, or --device cpu")
 
 
 def lock_run_dir(out: str) -> RunDirLock:
@@ -246,28 +254,47 @@ def wait_sampling(proc: subprocess.Popen[bytes], timeout_s: float | None, sample
 def run(args: argparse.Namespace) -> int:
     if importlib.util.find_spec("torch") is None:
         raise MissingExtraError("rankmem train", "torch", "torch")
-    rotate_earlier_run(args.out)
+    # Every check first, then the lock, then the earlier run moved aside under it: a refused option or a
+    # --out in use by a live job must leave OUT as it was (moving a live job's log hid it from watch).
     if args.launcher == "ray":
+        from rankmem.engine.options import resolve_job_options
         from rankmem.ray.launcher import run as run_on_ray
 
         check_launch_options(args)
+        ray_options.check(args)
+        resolve_job_options(args)
+        claim_run_dir(args).release()  # the logging actor's writer takes it again when it opens
         return run_on_ray(args)
     ray_options.check_unused(args)
     cmd = torchrun_command(args)
     check_local_device(args)
-    lock = lock_run_dir(args.out)
+    lock = claim_run_dir(args)
     try:
         return launch(args, cmd, lock)
     finally:
         lock.release()
 
 
+def claim_run_dir(args: argparse.Namespace) -> RunDirLock:
+    """Take ``--out``'s lock and move an earlier run aside under it. With several nodes, a launcher takes
+    neither (each node's launcher would refuse the others on a shared ``--out``): the logging rank's
+    writer takes the lock and moves an earlier log aside when it opens, wherever it runs."""
+    lock = RunDirLock(args.out)
+    if str(args.nnodes) != "1" and args.launcher != "ray":  # Ray: one driver, whatever the node count
+        os.makedirs(args.out, exist_ok=True)
+        return lock  # not held: release() is a no-op, and the ranks get no ENV_HELD
+    lock = lock_run_dir(args.out)
+    rotate_earlier_run(args.out)
+    return lock
+
+
 def launch(args: argparse.Namespace, cmd: list[str], lock: RunDirLock) -> int:
     """Run torchrun's ``cmd`` to its end, or stop all of it (timeout, signal); returns the exit status."""
     heartbeat_dir = prepare_heartbeat_dir(args.out)
     # One thread per rank: ranks share the node's cores, and oversubscription slows every step.
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-           _heartbeat.ENV_DIR: heartbeat_dir, ENV_HELD: lock.path}
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), _heartbeat.ENV_DIR: heartbeat_dir}
+    if lock.held:
+        env[ENV_HELD] = lock.path
     before = oom_kills()
     with SignalWatch() as signals:
         # Own session: a Ctrl-C at the terminal reaches this process alone, which forwards it to the job.
