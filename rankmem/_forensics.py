@@ -28,6 +28,13 @@ from rankmem._nearoom import NearOomWatch
 from rankmem._records import WindowBytes
 from rankmem._windows import Where
 
+_RECORDED = "_rankmem_recorded"
+"""Set on an exception once its ``oom`` event is written: it leaves several windows on its way out."""
+
+
+def _recorded(exc: BaseException) -> bool:
+    return getattr(exc, _RECORDED, False) is True
+
 
 class Forensics:
     """The Monitor's :class:`~rankmem._windows.WindowListener`: heartbeats, OOM events, near-OOM watch."""
@@ -46,7 +53,7 @@ class Forensics:
         self._tag: tuple[int | None, str | None] | None = None
         self._where = Where(None, None)
         self._observed: dict[str, Any] | None = None  # what the allocator's observer saw, not yet written
-        self._last_failure: BaseException | None = None
+        self._last_failure_id: int | None = None  # only where the exception takes no attribute
         self._snapshots = 0
         self._flush = flush
         self._watch: NearOomWatch | None = None
@@ -70,9 +77,14 @@ class Forensics:
             self._write_oom(observed, None)
 
     def failed(self, exc: BaseException, where: Where, window: WindowBytes) -> None:
-        if exc is self._last_failure or oom_where(exc) is None:
+        if _recorded(exc) or id(exc) == self._last_failure_id or oom_where(exc) is None:
             return  # not an OOM, or already recorded by the window it left first (the innermost)
-        self._last_failure = exc
+        # Marked, not kept: its traceback holds the failing frames (activations, the autograd graph),
+        # which a caller that catches the OOM and retries smaller (auto_find_batch_size) needs freed.
+        try:
+            setattr(exc, _RECORDED, True)
+        except (AttributeError, TypeError):
+            self._last_failure_id = id(exc)
         host = self._host_figures(window)
         device = self._device_figures() if oom_where(exc) == "device" else None
         event = oom_event(exc, self.rank, where.step, where.phase, host, device)

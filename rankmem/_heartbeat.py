@@ -161,9 +161,11 @@ def unpack_record(data: bytes) -> HeartbeatRecord | None:
     if len(data) < RECORD_SIZE:
         return None
     magic, version, flags, pid, rank, seq, step, rss, t, phase, seq2 = _RECORD.unpack_from(data)
-    if magic != MAGIC or version != VERSION or seq != seq2:
+    if magic != MAGIC or version not in (1, VERSION) or seq != seq2:
         return None
-    return HeartbeatRecord(pid=pid, rank=rank, step=None if step == NO_STEP else step,
+    # Version 1 (a rank of an older rankmem on another node) wrote -1 for "no step yet".
+    none = step == NO_STEP or (version == 1 and step < 0)
+    return HeartbeatRecord(pid=pid, rank=rank, step=None if none else step,
                            phase=phase.rstrip(b"\0").decode("utf-8", "replace"),
                            rss_bytes=None if rss < 0 else rss, time=t, seq=seq, clean=bool(flags & _CLEAN))
 

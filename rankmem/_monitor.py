@@ -16,6 +16,8 @@ Build one on every rank after ``init_process_group``::
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 import os
 import sys
 import threading
@@ -91,9 +93,13 @@ class MonitorConfig:
             raise RankmemError(f"log_rank must be a rank: a whole number >= 0, got {self.log_rank!r}")
         if not _whole(self.oom_history) or self.oom_history < 0:
             raise RankmemError(f"oom_history must be a whole number of entries >= 0, got {self.oom_history!r}")
+        # numpy's numbers as Python's: the config goes into the run log header as JSON.
+        object.__setattr__(self, "log_rank", operator.index(self.log_rank))
+        object.__setattr__(self, "oom_history", operator.index(self.oom_history))
         refresh = self.children_refresh_s
-        if isinstance(refresh, bool) or not isinstance(refresh, (int, float)) or not 0 < refresh < math.inf:
+        if isinstance(refresh, bool) or not isinstance(refresh, numbers.Real) or not 0 < refresh < math.inf:
             raise RankmemError(f"children_refresh_s must be a finite number of seconds > 0, got {refresh!r}")
+        object.__setattr__(self, "children_refresh_s", float(refresh))
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> MonitorConfig:
@@ -111,7 +117,14 @@ class MonitorConfig:
 
 
 def _whole(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An integer, numpy's included; not a bool, a float or a string."""
+    if isinstance(value, bool):
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
 
 
 class Monitor:
@@ -146,6 +159,7 @@ class Monitor:
         self._last: tuple[int, float, _collective.Gathered] | None = None
         self._last_record: StepRecord | None = None
         self._collects = 0
+        self._numbered = False  # a collect was given step=: the collect count is no step number then
         self._detail = False
         self._closed = False
         self._pid = os.getpid()
@@ -194,9 +208,11 @@ class Monitor:
     def step(self, n: int | None = None) -> AbstractContextManager[None]:
         """A step window: peaks reset at entry, current values and the window's peaks read at exit.
         Local to this rank; call :meth:`collect` after it on every rank, every step or every N steps.
-        Without ``n``, heartbeats and events name the step as the next collect will log it."""
+        Without ``n``, heartbeats and events name the step as the next collect will log it, where the
+        collects are not numbered with ``step=`` (there, the step is unknown until the collect)."""
         self._check_open()
-        return self._windows.step(n, label=self._collects if n is None else None)
+        label = self._collects if n is None and not self._numbered else None
+        return self._windows.step(n, label=label)
 
     def set_step(self, n: int) -> None:
         """Name the step in progress without opening a step window: heartbeats and OOM events say it,
@@ -250,6 +266,7 @@ class Monitor:
         if local is None:
             self._windows.discard()
             local = self._callers(metrics)
+        self._numbered = self._numbered or step is not None
         explicit = step is not None or self._windows.step_n is not None
         if step is None:
             step = self._windows.step_n if self._windows.step_n is not None else self._collects

@@ -245,9 +245,10 @@ def find_cgroup_files(proc_self_cgroup: str, root: str = "/sys/fs/cgroup", tight
     Inside a container with a cgroup namespace the path is ``/`` and the mount root is the
     container's own cgroup, so the mount root is tried after the full path.
 
-    ``tightest``: the cgroup on the path from this one up to the mount root with the smallest limit,
-    which is where the kernel's OOM killer acts: a Slurm step or a systemd slice (``MemoryMax``) is
-    often limited while the task's own cgroup says ``max``. ``False``: this process's own cgroup.
+    ``tightest``: the cgroup on the path from this one up to the mount root with the smallest limit
+    (a Slurm step or a systemd slice with ``MemoryMax`` is often limited while the task's own cgroup
+    says ``max``). It is usually the one whose limit the OOM killer enforces; an ancestor with a larger
+    limit but less room left (siblings) can bind first. ``False``: this process's own cgroup.
     """
     files = _own_cgroup_files(proc_self_cgroup, root)
     return _tightest(files, root) if files is not None and tightest else files

@@ -78,6 +78,10 @@ class Publisher:
         self._submit((step, when, gathered))
 
     def _submit(self, item: _Item) -> None:
+        if os.getpid() != self._pid:  # a forked child: the thread and the files' state are the parent's
+            _warn_in_child("rankmem: a record published in a forked child process is dropped (only the "
+                                  "process that built the Monitor writes its sinks)")
+            return
         if not self._background:
             with self._sync:
                 self._handle(item)
@@ -165,7 +169,8 @@ class Publisher:
             if not self._sync.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
                 return False  # a write is still running on the training thread
             try:
-                self._handle(_FLUSH)
+                if not self._closed:  # close() may have run while this waited
+                    self._handle(_FLUSH)
             finally:
                 self._sync.release()
             return True
@@ -188,12 +193,22 @@ class Publisher:
                 self._pending.append(_STOP)
                 self._wake.notify()
             self._thread.join(self.FLUSH_TIMEOUT_S)
-        self._closed = True
-        with _live_lock:
-            _live.discard(self)
-        for sink in self._sinks:
-            sink.close()
-        self._sinks = []
+        with self._sync:  # without the thread, a flush from another thread (the near-OOM watch) waits
+            self._closed = True
+            with _live_lock:
+                _live.discard(self)
+            for sink in self._sinks:
+                sink.close()
+            self._sinks = []
+
+
+_forked_warned: set[int] = set()
+
+
+def _warn_in_child(message: str) -> None:
+    if os.getpid() not in _forked_warned:
+        _forked_warned.add(os.getpid())
+        warn(message, stacklevel=4)
 
 
 _STOP: Any = object()

@@ -85,7 +85,7 @@ class Windows:
         self._phase_stack: list[str] = []
         self._step: int | None = None
         self.step_n: int | None = None
-        """The number of the last step closed since the last :meth:`take`."""
+        """The step number the next collect logs: the last numbered step closed, or :meth:`set_step`'s."""
         self._implicit: _Open | None = self._begin()
         # A collect adds the node, cgroup and children figures; the closing edge has read RSS and peak.
         self._read_node: Callable[[], HostReading] = getattr(host, "read_node", host.read)

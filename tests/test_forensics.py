@@ -185,9 +185,10 @@ def test_a_rank_that_runs_out_of_address_space_leaves_an_oom_event(tmp_path: Pat
 
 
 def test_oom_event_in_an_unnumbered_step_names_the_step_the_run_log_uses(tmp_path: Path) -> None:
-    """``with monitor.step():`` (no number) logs collects as steps 0, 1, 2, ... but the OOM event (and
-    the heartbeat) of the third step says step None: report cannot tie the OOM to its step."""
-    m = rankmem.Monitor(out_dir=str(tmp_path), device="cpu", children=False, near_oom_watch=False)
+    """``with monitor.step():`` (no number) logs collects as steps 0, 1, 2, ...: the OOM event of the
+    third step says 2. Where the collects are numbered (``collect(step=it)`` every 10 iterations) the
+    collect count is no step number: the event says None (unknown), never a wrong number."""
+    m = rankmem.Monitor(out_dir=str(tmp_path / "plain"), device="cpu", children=False, near_oom_watch=False)
     for i in range(3):
         try:
             with m.step():
@@ -197,7 +198,52 @@ def test_oom_event_in_an_unnumbered_step_names_the_step_the_run_log_uses(tmp_pat
             pass
         m.collect()
     m.close()
-    logged = rankmem.runlog.read_run(str(tmp_path)).steps.tolist()
+    logged = rankmem.runlog.read_run(str(tmp_path / "plain")).steps.tolist()
     assert logged == [0, 1, 2]
-    (event,) = read_events(str(tmp_path)).events
+    (event,) = read_events(str(tmp_path / "plain")).events
     assert event["step"] == 2, event["step"]
+
+    m = rankmem.Monitor(out_dir=str(tmp_path / "numbered"), device="cpu", children=False, near_oom_watch=False)
+    for it in range(25):
+        try:
+            with m.step():
+                if it == 17:
+                    raise MemoryError("boom")
+        except MemoryError:
+            pass
+        if it % 10 == 0:
+            m.collect(step=it)
+    m.close()
+    assert rankmem.runlog.read_run(str(tmp_path / "numbered")).steps.tolist() == [0, 10, 20]
+    (event,) = read_events(str(tmp_path / "numbered")).events
+    assert event["step"] is None  # the collect count (2) would have been a wrong step
+
+
+def test_a_recorded_oom_keeps_nothing_of_the_failing_frames_alive(tmp_path: Path) -> None:
+    """A caller that catches the OOM and retries smaller (auto_find_batch_size) needs the failing step's
+    tensors freed: the event is written, the exception (and through its traceback, the frames) is not kept."""
+    import gc
+    import weakref
+
+    class Activations:
+        pass
+
+    held: list[weakref.ref[Activations]] = []
+
+    def forward() -> None:
+        activations = Activations()
+        held.append(weakref.ref(activations))
+        raise MemoryError("simulated")
+
+    monitor = rankmem.Monitor(out_dir=str(tmp_path), device="cpu", children=False, near_oom_watch=False)
+    for step in range(2):
+        try:
+            with monitor.step(step), monitor.phase("update"):
+                forward()
+        except MemoryError:
+            pass
+    gc.collect()
+    assert [ref() for ref in held] == [None, None]
+    # One event per exception, though each left two windows; two exceptions, two events.
+    assert [e["step"] for e in read_events(str(tmp_path)).events] == [0, 1]
+    monitor.close()

@@ -104,3 +104,19 @@ def test_a_file_that_cannot_be_mapped_is_written_with_pwrite(tmp_path: Path, mon
     hb.close()
     assert read_heartbeats(str(tmp_path))[4].clean
     assert os.path.getsize(tmp_path / "rank4.hb") == RECORD_SIZE
+
+
+def test_a_version_1_record_still_reads(tmp_path: Path) -> None:
+    """A rank of the previous release (another node, mid-upgrade) wrote version 1, with -1 for no step."""
+    hb = Heartbeat(str(tmp_path), 3)
+    hb.beat(12, "update", 1 << 30)
+    hb.close()
+    path = tmp_path / "rank3.hb"
+    data = bytearray(path.read_bytes())
+    struct.pack_into("<H", data, 4, 1)  # the version field, after the 4-byte magic
+    path.write_bytes(bytes(data))
+    assert read_heartbeats(str(tmp_path))[3].step == 12
+    step_at = struct.calcsize("<4sHHIiQ")
+    struct.pack_into("<q", data, step_at, -1)
+    path.write_bytes(bytes(data))
+    assert read_heartbeats(str(tmp_path))[3].step is None

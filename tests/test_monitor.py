@@ -249,3 +249,16 @@ def test_monitor_config_wrong_type_is_one_rankmem_error(options):
 
     with pytest.raises(RankmemError):
         rankmem.Monitor(device="cpu", near_oom_watch=False, **options).close()
+
+
+def test_numpy_numbers_are_options_too(tmp_path: Path) -> None:
+    import json
+
+    import numpy as np
+
+    monitor = rankmem.Monitor(out_dir=str(tmp_path), device="cpu", near_oom_watch=False, log_rank=np.int64(0),
+                              children_refresh_s=np.float32(2.5))
+    monitor.collect()
+    monitor.close()
+    header = json.loads((tmp_path / "rankmem.jsonl").read_text().splitlines()[0])
+    assert header["config"]["log_rank"] == 0 and header["config"]["children_refresh_s"] == 2.5

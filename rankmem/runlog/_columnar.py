@@ -169,8 +169,9 @@ class DetailWriter:
         # every batch it is in fail. It stays on the run log's lines only.
         bad = [k for k in keys if not _utf8(k)]
         for key in bad:
-            self._warn_once(f"key:{key!r}", f"metric key {key!r} is not valid UTF-8: its values are kept on the "
-                                             f"run log's lines only, not in {self.path}")
+            self._warn_once(f"key:{key!r}", f"metric key {key!r} is not valid UTF-8: its aggregates are on the run "
+                                             f"log's lines only (jq/tail), not in {self.path}, so rankmem report "
+                                             "and plot do not show it; name the metric in UTF-8")
         kept = tuple(k for k in keys if _utf8(k)) if bad else keys
         columns = np.array([i for i, k in enumerate(keys) if _utf8(k)], dtype=np.intp) if bad else None
         return kept, [f"{k}/{a}" for k in kept for a in DETAIL_AGGREGATES], columns
@@ -217,8 +218,9 @@ class DetailWriter:
             except Exception as again:  # noqa: BLE001
                 self._sink.data = bytearray()
                 self._warn_once("batch-lost", f"a batch could not be encoded for {self.path} ({again!r}): "
-                                              f"{len(self._pending)} collect(s) are not in it; their aggregates "
-                                              "are on the run log's lines")
+                                              f"{len(self._pending)} collect(s) are missing from it, so rankmem "
+                                              "report and plot skip them; their aggregates are on the run log's "
+                                              "lines (jq/tail)")
             else:
                 self._warn_once("batch", f"a batch of per-rank values could not be encoded for {self.path} "
                                          f"({exc!r}); {with_values} collect(s) keep only their aggregates")
