@@ -78,12 +78,48 @@ class NearOomConfig:
 
 @dataclass(frozen=True, slots=True)
 class _Reading:
+    cgroup: _procfs.CgroupFiles | None
+    """The cgroup with the least headroom of those limited on the path to the root."""
     cgroup_usage: int | None
     cgroup_limit: int | None
     cgroup_working_set: int | None
     node_total: int | None
     node_available: int | None
     pressure: _procfs.Pressure | None
+
+
+class _CgroupFds:
+    """One limited cgroup's usage, limit and ``memory.stat``, kept open for the watch's polls."""
+
+    def __init__(self, files: _procfs.CgroupFiles) -> None:
+        self.files = files
+        self._usage = _procfs.open_ro(files.current)
+        self._limit = _procfs.open_ro(files.limit)
+        self._stat = _procfs.open_ro(os.path.join(files.dir, "memory.stat"))
+
+    def read(self) -> tuple[int | None, int | None, int | None]:
+        """(usage, limit, working set) in bytes; all None while the cgroup has no limit."""
+        data = _procfs.pread(self._limit, _SMALL)
+        limit = None if data is None else _procfs.parse_cgroup_limit(data)
+        if limit is None:
+            return None, None, None
+        data = _procfs.pread(self._usage, _SMALL)
+        usage = None if data is None else _procfs.parse_int(data)
+        if usage is None:
+            return None, limit, None
+        data = _procfs.pread(self._stat, _STAT)
+        # Without memory.stat, plain usage: an early warning beats none.
+        working = _procfs.working_set(usage, data) if data is not None else None
+        return usage, limit, usage if working is None else working
+
+    def close(self) -> None:
+        for fd in (self._usage, self._limit, self._stat):
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self._usage = self._limit = self._stat = None
 
 
 class NearOomWatch:
@@ -119,11 +155,10 @@ class NearOomWatch:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._meminfo = _procfs.open_ro(f"{proc}/meminfo")
-        self.cgroup = _procfs.own_cgroup_files(proc, cgroup_root)
-        cg = self.cgroup
-        self._cg_usage = _procfs.open_ro(cg.current) if cg else None
-        self._cg_limit = _procfs.open_ro(cg.limit) if cg else None
-        self._cg_stat = _procfs.open_ro(os.path.join(cg.dir, "memory.stat")) if cg else None
+        cg = self.cgroup = _procfs.own_cgroup_files(proc, cgroup_root, tightest=False)
+        # Every limited cgroup on the path to the root, watched at each poll: the one with the least room
+        # binds first (a Slurm step limited while the task says max; a job whose siblings use its limit).
+        self._cgroups = [_CgroupFds(c) for c in _procfs.limited_cgroups(cg, cgroup_root)] if cg else []
         # Pressure of the cgroup where v2 gives it, else of the node.
         cg_pressure = _procfs.open_ro(os.path.join(cg.dir, "memory.pressure")) if cg and cg.version == 2 else None
         self._pressure = cg_pressure if cg_pressure is not None else _procfs.open_ro(f"{proc}/pressure/memory")
@@ -144,13 +179,16 @@ class NearOomWatch:
             if self._thread.is_alive():
                 return  # still inside a poll: closing now could hand its descriptor numbers to others
             self._thread = None
-        for fd in (self._meminfo, self._cg_usage, self._cg_limit, self._cg_stat, self._pressure):
+        for fd in (self._meminfo, self._pressure):
             if fd is not None:
                 try:
                     os.close(fd)
                 except OSError:
                     pass
-        self._meminfo = self._cg_usage = self._cg_limit = self._cg_stat = self._pressure = None
+        for cgroup in self._cgroups:
+            cgroup.close()
+        self._cgroups = []
+        self._meminfo = self._pressure = None
 
     def _run(self) -> None:
         while not self._stop.wait(self.config.interval_s):
@@ -164,22 +202,19 @@ class NearOomWatch:
 
     # ---- one poll ----------------------------------------------------------------------------------
     def _read_figures(self) -> _Reading:
-        usage = limit = working = None
-        data = _procfs.pread(self._cg_limit, _SMALL)
-        limit = None if data is None else _procfs.parse_cgroup_limit(data)
-        if limit is not None:
-            data = _procfs.pread(self._cg_usage, _SMALL)
-            usage = None if data is None else _procfs.parse_int(data)
-            data = _procfs.pread(self._cg_stat, _STAT)
-            if usage is not None:
-                # Without memory.stat, plain usage: an early warning beats none.
-                working = _procfs.working_set(usage, data) if data is not None else None
-                working = usage if working is None else working
+        # No limit anywhere: the own cgroup, its figures unknown (the event still says which cgroup).
+        chosen: tuple[_procfs.CgroupFiles | None, int | None, int | None, int | None] = (self.cgroup, None, None, None)
+        least = math.inf
+        for cgroup in self._cgroups:
+            usage, limit, working = cgroup.read()
+            room = limit - working if limit is not None and working is not None else math.inf
+            if limit is not None and (chosen[2] is None or room < least):
+                chosen, least = (cgroup.files, usage, limit, working), room
         data = _procfs.pread(self._meminfo, _MEMINFO)
         total, available = (None, None) if data is None else _procfs.parse_meminfo(data)
         data = _procfs.pread(self._pressure, 256)
         pressure = None if data is None else _procfs.parse_pressure(data)
-        return _Reading(usage, limit, working, total, available, pressure)
+        return _Reading(*chosen, total, available, pressure)
 
     def check(self) -> dict[str, Any] | None:
         """One poll: the ``info`` of a new episode, else None (also re-arms after recovery)."""
@@ -217,8 +252,9 @@ class NearOomWatch:
         own = next((row for row in table if row["pid"] == os.getpid()), None)
         cfg = self.config
         cgroup = None
-        if self.cgroup is not None:
-            cgroup = {"version": self.cgroup.version, "usage_bytes": r.cgroup_usage, "limit_bytes": r.cgroup_limit,
+        if r.cgroup is not None:
+            cgroup = {"version": r.cgroup.version, "dir": r.cgroup.dir, "usage_bytes": r.cgroup_usage,
+                      "limit_bytes": r.cgroup_limit,
                       "working_set_bytes": r.cgroup_working_set,
                       "headroom_bytes": (r.cgroup_limit - r.cgroup_working_set
                                          if r.cgroup_limit is not None and r.cgroup_working_set is not None else None),

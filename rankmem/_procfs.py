@@ -256,19 +256,23 @@ def find_cgroup_files(proc_self_cgroup: str, root: str = "/sys/fs/cgroup", tight
 
 def _tightest(files: CgroupFiles, root: str) -> CgroupFiles:
     """``files``, or the files of the ancestor (up to the hierarchy's mount) with the smallest limit."""
+    limited = [(limit, c) for c in limited_cgroups(files, root) if (limit := _read_limit(c.limit)) is not None]
+    return min(limited, key=lambda lc: lc[0])[1] if limited else files
+
+
+def limited_cgroups(files: CgroupFiles, root: str) -> list[CgroupFiles]:
+    """``files`` and each ancestor up to the hierarchy's mount that has a memory limit now, innermost
+    first: any of them can be the one whose limit the OOM killer enforces."""
     mount = os.path.normpath(root if files.version == 2 else os.path.join(root, "memory"))
     current_name, limit_name = os.path.basename(files.current), os.path.basename(files.limit)
-    best, best_limit = files, _read_limit(files.limit)
+    found = [files]
     directory = os.path.normpath(files.dir)
     while directory != mount and directory.startswith(mount + os.sep):
         directory = os.path.dirname(directory)
-        limit = _read_limit(os.path.join(directory, limit_name))
-        if limit is not None and (best_limit is None or limit < best_limit) and \
-                os.path.isfile(os.path.join(directory, current_name)):
-            best = CgroupFiles(files.version, directory, os.path.join(directory, current_name),
-                               os.path.join(directory, limit_name))
-            best_limit = limit
-    return best
+        current, limit = os.path.join(directory, current_name), os.path.join(directory, limit_name)
+        if _read_limit(limit) is not None and os.path.isfile(current):
+            found.append(CgroupFiles(files.version, directory, current, limit))
+    return found
 
 
 def _read_limit(path: str) -> int | None:

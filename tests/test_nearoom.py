@@ -89,7 +89,7 @@ def test_fires_once_per_episode_and_rearms_after_recovery(root: FakeRoot) -> Non
     info = w.check()
     assert info is not None and info["reasons"] == ["cgroup_headroom"] and w.episodes == 1
     assert info["kind"] == "near_oom"
-    assert info["cgroup"] == {"version": 2, "usage_bytes": 1000 * MIB, "limit_bytes": GIB,
+    assert info["cgroup"] == {"version": 2, "dir": str(root.job), "usage_bytes": 1000 * MIB, "limit_bytes": GIB,
                               "working_set_bytes": 1000 * MIB, "headroom_bytes": 24 * MIB,
                               "threshold_bytes": int(GIB * 0.05)}
     assert info["node"] == {"total_bytes": 16 * GIB, "available_bytes": 12 * GIB, "threshold_bytes": int(16 * GIB * 0.05)}
@@ -310,3 +310,24 @@ def test_near_oom_watch_sees_an_ancestor_cgroups_limit(tmp_path):
     finally:
         watch.stop()
     assert info is not None and "cgroup_headroom" in info["reasons"]  # fails: info is None
+
+
+def test_the_limit_with_the_least_room_binds_not_the_smallest(tmp_path: Path) -> None:
+    """Slurm: the job's 4 GiB limit is nearly used up by sibling steps while this step (1 GiB limit)
+    uses 100 MiB: the job's limit is the one the OOM killer will enforce, so the watch fires on it."""
+    proc, root = tmp_path / "proc", tmp_path / "cg"
+    FakeRoot.put(proc / "self" / "cgroup", "0::/job/step/task\n")
+    FakeRoot.put(proc / "meminfo", "MemTotal:       263000000 kB\nMemAvailable:   250000000 kB\n")
+    for path, limit, usage in (("job", 4 * GIB, 4 * GIB - 50 * MIB), ("job/step", GIB, 100 * MIB),
+                               ("job/step/task", None, 100 * MIB)):
+        FakeRoot.put(root / path / "memory.max", "max\n" if limit is None else f"{limit}\n")
+        FakeRoot.put(root / path / "memory.current", f"{usage}\n")
+        FakeRoot.put(root / path / "memory.stat", "anon 1\ninactive_file 0\n")
+    w = NearOomWatch(lambda info: None, proc=str(proc), cgroup_root=str(root),
+                     config=NearOomConfig(psi_some_avg10=None))
+    try:
+        info = w.check()
+    finally:
+        w.stop()
+    assert info is not None and info["reasons"] == ["cgroup_headroom"]
+    assert info["cgroup"]["dir"] == str(root / "job") and info["cgroup"]["headroom_bytes"] == 50 * MIB
