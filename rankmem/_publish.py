@@ -214,15 +214,14 @@ def _warn_in_child(message: str) -> None:
 _STOP: Any = object()
 _FLUSH: Any = object()
 _live: weakref.WeakSet[Publisher] = weakref.WeakSet()
-_live_lock = threading.Lock()  # flush_all may run on another thread (a Ray actor's control group)
+_live_lock = threading.Lock()  # flush_all may run on any thread (at exit, or a caller's)
 
 
 def flush_all(timeout: float | None = None) -> bool:
     """Flush every open publisher in this process (see :meth:`Publisher.flush`), within ``timeout``
     seconds in all; False if one did not finish in time. Safe from any thread: the sinks are still
-    written by each publisher's own thread, so a process whose training thread is blocked in a
-    collective (a Ray actor whose peer died) can still put its queued records on disk before it is
-    killed."""
+    written by each publisher's own thread. Runs at interpreter exit (a Ray actor that
+    :meth:`~rankmem.ray.group.WorkerGroup.shutdown` asks to exit runs it too)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     done = True
     with _live_lock:

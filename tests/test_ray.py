@@ -317,7 +317,7 @@ def test_the_kept_result_names_the_worst_rank_which_rank_0s_own_figures_hide(clu
 
 def stalled_publisher_actor_class() -> type:
     """The reference actor whose logging rank's publisher thread never wakes on its own (as on a
-    starved 2-core machine), with a ``block`` method: a barrier its peer never joins."""
+    starved 2-core machine): its records wait in the queue until something flushes it."""
     from rankmem.ray.actor import EngineActor
 
     class Stalled(EngineActor):
@@ -327,15 +327,12 @@ def stalled_publisher_actor_class() -> type:
             Publisher.POLL_S = 3600.0  # this actor's process only: records wait for a flush
             return super().build(job, launch)
 
-        def block(self) -> None:
-            import torch.distributed as dist
-
-            dist.barrier()
-
     return Stalled
 
 
-def test_shutdown_flushes_a_rank_blocked_in_a_collective(cluster: Any, tmp_path: Path) -> None:
+def test_shutdown_lets_the_actors_write_what_they_hold_before_the_kill(cluster: Any, tmp_path: Path) -> None:
+    """ray.kill alone ends an actor without its exit handlers: the records the logging rank's sink thread
+    had not written yet were lost (CI: the killed-actor test's log missed the last step before the death)."""
     from rankmem.engine.options import add_job_arguments, resolve_job_options
     from rankmem.ray.group import Resources, WorkerGroup
 
@@ -350,14 +347,13 @@ def test_shutdown_flushes_a_rank_blocked_in_a_collective(cluster: Any, tmp_path:
         group.call("build", job, {"launcher": "test"})
         for step in range(3):
             group.call("step", step)
-        blocked = group.actors[0].block.remote()  # rank 1 never joins: rank 0's only thread is stuck
-        ready, _ = cluster.ray.wait([blocked], timeout=1.0)
-        assert ready == []
         # The publisher wrote what it found when it started (the header), then went to sleep.
         lines = (tmp_path / "rankmem.jsonl").read_text().splitlines()
         assert [json.loads(line)["step"] for line in lines[1:]] != [0, 1, 2]
     finally:
+        started = time.monotonic()
         group.shutdown()
+    print(f"shutdown with a stalled publisher: {time.monotonic() - started:.1f} s")
     header, steps = read_log(tmp_path)
     assert header["world_size"] == 2
     assert [s["step"] for s in steps] == [0, 1, 2]

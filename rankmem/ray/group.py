@@ -11,8 +11,8 @@ finishes first. When a rank fails, the others are usually blocked in a collectiv
 (an actor whose method raised stays alive, so its peers see no closed connection), so the group
 waits a short grace period for further failures, then raises :class:`RankFailed` naming the rank
 that caused it: an actor that died (killed, out of memory) before one whose collective merely lost
-its peer. :meth:`WorkerGroup.shutdown` first lets the living actors flush their queued telemetry
-(through a second concurrency group, so a rank blocked in a collective still can), then kills every
+its peer. :meth:`WorkerGroup.shutdown` first asks every actor to flush its telemetry (the logging rank
+writes the records its sink thread still holds: ``ray.kill`` runs no exit handler), then kills every
 actor and frees the placement group, which also releases the blocked ranks.
 
 ray is imported inside the methods: importing this module needs neither ray nor torch.
@@ -30,9 +30,7 @@ from rankmem.errors import RankmemError
 FAILURE_GRACE_S = 3.0
 """After a rank fails, how long to wait for the other ranks' outcomes before naming the culprit."""
 SHUTDOWN_FLUSH_S = 5.0
-"""At shutdown, how long the living actors get to put their queued telemetry on disk before the kill."""
-CONTROL_GROUP = "rankmem-control"
-"""The actors' second concurrency group (one thread): calls that must run while a step is blocked."""
+"""At shutdown, how long the actors get to put their queued telemetry on disk before the kill."""
 
 
 @dataclass(frozen=True)
@@ -117,10 +115,7 @@ class WorkerGroup:
                                f"{'on one node ' if pack else ''}within {ready_timeout_s:g} s: its free resources "
                                f"are {free}") from None
         self.placements = placements(placement_group_table(self.pg)["bundles_to_node_id"])
-        # A second concurrency group, so that shutdown can flush an actor whose step is blocked in a
-        # collective; steps still run one at a time on the default group's single thread.
-        decorate: Any = ray.remote  # its typed overloads lack concurrency_groups
-        remote: Any = decorate(concurrency_groups={CONTROL_GROUP: 1})(actor_cls)
+        remote: Any = ray.remote(actor_cls)
         for rank, where in enumerate(self.placements):
             strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=rank)
             # max_restarts=0: a dead rank ends the job, as under torchrun --max-restarts 0.
@@ -193,15 +188,14 @@ class WorkerGroup:
     def shutdown(self, flush_s: float = SHUTDOWN_FLUSH_S) -> None:
         """Kill every actor and free the placement group; safe to call twice. First, actors that have
         :meth:`~rankmem.ray.rank.RankActor.flush_telemetry` get ``flush_s`` seconds in all to put their
-        queued records on disk (the logging rank's last steps, written by a background thread), even
-        while their step is blocked in a collective: a dead peer's job keeps every step it logged."""
+        queued records on disk: an actor whose step failed (its peer died) runs it at once. One still
+        blocked in a collective cannot; its sink thread has had the time it was blocked to write."""
         import ray
         from ray.util.placement_group import remove_placement_group
 
         if self.actors and self._flushes and flush_s > 0:
             try:
-                refs = [actor.flush_telemetry.options(concurrency_group=CONTROL_GROUP).remote(flush_s)
-                        for actor in self.actors]
+                refs = [actor.flush_telemetry.remote(flush_s) for actor in self.actors]
                 ray.wait(refs, num_returns=len(refs), timeout=flush_s + 1.0)
             except Exception:  # noqa: BLE001 - the cluster is going away: kill regardless
                 pass

@@ -65,9 +65,8 @@ class RankActor:
 
     def flush_telemetry(self, timeout_s: float) -> bool:
         """Put every record this process's Monitors have queued on disk, within ``timeout_s``; False if
-        that did not finish. :meth:`WorkerGroup.shutdown` calls it in its own concurrency group,
-        beside whatever the actor is running (a step blocked in a collective whose peer died), before
-        it kills the actor: ``ray.kill`` ends the process at once, without its exit handlers."""
+        that did not finish. :meth:`WorkerGroup.shutdown` calls it before it kills the actor:
+        ``ray.kill`` ends the process at once, without its exit handlers."""
         from rankmem._publish import flush_all
 
         return flush_all(timeout_s)
