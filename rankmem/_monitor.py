@@ -206,19 +206,15 @@ class Monitor:
         return self._last_record
 
     def step(self, n: int | None = None) -> AbstractContextManager[None]:
-        """A step window: peaks reset at entry, current values and the window's peaks read at exit.
-        Local to this rank; call :meth:`collect` after it on every rank, every step or every N steps.
-        Without ``n``, heartbeats and events name the step as the next collect will log it, where the
-        collects are not numbered with ``step=`` (there, the step is unknown until the collect)."""
+        """A step window: peaks reset at entry, current values and peaks read at exit. Local; call
+        :meth:`collect` after it on every rank, every step or every N steps. Unnumbered, its events say
+        the step the next collect logs (unknown where collects are numbered with ``step=``)."""
         self._check_open()
-        label = self._collects if n is None and not self._numbered else None
-        return self._windows.step(n, label=label)
+        return self._windows.step(n, label=self._collects if n is None and not self._numbered else None)
 
     def set_step(self, n: int) -> None:
-        """Name the step in progress without opening a step window: heartbeats and OOM events say it,
-        and the next :meth:`collect` logs it unless given ``step=``.
-        For a framework whose hooks bracket a step (``on_step_begin`` .. ``on_step_end``) rather than a
-        ``with`` block; :meth:`step` sets it too. Local."""
+        """Name the step in progress for heartbeats, events and the next :meth:`collect` (unless given
+        ``step=``), without a window: for framework hooks that bracket a step (``on_step_begin``). Local."""
         self._check_open()
         self._windows.set_step(n)
 
@@ -310,8 +306,8 @@ class Monitor:
             raise RankmemError("this Monitor is closed: build a new one (on every rank) to go on measuring")
 
     def record_oom(self, exc: BaseException) -> None:
-        """Record an out-of-memory error caught outside a ``step``/``phase`` window (a framework's
-        exception hook) as an ``oom`` event at the current step and phase. Local; never raises."""
+        """An out-of-memory error caught outside any window (a framework's exception hook) as an ``oom``
+        event at the current step and phase. Local; never raises."""
         self._guard.call("forensics", "recording the OOM failed", self._forensics.record, exc, self._windows.where,
                          default=None)
         self._detail = True
