@@ -19,7 +19,6 @@ from rankmem.errors import WarnOnce
 
 _STATUS_BUF = 4096  # /proc/self/status is ~1.4 KB; VmHWM sits in its first half
 _MEMINFO_BUF = 8192
-_CGROUP_STAT_BUF = 8192  # v1 memory.stat is ~1.3 KB, v2 ~1.5 KB
 
 
 
@@ -77,18 +76,12 @@ class LinuxHostProbe:
         self.peak_is_lifetime = self._clear_refs is None
         if self.peak_is_lifetime:
             self._lifetime_warning()
-        self._cgroup_current: int | None = None
-        self._cgroup_limit: int | None = None
-        self._cgroup_stat: int | None = None
         try:
             with open(f"{me}/cgroup") as f:
                 files = _procfs.find_cgroup_files(f.read())
         except OSError:
             files = None
-        if files is not None:
-            self._cgroup_current = _procfs.open_ro(files.current)
-            self._cgroup_limit = _procfs.open_ro(files.limit)
-            self._cgroup_stat = _procfs.open_ro(os.path.join(files.dir, "memory.stat"))
+        self._cgroup = _procfs.CgroupReader(files) if files is not None else None
 
     def check_fork(self) -> None:
         # Descriptors opened on /proc/PID follow the PID, not the caller: a forked child must reopen.
@@ -196,15 +189,7 @@ class LinuxHostProbe:
 
     def cgroup(self) -> tuple[int | None, int | None, int | None]:
         """``(used, limit, working set)``, all ``None`` when no memory limit applies."""
-        data = _procfs.pread(self._cgroup_limit, 64)
-        limit = None if data is None else _procfs.parse_cgroup_limit(data)
-        if limit is None:
-            return None, None, None
-        data = _procfs.pread(self._cgroup_current, 64)
-        used = None if data is None else _procfs.parse_int(data)
-        stat = _procfs.pread(self._cgroup_stat, _CGROUP_STAT_BUF)
-        working = None if used is None or stat is None else _procfs.working_set(used, stat)
-        return used, limit, working
+        return self._cgroup.read() if self._cgroup is not None else (None, None, None)
 
     def read(self) -> HostReading:
         """The slow read, once per collect: every figure, node, cgroup and children included."""
@@ -221,8 +206,10 @@ class LinuxHostProbe:
         if self._children_uss is not None:
             self._children_uss.close()
             self._children_uss = None
-        fds = [self._statm, self._status, self._meminfo, self._clear_refs, self._cgroup_current, self._cgroup_limit,
-               self._cgroup_stat]
+        if self._cgroup is not None:
+            self._cgroup.close()
+            self._cgroup = None
+        fds = [self._statm, self._status, self._meminfo, self._clear_refs]
         for fd in [*fds, *self._children_fds.values()]:
             if fd is not None:
                 try:
@@ -231,7 +218,6 @@ class LinuxHostProbe:
                     pass
         self._children_fds.clear()
         self._statm = self._status = self._meminfo = self._clear_refs = None
-        self._cgroup_current = self._cgroup_limit = self._cgroup_stat = None
 
 
 class PsutilHostProbe:

@@ -30,7 +30,6 @@ from rankmem.errors import RankmemError, WarnOnce
 
 __all__ = ["NearOomConfig", "NearOomWatch", "node_oom_kill_count", "oom_kill_count", "process_table"]
 
-_SMALL = 64  # memory.current, memory.max and friends: one integer
 _MEMINFO = 8192
 _STAT = 8192  # v1 memory.stat is ~1.3 KB, v2 ~1.5 KB
 
@@ -88,40 +87,6 @@ class _Reading:
     pressure: _procfs.Pressure | None
 
 
-class _CgroupFds:
-    """One limited cgroup's usage, limit and ``memory.stat``, kept open for the watch's polls."""
-
-    def __init__(self, files: _procfs.CgroupFiles) -> None:
-        self.files = files
-        self._usage = _procfs.open_ro(files.current)
-        self._limit = _procfs.open_ro(files.limit)
-        self._stat = _procfs.open_ro(os.path.join(files.dir, "memory.stat"))
-
-    def read(self) -> tuple[int | None, int | None, int | None]:
-        """(usage, limit, working set) in bytes; all None while the cgroup has no limit."""
-        data = _procfs.pread(self._limit, _SMALL)
-        limit = None if data is None else _procfs.parse_cgroup_limit(data)
-        if limit is None:
-            return None, None, None
-        data = _procfs.pread(self._usage, _SMALL)
-        usage = None if data is None else _procfs.parse_int(data)
-        if usage is None:
-            return None, limit, None
-        data = _procfs.pread(self._stat, _STAT)
-        # Without memory.stat, plain usage: an early warning beats none.
-        working = _procfs.working_set(usage, data) if data is not None else None
-        return usage, limit, usage if working is None else working
-
-    def close(self) -> None:
-        for fd in (self._usage, self._limit, self._stat):
-            if fd is not None:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-        self._usage = self._limit = self._stat = None
-
-
 class NearOomWatch:
     """Polls memory headroom and pressure on a daemon thread; calls ``on_near_oom(info)`` once per episode.
 
@@ -158,7 +123,7 @@ class NearOomWatch:
         cg = self.cgroup = _procfs.own_cgroup_files(proc, cgroup_root, tightest=False)
         # Every limited cgroup on the path to the root, watched at each poll: the one with the least room
         # binds first (a Slurm step limited while the task says max; a job whose siblings use its limit).
-        self._cgroups = [_CgroupFds(c) for c in _procfs.limited_cgroups(cg, cgroup_root)] if cg else []
+        self._cgroups = [_procfs.CgroupReader(c) for c in _procfs.limited_cgroups(cg, cgroup_root)] if cg else []
         # Pressure of the cgroup where v2 gives it, else of the node.
         cg_pressure = _procfs.open_ro(os.path.join(cg.dir, "memory.pressure")) if cg and cg.version == 2 else None
         self._pressure = cg_pressure if cg_pressure is not None else _procfs.open_ro(f"{proc}/pressure/memory")
@@ -207,6 +172,7 @@ class NearOomWatch:
         least = math.inf
         for cgroup in self._cgroups:
             usage, limit, working = cgroup.read()
+            working = usage if working is None else working  # without memory.stat: an early warning beats none
             room = limit - working if limit is not None and working is not None else math.inf
             if limit is not None and (chosen[2] is None or room < least):
                 chosen, least = (cgroup.files, usage, limit, working), room

@@ -275,6 +275,40 @@ def limited_cgroups(files: CgroupFiles, root: str) -> list[CgroupFiles]:
     return found
 
 
+class CgroupReader:
+    """One cgroup's usage, limit and ``memory.stat``, kept open for repeated reads (the host probe's
+    collect, the near-OOM watch's polls)."""
+
+    STAT_BUF = 8192  # v1 memory.stat is ~1.3 KB, v2 ~1.5 KB
+
+    def __init__(self, files: CgroupFiles) -> None:
+        self.files = files
+        self._usage = open_ro(files.current)
+        self._limit = open_ro(files.limit)
+        self._stat = open_ro(os.path.join(files.dir, "memory.stat"))
+
+    def read(self) -> tuple[int | None, int | None, int | None]:
+        """``(used, limit, working set)`` in bytes; all None while no limit applies, the working set
+        None where ``memory.stat`` cannot be read."""
+        data = pread(self._limit, 64)
+        limit = None if data is None else parse_cgroup_limit(data)
+        if limit is None:
+            return None, None, None
+        data = pread(self._usage, 64)
+        used = None if data is None else parse_int(data)
+        stat = pread(self._stat, self.STAT_BUF)
+        return used, limit, None if used is None or stat is None else working_set(used, stat)
+
+    def close(self) -> None:
+        for fd in (self._usage, self._limit, self._stat):
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self._usage = self._limit = self._stat = None
+
+
 def _read_limit(path: str) -> int | None:
     try:
         with open(path, "rb") as f:

@@ -31,7 +31,7 @@ from typing import Any
 from rankmem._collective import Gathered
 from rankmem._guard import Guard
 from rankmem._records import RunHeader, StepRecord
-from rankmem.errors import warn
+from rankmem.errors import WarnOnce, warn
 from rankmem.sinks import SafeSink, Sink
 
 _Item = tuple[int, float, Gathered] | RunHeader
@@ -79,8 +79,8 @@ class Publisher:
 
     def _submit(self, item: _Item) -> None:
         if os.getpid() != self._pid:  # a forked child: the thread and the files' state are the parent's
-            _warn_in_child("rankmem: a record published in a forked child process is dropped (only the "
-                                  "process that built the Monitor writes its sinks)")
+            _in_child(f"child:{os.getpid()}", "a record published in a forked child process is dropped (only "
+                                              "the process that built the Monitor writes its sinks)")
             return
         if not self._background:
             with self._sync:
@@ -202,15 +202,7 @@ class Publisher:
             self._sinks = []
 
 
-_forked_warned: set[int] = set()
-
-
-def _warn_in_child(message: str) -> None:
-    if os.getpid() not in _forked_warned:
-        _forked_warned.add(os.getpid())
-        warn(message, stacklevel=4)
-
-
+_in_child = WarnOnce()  # once per forked child (keyed by its pid)
 _STOP: Any = object()
 _FLUSH: Any = object()
 _live: weakref.WeakSet[Publisher] = weakref.WeakSet()

@@ -101,7 +101,7 @@ def _vector(step: dict[str, Any], key: str, world: int) -> list[float | None]:
         return [None] * world
     out: list[float | None] = []
     for v in raw[:world]:
-        number = to_float(v) if isinstance(v, (int, float)) else None  # None for an int past float64
+        number = to_float(v)  # None for a string, a list, or an int past float64
         out.append(number if number is not None and math.isfinite(number) else None)
     return out + [None] * (world - len(out))
 
