@@ -29,7 +29,8 @@ def worker() -> None:
     import torch
     import torch.distributed as dist
 
-    from rankmem._collective import PackedGather, aggregate
+    from rankmem.exchange.aggregate import aggregate
+    from rankmem.exchange.packed import PackedGather
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -15,7 +15,7 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from rankmem._heartbeat import RECORD_SIZE, Heartbeat
+from rankmem.forensics.heartbeat import RECORD_SIZE, Heartbeat
 
 REPEAT = 50000
 ROUNDS = 5

@@ -21,9 +21,9 @@ rather than a null: a slow sawtooth, filling 200 MiB over 100 steps. Offline its
 window; online, a window shorter than a cycle sees 100 steps of steady growth before the cache is freed,
 so it is flagged early in the run: no detector can tell the two apart before the give-back.
 
-Offline is :func:`rankmem.leaks.trend`'s verdict on the whole run (all seeds of a cell as the ranks of
-one :func:`~rankmem.leaks.trends` call, as ``rankmem leaks`` judges them). Online is a
-:class:`~rankmem.leaks.LeakWatch` with its defaults fed the run one collect at a time, the seeds as its
+Offline is :func:`rankmem.offline.leaks.trend`'s verdict on the whole run (all seeds of a cell as the ranks of
+one :func:`~rankmem.offline.leaks.trends` call, as ``rankmem leaks`` judges them). Online is a
+:class:`~rankmem.offline.leaks.LeakWatch` with its defaults fed the run one collect at a time, the seeds as its
 ranks; a series counts as flagged if the watch warned at any point of the run. No capacity is known
 for these series, so the stakes floor is ``min_growth_mib``.
 
@@ -41,7 +41,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from rankmem.leaks import LEAK_KEYS, LeakConfig, LeakWatch, trends
+from rankmem.offline.leaks import LEAK_KEYS, LeakConfig, LeakWatch, trends
 
 MIB = 1 / 1024
 RSS = "mem/host/rss_gib"

@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 
-from rankmem._nearoom import NearOomConfig, NearOomWatch
+from rankmem.forensics.nearoom import NearOomConfig, NearOomWatch
 
 
 def idle_thread_cpu(seconds: float, interval_s: float) -> float:

@@ -28,7 +28,7 @@ from typing import Any
 
 import psutil
 
-from rankmem._host import LinuxHostProbe
+from rankmem.probe.host import LinuxHostProbe
 
 QUICK = "--quick" in sys.argv
 REPEAT = 2000 if QUICK else 20000
@@ -144,7 +144,7 @@ def flatten(nested: dict[str, Any]) -> dict[str, Any]:
 
 
 def stats_shape_cases() -> None:
-    from rankmem._device import DeviceBackend
+    from rankmem.probe.device import DeviceBackend
     from rankmem.testing import FakeCuda
 
     cuda = FakeCuda()
@@ -197,7 +197,7 @@ def device_cases() -> None:
         print("\ndevice: no CUDA GPU here; device rows skipped (scripts/gpu_check.sh runs them on one)")
         return
     import rankmem
-    from rankmem._device import select_backend
+    from rankmem.probe.device import select_backend
 
     torch.cuda.set_device(0)
     held = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")

@@ -33,10 +33,11 @@ from contextlib import redirect_stdout
 
 import numpy as np
 
-from rankmem._collective import aggregate
-from rankmem._records import RankInfo, RunHeader, StepRecord
-from rankmem.report import build_report, render
-from rankmem.runlog import RunLogWriter, read_run
+from rankmem.core.records import RankInfo, RunHeader, StepRecord
+from rankmem.exchange.aggregate import aggregate
+from rankmem.offline import read_run
+from rankmem.offline.report import build_report, render
+from rankmem.runlog import RunLogWriter
 
 HOST = ("rss", "peak_rss", "lifetime_peak_rss", "children_rss")
 NODE = ("used", "available")
@@ -55,7 +56,7 @@ def keys() -> list[str]:
 def generate(path: str, steps: int, world: int, detail: str, detail_every: int = 1) -> None:
     """``steps`` records of ``world`` ranks through the real writer; per-rank values every ``detail_every``
     collects (the others carry the aggregates and, past the crossover, p50/p90/p99: as the monitor does)."""
-    from rankmem._reduce import QUANTILE_NAMES, matrix_quantiles
+    from rankmem.exchange.reduce import QUANTILE_NAMES, matrix_quantiles
 
     rng = np.random.default_rng(0)
     ks = keys()
@@ -114,7 +115,7 @@ def peak_rss_mib(run_dir: str) -> float:
 
 def baseline_rss_mib() -> float:
     code = ("import sys; import numpy, pyarrow, rich; from rankmem.cli import main;"
-            "import rankmem.report, rankmem.runlog._reader;"
+            "import rankmem.offline.report, rankmem.offline.runlog;"
             "sys.stderr.write(open('/proc/self/status').read().split('VmHWM:')[1].split()[0])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     return int(out.stderr.strip().splitlines()[-1]) / 1024

@@ -53,7 +53,8 @@ def worker() -> None:
     import torch
     import torch.distributed as dist
 
-    from rankmem._collective import Exchange, aggregate
+    from rankmem.exchange.aggregate import aggregate
+    from rankmem.exchange.exchange import Exchange
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -101,8 +102,8 @@ def measure_local(worlds: list[int]) -> list[dict[str, float]]:
     """Per-rank CPU work that grows with W (all-gather path, and the logging rank's line), in us."""
     import numpy as np
 
-    from rankmem._collective import Gathered, aggregate
-    from rankmem.runlog._layout import SEPARATORS, step_object
+    from rankmem.exchange.aggregate import Gathered, aggregate
+    from rankmem.runlog.layout import SEPARATORS, step_object
 
     keys = [f"mem/key_{i:02d}_gib" for i in range(KEYS)]
     rng = np.random.default_rng(0)
@@ -130,7 +131,7 @@ def measure_reduce_local() -> float:
     collectives stubbed to identity in a world-of-one gloo group, with W set to 16,384 (no effect)."""
     import torch.distributed as dist
 
-    from rankmem._collective import Exchange
+    from rankmem.exchange.exchange import Exchange
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     ex = Exchange(reduce_above=1, detail_every=10**9)

@@ -7,13 +7,12 @@ one-off local reading, the records it returns, and the verl drop-in
 
 from __future__ import annotations
 
-from rankmem._collective import allgather_dict_into_dict
-from rankmem._monitor import Monitor, MonitorConfig
-from rankmem._records import DeviceReading, HostReading
-from rankmem._sample import MemorySample, sample
+from rankmem.core.records import DeviceReading, HostReading
+from rankmem.core.version import __version__
 from rankmem.errors import MissingExtraError, RankmemError
-
-__version__ = "0.1.0"
+from rankmem.exchange.dict_gather import allgather_dict_into_dict
+from rankmem.monitor import Monitor, MonitorConfig
+from rankmem.probe.sample import MemorySample, sample
 
 __all__ = [
     "DeviceReading",

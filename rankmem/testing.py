@@ -50,7 +50,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from rankmem._units import GIB, MIB
+from rankmem.core.units import GIB, MIB
 
 _SMALL_REQUEST = 1 * MIB  # torch's kSmallSize: requests up to this go to the small pool
 _SMALL_SEGMENT = 2 * MIB  # kSmallBuffer

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from rankmem import _procfs
+from rankmem.probe import procfs as _procfs
 
 
 @contextlib.contextmanager

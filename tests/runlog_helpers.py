@@ -12,9 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from rankmem._collective import aggregate
-from rankmem._records import RankInfo, RunHeader, StepRecord
-from rankmem.runlog import RUN_LOG_NAME, RunLogWriter, read_run
+from rankmem.core.records import RankInfo, RunHeader, StepRecord
+from rankmem.exchange.aggregate import aggregate
+from rankmem.offline import read_run
+from rankmem.runlog import RUN_LOG_NAME, RunLogWriter
 
 
 def write_run(

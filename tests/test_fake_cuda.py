@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from rankmem._units import GIB, MIB
+from rankmem.core.units import GIB, MIB
 from rankmem.testing import FakeCuda, FakeOutOfMemoryError
 
 

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 import rankmem
-from rankmem._device import select_backend
-from rankmem._units import GIB, MIB
+from rankmem.core.units import GIB, MIB
+from rankmem.probe.device import select_backend
 from tests.conftest import REPO, free_port
 
 pytestmark = [
@@ -201,7 +201,7 @@ def test_one_rank_nccl_group_gathers_on_the_device() -> None:
     rankmem skips the collective in a world of one, so the gather is driven past that check."""
     import torch.distributed as dist
 
-    from rankmem._collective import PackedGather
+    from rankmem.exchange.packed import PackedGather
 
     monitor = rankmem.Monitor(sinks=(), device="cuda", children=False)  # before set_device, as scripts do
     torch.cuda.set_device(0)

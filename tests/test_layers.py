@@ -22,18 +22,33 @@ from tests.conftest import REPO
 from tests.runlog_helpers import known_run
 
 PACKAGE = REPO / "rankmem"
-OFFLINE = ("rankmem.runlog._reader", "rankmem.runlog._columnar_read", "rankmem.runlog._tail", "rankmem.report", "rankmem._phases", "rankmem._capacity",
-           "rankmem._html", "rankmem.plot", "rankmem.leaks", "rankmem.watch", "rankmem.cli")
-"""Offline modules; a name covers its submodules (``rankmem.cli._report`` ...)."""
+OFFLINE = ("rankmem.offline", "rankmem.cli")
+"""The offline layer is two folders: ``offline/`` (readers, report, plot, leaks, watch) and ``cli/``."""
 NOT_A_LAYER = ("rankmem.__main__",)
 """``python -m rankmem`` is the CLI's entry point, neither layer's library code."""
 OPTIONAL_FRAMEWORKS = ("rankmem.integrations.hf", "rankmem.integrations.lightning")
 """Online, but they import transformers / Lightning on import (seconds each): checked statically only."""
+FOLDER_RULES = {
+    "rankmem.core": ("rankmem.probe", "rankmem.windows", "rankmem.exchange", "rankmem.publish", "rankmem.sinks",
+                     "rankmem.runlog", "rankmem.forensics", "rankmem.trend", "rankmem.offline", "rankmem.cli",
+                     "rankmem.engine", "rankmem.integrations", "rankmem.ray", "rankmem.monitor", "rankmem.testing"),
+    "rankmem.probe": ("rankmem.publish", "rankmem.forensics", "rankmem.offline", "rankmem.exchange",
+                      "rankmem.monitor", "rankmem.sinks", "rankmem.runlog"),
+    "rankmem.exchange": ("rankmem.publish", "rankmem.forensics", "rankmem.offline", "rankmem.monitor",
+                         "rankmem.sinks", "rankmem.runlog", "rankmem.windows"),
+    "rankmem.trend": ("rankmem.publish", "rankmem.forensics", "rankmem.offline", "rankmem.exchange",
+                      "rankmem.monitor", "rankmem.probe", "rankmem.windows"),
+}
+"""Per folder, the folders (and modules) it must never import: ``core/`` imports nothing above it; probe,
+exchange and trend reach no writer, no forensics and no reader."""
 
+
+def _under(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
 
 
 def _is_offline(module: str) -> bool:
-    return any(module == o or module.startswith(o + ".") for o in OFFLINE)
+    return any(_under(module, o) for o in OFFLINE)
 
 
 def _module_name(path: Path) -> str:
@@ -88,12 +103,36 @@ def _graph() -> dict[str, set[str]]:
 GRAPH = _graph()
 
 
-def test_the_layers_are_where_the_design_says() -> None:
-    for module in (*OFFLINE, "rankmem._trend", "rankmem.runlog._writer", "rankmem.runlog._columnar",
-                   "rankmem.runlog._layout", "rankmem._monitor"):
-        assert module in MODULES, f"{module} moved: update OFFLINE / this test"
-    assert "rankmem.cli._report" in MODULES and _is_offline("rankmem.cli._report")
-    assert not _is_offline("rankmem.runlog") and not _is_offline("rankmem._trend")
+def test_the_layers_are_folders() -> None:
+    folders = sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists())
+    assert folders == ["cli", "core", "engine", "exchange", "forensics", "integrations", "offline", "probe",
+                       "publish", "ray", "runlog", "sinks", "trend"]
+    assert _is_offline("rankmem.cli._report") and _is_offline("rankmem.offline.report")
+    assert not _is_offline("rankmem.runlog.writer") and not _is_offline("rankmem.trend.trend")
+
+
+@pytest.mark.parametrize("folder", sorted(FOLDER_RULES))
+def test_folder_imports_nothing_above_it(folder: str) -> None:
+    bad = sorted({f"{m} -> {dep}" for m in MODULES if _under(m, folder) for dep in GRAPH[m]
+                  if any(_under(dep, f) for f in FOLDER_RULES[folder])})
+    assert bad == [], f"{folder} imports what it must not: {bad}"
+
+
+def test_nothing_inside_the_package_imports_its_face() -> None:
+    """``rankmem/__init__`` re-exports the layers; a module importing it would run back up the tree."""
+    facing = sorted(m for m, path in MODULES.items() if m != "rankmem" and _imports_face(path))
+    assert facing == []
+
+
+def _imports_face(path: Path) -> bool:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "rankmem" and node.level == 0:
+            if any(f"rankmem.{alias.name}" not in MODULES for alias in node.names):
+                return True
+        if isinstance(node, ast.Import) and any(alias.name == "rankmem" for alias in node.names):
+            return True
+    return False
 
 
 @pytest.mark.parametrize(
@@ -146,10 +185,10 @@ def test_no_import_cycle_among_rankmem_modules() -> None:
     assert _cycles(GRAPH) == []
     # The check itself finds one, function-level imports included.
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
-    source = "def f():\n    from rankmem.report import build_report\nif TYPE_CHECKING:\n    import rankmem.plot\n"
+    source = "def f():\n    from rankmem.offline.report import build_report\nif TYPE_CHECKING:\n    import rankmem.offline.plot\n"
     visitor = _Imports("rankmem.x", False)
     visitor.visit(ast.parse(source))
-    assert visitor.found == {"rankmem.report"}
+    assert visitor.found == {"rankmem.offline.report"}
 
 
 _ONLINE_PROCESS = """

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 import rankmem
-from rankmem.runlog import read_run
+from rankmem.offline import read_run
 from rankmem.sinks import SafeSink
 
 
@@ -146,7 +146,7 @@ def test_a_failing_probe_still_takes_part_in_collect() -> None:
 
 
 def test_a_bug_while_measuring_still_sends_the_callers_metrics(monkeypatch: pytest.MonkeyPatch) -> None:
-    import rankmem._monitor as monitor_module
+    import rankmem.monitor as monitor_module
 
     def broken(*args: object) -> None:
         raise KeyError("a telemetry bug")
@@ -161,7 +161,7 @@ def test_a_bug_while_measuring_still_sends_the_callers_metrics(monkeypatch: pyte
 
 
 def test_sample_shows_gib_not_bytes() -> None:
-    from rankmem._records import HostReading
+    from rankmem.core.records import HostReading
 
     host = HostReading(rss=3 * 2**29, peak_rss=2**31, peak_rss_is_lifetime=True, children_rss=None,
                        node_total=2**35, node_available=2**34, cgroup_used=None, cgroup_limit=None)

@@ -141,7 +141,7 @@ def _live_watch(argv: list[str], workdir: Path) -> None:
 def _check_example(name: str, words: list[str], workdir: Path, stdout: str) -> None:
     out = _option(words, "--out")
     if out is not None:  # a run log the offline tools read
-        from rankmem.runlog import read_run
+        from rankmem.offline import read_run
 
         run = read_run(str(workdir / out))
         assert run.steps.size >= 2 and run.world_size == int(_option(words, "--nproc-per-node") or 1)

@@ -28,7 +28,7 @@ COMMANDS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from rankmem import __version__
+    from rankmem.core.version import __version__
 
     parser = argparse.ArgumentParser(prog="rankmem", description="Per-rank memory telemetry for distributed PyTorch.")
     parser.add_argument("--version", action="version", version=f"rankmem {__version__}")

@@ -9,10 +9,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from rankmem.errors import RankmemError
-from rankmem.leaks import LeakConfig
+from rankmem.offline.leaks import LeakConfig
 
 if TYPE_CHECKING:
-    from rankmem.runlog import Run
+    from rankmem.offline import Run
 
 
 def add_run_argument(parser: argparse.ArgumentParser) -> None:

@@ -20,9 +20,9 @@ import signal
 from dataclasses import dataclass
 from typing import Any
 
-from rankmem import _procfs
-from rankmem._heartbeat import HeartbeatRecord
-from rankmem._units import GIB
+from rankmem.core.units import GIB
+from rankmem.forensics.heartbeat import HeartbeatRecord
+from rankmem.probe import procfs as _procfs
 
 STALE_S = 5.0
 """A lagging rank is named only when its last beat is at least this old: ranks beat within

@@ -20,8 +20,11 @@ import sys
 import tempfile
 from typing import Any
 
-from rankmem._heartbeat import ENV_DIR
-from rankmem._units import GIB
+from rankmem.core.units import GIB
+from rankmem.core.version import __version__
+from rankmem.forensics.heartbeat import ENV_DIR
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # (extra, the modules it provides, what they enable); pyproject.toml's extras, in its order.
 EXTRAS = (
@@ -77,11 +80,11 @@ def torch_line() -> tuple[str, Any]:
 
 
 def device_lines(torch: Any, init: bool) -> list[str]:
-    import rankmem
+    from rankmem.probe.sample import sample
 
     if torch is None:
         return ["device backend: none (no torch)"]
-    before = rankmem.sample(children=False)
+    before = sample(children=False)
     name = before.device_name
     if name == "none":
         return ["device backend: none: torch sees no cuda, npu or xpu device; rankmem reports host memory only"]
@@ -96,7 +99,7 @@ def device_lines(torch: Any, init: bool) -> list[str]:
         module.init()
         if hasattr(module, "current_device"):
             torch.empty(1, device=f"{name}:{module.current_device()}")  # the first allocation makes the context
-        after = rankmem.sample(children=False).device
+        after = sample(children=False).device
         if after is None or after.before_init:
             lines.append("device after init: still nothing read: this torch build hides the context from rankmem")
         else:
@@ -106,12 +109,13 @@ def device_lines(torch: Any, init: bool) -> list[str]:
 
 
 def host_lines() -> list[str]:
-    import rankmem
+    from rankmem.monitor import Monitor
+    from rankmem.probe.sample import sample
 
     # A doctor run inside a job's environment must not write a heartbeat as if it were a rank.
     heartbeat_env = os.environ.pop(ENV_DIR, None)
     try:
-        monitor = rankmem.Monitor(device="cpu", sinks=(), children=False, leak_check=False, near_oom_watch=False,
+        monitor = Monitor(device="cpu", sinks=(), children=False, leak_check=False, near_oom_watch=False,
                                   sink_thread=False)
         try:
             with monitor.step(0):  # the first reset of VmHWM is what tells whether the kernel allows it
@@ -122,7 +126,7 @@ def host_lines() -> list[str]:
     finally:
         if heartbeat_env is not None:
             os.environ[ENV_DIR] = heartbeat_env
-    host = rankmem.sample(device="cpu", children=False).host
+    host = sample(device="cpu", children=False).host
     node = (f"node available {_gib(host.node_available)} of {_gib(host.node_total)}"
             if host.node_total is not None else "node memory unknown")
     return [f"host peak RSS scope: {SCOPES.get(scope, scope)}",
@@ -131,7 +135,7 @@ def host_lines() -> list[str]:
 
 
 def cgroup_line(limit: int | None, used: int | None) -> str:
-    from rankmem._procfs import own_cgroup_files
+    from rankmem.probe.procfs import own_cgroup_files
 
     files = own_cgroup_files()
     if files is None:
@@ -178,9 +182,7 @@ def extra_lines() -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    import rankmem
-
-    lines = [f"rankmem: {rankmem.__version__} at {os.path.dirname(os.path.abspath(rankmem.__file__))} "
+    lines = [f"rankmem: {__version__} at {_PACKAGE_DIR} "
              f"(python {sys.version.split()[0]})"]
     text, torch = torch_line()
     lines.append(text)

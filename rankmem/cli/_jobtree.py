@@ -4,8 +4,8 @@ command is asked to stop (:class:`SignalWatch`), or when ranks outlive torchrun 
 Signalling torchrun's process group is not enough: torchrun starts each worker in a session of its own
 (``start_new_session``), and a worker whose torchrun died is reparented to PID 1, out of reach of a
 walk from torchrun. So the launcher remembers every process it has seen below torchrun (walked through
-``/proc/PID/task/TID/children`` while the job runs, see :func:`rankmem._procfs.descendants`), and each
-rank's own pid from its heartbeat (:mod:`rankmem._heartbeat`) once that process is shown to be one of
+``/proc/PID/task/TID/children`` while the job runs, see :func:`rankmem.probe.procfs.descendants`), and each
+rank's own pid from its heartbeat (:mod:`rankmem.forensics.heartbeat`) once that process is shown to be one of
 this job's (below torchrun, or carrying this job's ``RANKMEM_HEARTBEAT_DIR``). A process is identified by
 its pid and start time, so a pid the kernel has since given to an unrelated process is never signalled.
 """
@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from types import FrameType
 from typing import Any
 
-from rankmem import _procfs
+from rankmem.probe import procfs as _procfs
 
 POLL_S = 0.05  # while waiting for the tree to exit
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)

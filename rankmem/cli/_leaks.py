@@ -11,7 +11,7 @@ import json
 from dataclasses import asdict
 
 from rankmem.cli._common import add_leak_options, add_run_argument, check_keys, leak_config, require_steps
-from rankmem.leaks import LEAK_KEYS
+from rankmem.offline.leaks import LEAK_KEYS
 
 NO_VERDICT = 3
 EPILOG = ("exit status: 1 a leak was found, 0 none was, 3 no verdict (fewer logged steps in the window than "
@@ -30,8 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rankmem.leaks import detect_leaks, worst_first
-    from rankmem.runlog import read_run
+    from rankmem.offline import read_run
+    from rankmem.offline.leaks import detect_leaks, worst_first
 
     the_run = read_run(args.run)
     require_steps(the_run, "leaks")

@@ -34,8 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rankmem.plot import plot_run
-    from rankmem.runlog import read_run
+    from rankmem.offline import read_run
+    from rankmem.offline.plot import plot_run
 
     the_run = read_run(args.run)
     output = args.output or os.path.join(os.path.dirname(the_run.path), DEFAULT_NAME)

@@ -19,8 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rankmem.report import build_report, render
-    from rankmem.runlog import read_run
+    from rankmem.offline import read_run
+    from rankmem.offline.report import build_report, render
 
     the_run = read_run(args.run)
     if not os.path.isdir(os.path.join(os.path.dirname(the_run.path), "events")):
@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         render(report)
     if args.html:
-        from rankmem._html import write_html
+        from rankmem.offline.html import write_html
 
         write_html(report, the_run, args.html)
         if not args.json:  # stdout stays one JSON object with --json

@@ -40,16 +40,17 @@ import time
 from collections.abc import Callable
 from typing import IO
 
-from rankmem import _heartbeat, _nearoom
-from rankmem._events import EVENTS_DIR, EventWriter
 from rankmem.cli import _diagnose
 from rankmem.cli._jobtree import JobTree, Signalled, SignalWatch
 from rankmem.engine.options import add_job_arguments, job_argv, resolve_job_options
 from rankmem.errors import MissingExtraError, RankmemError
+from rankmem.forensics import heartbeat as _heartbeat
+from rankmem.forensics import nearoom as _nearoom
+from rankmem.forensics.events import EVENTS_DIR, EventWriter
 from rankmem.ray import options as ray_options
 from rankmem.runlog import RUN_LOG_NAME
-from rankmem.runlog._lock import ENV_HELD, RunDirLock
-from rankmem.runlog._writer import rotate, rotated_line
+from rankmem.runlog.lock import ENV_HELD, RunDirLock
+from rankmem.runlog.writer import rotate, rotated_line
 
 ENTRY = "rankmem.engine.train"
 GRACE_S = 10.0  # after SIGTERM (or the signal forwarded), how long the job's processes get to exit
@@ -127,7 +128,7 @@ def check_local_device(args: argparse.Namespace) -> None:
 
 
 def lock_run_dir(out: str) -> RunDirLock:
-    """Create ``--out`` and take its lock for the whole job (see :mod:`rankmem.runlog._lock`)."""
+    """Create ``--out`` and take its lock for the whole job (see :mod:`rankmem.runlog.lock`)."""
     lock = RunDirLock(out)
     try:
         lock.acquire()

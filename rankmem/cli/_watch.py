@@ -16,7 +16,7 @@ from rankmem.cli._common import add_run_argument
 from rankmem.errors import RankmemError
 
 if TYPE_CHECKING:
-    from rankmem.watch import Watcher
+    from rankmem.offline.watch import Watcher
 
 
 def _positive(text: str) -> float:
@@ -50,8 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rankmem.report import stdout_console
-    from rankmem.watch import Watcher, render_frame
+    from rankmem.offline.report import stdout_console
+    from rankmem.offline.watch import Watcher, render_frame
 
     if not os.path.exists(args.run) and args.once:
         raise RankmemError(f"no run at {args.run}: pass the --out directory of a running (or finished) job")
@@ -74,7 +74,7 @@ def _live(watcher: Watcher, args: argparse.Namespace) -> None:
     from rich.console import Console
     from rich.live import Live
 
-    from rankmem.watch import render_frame
+    from rankmem.offline.watch import render_frame
 
     console = Console(highlight=False)
     # auto_refresh=False: one redraw per poll, on this thread; nothing draws between polls.

@@ -28,14 +28,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-import rankmem
-from rankmem._catalogue import SUMMARY_KEYS, key_of, phase_of_peak, worst_stat
-from rankmem._stdout import say
+from rankmem.core.catalogue import SUMMARY_KEYS, key_of, phase_of_peak, worst_stat
 from rankmem.engine.model import GPT, GPTConfig
 from rankmem.engine.options import add_job_arguments, resolve_job_options
+from rankmem.engine.output import say
 from rankmem.engine.tasks import task_steps, vocab_size
 from rankmem.engine.worker import TrainingWorker, WorkerConfig
 from rankmem.errors import RankmemError
+from rankmem.monitor import Monitor
 
 StepCallback = Callable[[int, Mapping[str, float]], None]
 
@@ -85,7 +85,7 @@ class PeakTracker:
     """The worst value of each summary key over the run (the max, or the min where low is bad), with
     its step, rank and phase."""
 
-    def __init__(self, monitor: rankmem.Monitor) -> None:
+    def __init__(self, monitor: Monitor) -> None:
         self.monitor = monitor
         self.peaks: dict[str, Peak] = {}
 
@@ -195,7 +195,7 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     config = WorkerConfig(engine=args.engine, lr=args.lr, total_steps=args.steps,
                           micro_batch_size=args.micro_batch_size, peak_tflops=args.peak_tflops)
     run_config = {**vars(args), "params": model.num_params(), "worker": asdict(config)}
-    monitor = rankmem.Monitor(out_dir=args.out, sinks=("jsonl",), run_config=run_config)
+    monitor = Monitor(out_dir=args.out, sinks=("jsonl",), run_config=run_config)
     try:
         worker = TrainingWorker(model, config, device=device, monitor=monitor)
         torch.manual_seed(args.seed * 1000 + worker.rank + 1)  # different sampling per rank, same init

@@ -33,12 +33,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-import rankmem
-from rankmem._collective import aggregate
 from rankmem.engine.data import Batch
 from rankmem.engine.model import GPT
 from rankmem.engine.options import ENGINES
 from rankmem.errors import RankmemError
+from rankmem.exchange.aggregate import aggregate
+from rankmem.exchange.dict_gather import allgather_dict_into_dict
+from rankmem.monitor import Monitor
 
 LossFn = Callable[[torch.Tensor, Batch], torch.Tensor]
 """``loss_fn(log_probs, micro_batch) -> summed loss`` over the masked tokens (a sum, not a mean: the
@@ -176,7 +177,7 @@ class TrainingWorker:
         config: WorkerConfig,
         *,
         device: torch.device,
-        monitor: rankmem.Monitor | None = None,
+        monitor: Monitor | None = None,
     ) -> None:
         self.config = config
         self.device = device
@@ -303,7 +304,7 @@ class TrainingWorker:
         }
         if self.monitor is not None:
             return self.monitor.collect(local)
-        gathered = rankmem.allgather_dict_into_dict(local)
+        gathered = allgather_dict_into_dict(local)
         keys = list(gathered)
         # Every rank sends the same keys, so a NaN is a rank's own value (a diverged loss): it propagates.
         return aggregate(keys, np.array([gathered[k] for k in keys], dtype=np.float64).T)

@@ -9,7 +9,7 @@ import fnmatch
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rankmem._monitor import Monitor
+from rankmem.monitor import Monitor
 
 
 class StepWindow:

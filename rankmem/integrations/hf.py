@@ -30,9 +30,9 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from rankmem._monitor import Monitor
 from rankmem.errors import MissingExtraError
 from rankmem.integrations._window import StepWindow
+from rankmem.monitor import Monitor
 
 try:
     from transformers import TrainerCallback

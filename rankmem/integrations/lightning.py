@@ -18,9 +18,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from rankmem._monitor import Monitor
 from rankmem.errors import MissingExtraError, RankmemError
 from rankmem.integrations._window import StepWindow
+from rankmem.monitor import Monitor
 
 try:
     from lightning.pytorch.callbacks import Callback

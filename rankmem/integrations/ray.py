@@ -34,11 +34,11 @@ import importlib.util
 import os
 from typing import Any
 
-from rankmem import _procfs
-from rankmem._host import Every, HostProbe, make_host_probe
-from rankmem._monitor import Monitor
-from rankmem._records import HostReading
+from rankmem.core.records import HostReading
 from rankmem.errors import RankmemError
+from rankmem.monitor import Monitor
+from rankmem.probe import procfs as _procfs
+from rankmem.probe.host import Every, HostProbe, make_host_probe
 
 __all__ = ["RayAwareHostProbe", "actor_monitor", "is_ray_process", "ray_charged_bytes"]
 

@@ -31,9 +31,9 @@ instead of pickling, and falls back to a pickled gather only for values that are
 
 from __future__ import annotations
 
-from rankmem._catalogue import VERL_KEYS
-from rankmem._collective import VerlDictGather, allgather_dict_into_dict
-from rankmem._monitor import Monitor
+from rankmem.core.catalogue import VERL_KEYS
+from rankmem.exchange.dict_gather import VerlDictGather, allgather_dict_into_dict
+from rankmem.monitor import Monitor
 
 __all__ = ["VERL_NAMES", "VerlDictGather", "allgather_dict_into_dict", "metrics_for_gather", "verl_reduction"]
 

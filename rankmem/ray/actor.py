@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 
-import rankmem
 from rankmem.engine.model import GPT, GPTConfig
 from rankmem.engine.tasks import TaskSteps, task_steps, vocab_size
 from rankmem.engine.train import PeakTracker
 from rankmem.engine.worker import TrainingWorker, WorkerConfig
 from rankmem.integrations.ray import actor_monitor
+from rankmem.monitor import Monitor
 from rankmem.ray.rank import RankActor
 
 
@@ -31,7 +31,7 @@ class EngineActor(RankActor):
     """One rank of the reference job. ``job``: the job options as
     :func:`rankmem.engine.options.resolve_job_options` leaves them (``out`` absolute)."""
 
-    monitor: rankmem.Monitor
+    monitor: Monitor
     worker: TrainingWorker
     steps: TaskSteps
 

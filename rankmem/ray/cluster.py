@@ -144,9 +144,7 @@ def driver_env() -> dict[str, str]:
     """What the job's workers need from the driver's environment: this rankmem first on their path (a
     local cluster's workers then import the same code as the driver; on other nodes a missing path is
     skipped), and the driver's thread count."""
-    import rankmem
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(rankmem.__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     path = [root, *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != root]]
     return {"PYTHONPATH": os.pathsep.join(path), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
 

@@ -67,7 +67,7 @@ class RankActor:
         """Put every record this process's Monitors have queued on disk, within ``timeout_s``; False if
         that did not finish. :meth:`WorkerGroup.shutdown` calls it before it kills the actor:
         ``ray.kill`` ends the process at once, without its exit handlers."""
-        from rankmem._publish import flush_all
+        from rankmem.publish.publisher import flush_all
 
         return flush_all(timeout_s)
 

@@ -11,8 +11,9 @@ import importlib.util
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from rankmem._records import RunHeader, StepRecord
-from rankmem.errors import MissingExtraError, RankmemError, warn
+from rankmem.core.records import RunHeader, StepRecord
+from rankmem.core.warnings import warn
+from rankmem.errors import MissingExtraError, RankmemError
 
 __all__ = ["Sink", "SINK_NAMES", "check_sink_specs", "make_sink", "SafeSink"]
 

@@ -7,8 +7,8 @@ import sys
 from collections.abc import Mapping
 from typing import IO
 
-from rankmem._catalogue import HEADLINE
-from rankmem._records import RunHeader, StepRecord
+from rankmem.core.catalogue import HEADLINE
+from rankmem.core.records import RunHeader, StepRecord
 
 
 def headline(metrics: Mapping[str, float]) -> str:

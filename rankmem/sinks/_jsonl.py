@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 
 from rankmem.errors import RankmemError
-from rankmem.runlog._layout import RUN_LOG_NAME
-from rankmem.runlog._writer import RunLogWriter
+from rankmem.runlog.layout import RUN_LOG_NAME
+from rankmem.runlog.writer import RunLogWriter
 
 
 class JsonlSink(RunLogWriter):

@@ -16,7 +16,7 @@ import posixpath
 import re
 from typing import Any
 
-from rankmem._records import RunHeader, StepRecord
+from rankmem.core.records import RunHeader, StepRecord
 from rankmem.errors import RankmemError
 
 # MLflow's rules for metric names (mlflow.utils.validation): letters, digits and "_-. /:" only; at most

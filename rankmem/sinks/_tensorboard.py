@@ -11,7 +11,7 @@ import re
 import time
 from typing import Any
 
-from rankmem._records import RunHeader, StepRecord
+from rankmem.core.records import RunHeader, StepRecord
 from rankmem.errors import RankmemError
 
 # TensorBoard shows any tag, but TensorFlow's summary ops reject these characters; keep tags portable.

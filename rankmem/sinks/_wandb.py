@@ -12,8 +12,8 @@ import math
 import os
 from typing import Any
 
-from rankmem._catalogue import MEMORY_PREFIX
-from rankmem._records import RunHeader, StepRecord
+from rankmem.core.catalogue import MEMORY_PREFIX
+from rankmem.core.records import RunHeader, StepRecord
 
 _STEP_KEY = "rankmem/step"
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 import rankmem
-from rankmem._device import select_backend
-from rankmem._units import GIB, MIB
+from rankmem.core.units import GIB, MIB
+from rankmem.probe.device import select_backend
 
 
 def contexts() -> list[int]:

@@ -16,7 +16,7 @@ from typing import Any
 import torch.distributed as dist
 
 import rankmem
-from rankmem._collective import Exchange
+from rankmem.exchange.exchange import Exchange
 
 
 def main(out: str) -> None:

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from rankmem.cli import main
-from rankmem.runlog import RUN_LOG_NAME, read_run
-from rankmem.runlog._layout import DETAIL_NAME
+from rankmem.offline import read_run
+from rankmem.runlog import RUN_LOG_NAME
+from rankmem.runlog.layout import DETAIL_NAME
 from tests.conftest import REPO
 from tests.runlog_helpers import known_run
 

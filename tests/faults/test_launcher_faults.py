@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from rankmem import _heartbeat, _procfs
-from rankmem.runlog import read_run
+from rankmem.forensics import heartbeat as _heartbeat
+from rankmem.offline import read_run
+from rankmem.probe import procfs as _procfs
 from tests.conftest import REPO
 
 LAUNCH_TIMEOUT_S = 180

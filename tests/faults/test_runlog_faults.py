@@ -16,7 +16,8 @@ import pytest
 
 import rankmem
 from rankmem.cli import main
-from rankmem.runlog import RUN_LOG_NAME, Run, read_run
+from rankmem.offline import Run, read_run
+from rankmem.runlog import RUN_LOG_NAME
 
 HEADER = {"kind": "header", "schema": 1, "world_size": 2}
 

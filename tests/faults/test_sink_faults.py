@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 import rankmem
-from rankmem._records import RankInfo, RunHeader, StepRecord
-from rankmem.runlog import read_run
+from rankmem.core.records import RankInfo, RunHeader, StepRecord
+from rankmem.offline import read_run
 from rankmem.sinks import SafeSink, make_sink
 
 ENOSPC = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

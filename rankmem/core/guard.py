@@ -1,0 +1,61 @@
+"""The failure boundary: telemetry never kills training.
+
+Every place where rankmem's own measuring, writing or watching could fail runs inside a :class:`Guard`
+(in the spirit of psutil's ``wrap_exceptions``: one place decides what a foreign exception becomes).
+An exception inside becomes one ``RuntimeWarning`` per topic and a fallback value; a
+:class:`~rankmem.errors.RankmemError` (a user error every rank meets alike) and anything that is not an
+``Exception`` (KeyboardInterrupt, SystemExit) pass through untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+from rankmem.core.warnings import WarnOnce
+from rankmem.errors import RankmemError
+
+T = TypeVar("T")
+
+
+class Guard:
+    """Runs telemetry code; a failure warns once per topic and yields a fallback instead of raising."""
+
+    def __init__(self) -> None:
+        self.warn_once = WarnOnce()
+        self.failures = 0
+
+    def failed(self, topic: str, what: str, exc: BaseException) -> None:
+        self.failures += 1
+        self.warn_once(topic, f"{what}: {exc!r}", stacklevel=4)
+
+    @contextlib.contextmanager
+    def scope(self, topic: str, what: str) -> Iterator[None]:
+        """``with guard.scope("sink", "the run log failed"):`` ... an exception inside ends the block."""
+        try:
+            yield
+        except RankmemError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the one place telemetry failures are caught
+            self.failed(topic, what, exc)
+
+    def call(self, topic: str, what: str, fn: Callable[..., T], *args: Any, default: T) -> T:
+        """``fn(*args)``, or ``default`` (after one warning per topic) when it raises."""
+        try:
+            return fn(*args)
+        except RankmemError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            self.failed(topic, what, exc)
+            return default
+
+
+def attempt(fn: Callable[..., T], *args: Any, default: T, **kwargs: Any) -> T:
+    """A call into a foreign API (torch's allocator, psutil, the driver) whose failure means "not
+    available here": its value, or ``default``, without a warning (the caller decides whether the
+    missing figure deserves one). psutil's ``wrap_exceptions`` plays this part for psutil."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - any failure of a foreign probe is "unavailable"
+        return default

@@ -1,0 +1,3 @@
+"""The package version, in one place the package face and the writers both read."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,75 @@
+"""Process-group helpers: who this rank is, and the small collectives every other exchange module builds on.
+
+Each function is a collective over ``group`` where it communicates: every rank calls it, on the same steps,
+in the same order. With no initialised process group (or a world of one) none of them communicates.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+
+def dist_active(group: Any = None) -> bool:
+    """True when torch.distributed is initialised and the group has more than one rank."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return False
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    return bool(dist.get_world_size(group) > 1)
+
+
+def rank_and_world(group: Any = None) -> tuple[int, int]:
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return 0, 1
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return int(dist.get_rank(group)), int(dist.get_world_size(group))
+
+
+def global_rank() -> int:
+    """This process's rank in the world (``RANK`` before the process group exists), for per-rank files."""
+    rank, _ = rank_and_world(None)
+    if rank == 0 and not dist_active(None):
+        return int(os.environ.get("RANK", "0") or 0)
+    return rank
+
+
+def all_gather_objects(obj: Any, group: Any = None) -> list[Any]:
+    """Pickled gather: two collectives and a pickle per rank. Only for rare, one-off exchanges."""
+    if not dist_active(group):
+        return [obj]
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _check_local_device(device: str, index: int, count: int) -> str | None:
+    """A warning when a device collective would run on a device that is not ``LOCAL_RANK``'s.
+
+    NCCL ranks that gather on the same GPU fail ("Duplicate GPU") or hang: ranks that never called
+    ``set_device`` all sit on device 0. ``index`` is the device the gather uses, so the check holds
+    however that device was found. With one visible device per rank (``CUDA_VISIBLE_DEVICES``) every
+    rank is on device 0 by design, and nothing is said.
+    """
+    local = os.environ.get("LOCAL_RANK")
+    if local is None or count < 2 or not local.isdigit() or index == int(local) % count:
+        return None
+    return (
+        f"LOCAL_RANK={local} but this rank gathers on {device}:{index}, its current device: call "
+        f"torch.{device}.set_device(local_rank) before the first collect(), or the gathers may fail or hang"
+    )
+
+
+def _all_gather_single(out: Any, inp: Any, group: Any) -> None:
+    """One tensor all-gather into a flat output (``all_gather_into_tensor``, renamed in torch 2.13)."""
+    import torch.distributed as dist
+
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, inp, group=group)

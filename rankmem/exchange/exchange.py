@@ -1,0 +1,213 @@
+"""Every collective rankmem issues goes through this module.
+
+Each function is a collective over ``group``: every rank calls it, on the same steps, in the same
+order. With no initialised process group (or a world of one) none of them communicates.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+
+from rankmem.core.records import RankInfo, RunHeader
+from rankmem.core.warnings import WarnOnce
+from rankmem.errors import RankmemError
+from rankmem.exchange.aggregate import (
+    ABSENT,
+    Gathered,
+    _aggregate_names,
+    _quantile_names,
+    absent_mask,
+    aggregate,
+    union_matrix,
+)
+from rankmem.exchange.dist import all_gather_objects, rank_and_world
+from rankmem.exchange.packed import PackedGather, Schema, schema_signature
+from rankmem.exchange.reduce import PackedReduce, Reduced, matrix_quantiles
+
+
+def _env_int(name: str, default: int) -> int:
+    text = os.environ.get(name, "")
+    try:
+        return int(text) if text else default
+    except ValueError:
+        raise RankmemError(f"{name}={text!r}: expected an integer") from None
+
+
+REDUCE_ABOVE = 128
+"""Default crossover world size: above it the aggregates travel by all-reduce (bench/RESULTS.md, "Scale")."""
+DETAIL_EVERY = 100
+"""Default cadence of the per-rank detail on the all-reduce path, in collects."""
+
+
+class Exchange:
+    """The one collective of a collect: pack, gather, detect mixed keys, fall back, aggregate.
+
+    :meth:`gather_aggregate` is a collective over ``group``: every rank calls it, on the same steps.
+    With no process group (or a world of one) nothing is communicated.
+
+    Ranks that disagree on keys take one pickled gather together; from then on every rank packs the
+    agreed union of keys (:data:`ABSENT` where it lacks one), so keys that come and go per rank stay on
+    the one-tensor path and only a key never seen before costs a pickled gather. The union is capped at
+    :data:`MAX_LAYOUT` keys (beyond it, it restarts from the current step's keys), and the mixed-keys
+    warning is given for at most :data:`MAX_KEY_WARNINGS` different key sets.
+
+    Worlds larger than ``reduce_above`` ranks (default :data:`REDUCE_ABOVE`, or ``RANKMEM_REDUCE_ABOVE``)
+    take :class:`rankmem.exchange.reduce.PackedReduce` instead: three all-reduces whose size does not grow with
+    the world, and the per-rank matrix gathered to ``detail_rank`` only, every ``detail_every`` collects
+    (``RANKMEM_DETAIL_EVERY``) or when any rank passes ``detail=True``; on the other collects
+    :attr:`Gathered.matrix` is None. That path adds ``K/p50``, ``K/p90``, ``K/p99`` across ranks, exact to
+    one of ``quantile_bins`` buckets over ``[K/min, K/max]`` (0: none). Every rank must be given the same knobs (torchrun passes the same
+    environment to all).
+    """
+
+    MAX_LAYOUT = 4096
+    MAX_KEY_WARNINGS = 8
+
+    def __init__(self, group: Any = None, device_type: str | None = None, device_module: Any = None, *,
+                 reduce_above: int | None = None, detail_every: int | None = None, detail_rank: int = 0,
+                 quantile_bins: int = 32) -> None:
+        # The gather's device is resolved at the first collect, from the backend's current device.
+        self.packed = PackedGather(group, device_type, device_module=device_module)
+        self.reduce = PackedReduce(self.packed, detail_rank, quantile_bins)
+        self.reduce_above = reduce_above if reduce_above is not None else _env_int("RANKMEM_REDUCE_ABOVE", REDUCE_ABOVE)
+        self.detail_every = max(1, detail_every if detail_every is not None
+                                else _env_int("RANKMEM_DETAIL_EVERY", DETAIL_EVERY))
+        self._collects = 0
+        self._layout: tuple[str, ...] = ()
+        self._layout_set: frozenset[str] = frozenset()
+        self._warned: set[tuple[str, ...]] = set()
+        self._warn_once = WarnOnce()
+
+    def gather_aggregate(self, values: Mapping[str, float], step: int | None = None, detail: bool = False
+                         ) -> Gathered:
+        """``detail=True`` on any rank makes this collect carry the per-rank matrix on the reduce path
+        (a rank that just recorded an event); the all-gather path always carries it."""
+        if self._layout_set and self._layout_set.issuperset(values):
+            schema = self._layout
+            row = [values.get(k, ABSENT) for k in schema]
+        else:
+            schema = tuple(sorted(values))
+            row = [values[k] for k in schema]
+        step_f = math.nan if step is None else float(step)
+        packed = self.packed
+        if (packed._world or (packed._setup() and packed._world)) > self.reduce_above and packed._setup():
+            # The same collect count on every rank: every rank asks for the detail on the same collects.
+            want = detail or self._collects % self.detail_every == 0
+            self._collects += 1
+            if schema != packed._last_schema:
+                packed._last_schema, packed._last_sig = schema, schema_signature(schema)
+            array = np.asarray(row, dtype=np.float64)
+            reduced = self.reduce.reduce(packed._last_sig, array, absent_mask(array), step_f, want)
+            if reduced is not None:
+                return self._from_reduced(schema, reduced)
+            schemas, rows = self.packed.fallback(schema, row, self.reduce.need)
+            return self._from_rows(schema, schemas, rows, self.reduce.bins)
+        got = self.packed.gather_matrix(schema, row, step_f)
+        if isinstance(got, np.ndarray):  # every rank sent this layout: the steady state
+            return self._aggregate_matrix(schema, got)
+        return self._from_rows(schema, *got)
+
+    def _from_reduced(self, schema: tuple[str, ...], reduced: Reduced) -> Gathered:
+        keys: Sequence[str] = schema
+        stats, counts, matrix, quantiles = reduced.stats, reduced.counts, reduced.detail, reduced.quantiles
+        world = self.packed._world
+        mixed = bool(self._layout) and bool((counts < world).any())
+        if mixed:
+            kept = counts > 0  # keys of the agreed layout that no rank has this time
+            if not kept.all():
+                keys = [k for k, keep in zip(keys, kept.tolist(), strict=True) if keep]
+                stats, counts = stats[kept], counts[kept]
+                quantiles = None if quantiles is None else quantiles[kept]
+                matrix = None if matrix is None else matrix[:, kept]
+            mixed = bool((counts < world).any())  # every rank dropped the same keys: they agree again
+            if mixed:
+                self._warn_mixed(keys, counts < world)
+        if matrix is not None:
+            matrix[absent_mask(matrix)] = math.nan  # downstream (run log, leak watch) reads NaN as absent
+        aggregated = dict(zip(_aggregate_names(keys), stats.ravel().tolist(), strict=True))
+        if quantiles is not None:
+            aggregated.update(zip(_quantile_names(keys), quantiles.ravel().tolist(), strict=True))
+        return Gathered(keys, matrix, aggregated, mixed)
+
+    def _from_rows(self, schema: tuple[str, ...], schemas: Sequence[Schema], rows: Sequence[np.ndarray],
+                   bins: int = 0) -> Gathered:
+        """The aggregates from every rank's values; with ``bins``, the all-reduce path's quantiles too."""
+        gathered = self._aggregate_rows(schema, schemas, rows)
+        if bins and gathered.matrix is not None:
+            absent = np.isnan(gathered.matrix) if gathered.mixed else None  # absent is NaN by now
+            quantiles = matrix_quantiles(gathered.matrix, absent, bins)
+            if absent is not None:  # NaN cells of a mixed matrix may be a caller's NaN: aggregate knows
+                quantiles[np.isnan([gathered.aggregated[k + "/max"] for k in gathered.keys])] = math.nan
+            gathered.aggregated.update(zip(_quantile_names(gathered.keys), quantiles.ravel().tolist(), strict=True))
+        return gathered
+
+    def _aggregate_rows(self, schema: tuple[str, ...], schemas: Sequence[Schema], rows: Sequence[np.ndarray]
+                        ) -> Gathered:
+        if all(s == schema for s in schemas):
+            return self._aggregate_matrix(schema, np.vstack(rows) if rows else np.zeros((0, 0)))
+        keys, matrix = union_matrix(schemas, rows)
+        if len(keys) > self.MAX_LAYOUT:  # keys that never repeat: do not carry them forever
+            self._layout, self._layout_set = (), frozenset()
+        else:
+            self._layout, self._layout_set = tuple(keys), frozenset(keys)
+            # Every rank packs the whole union from now on: make room for it in the same step.
+            self.packed.capacity = max(self.packed.capacity, len(keys))
+        return self._aggregate_matrix(keys, matrix)
+
+    def _aggregate_matrix(self, keys: Sequence[str], matrix: np.ndarray) -> Gathered:
+        """The aggregates of a ranks x keys matrix; the keys of the agreed layout that some rank lacks
+        (:data:`ABSENT`) are aggregated over the ranks that have them."""
+        absent = absent_mask(matrix) if self._layout else None
+        if absent is None or not absent.any():
+            return Gathered(keys, matrix, aggregate(keys, matrix), mixed=False)
+        kept = np.asarray(~absent.all(axis=0))  # keys of the agreed layout that no rank has this time
+        if not kept.all():
+            keys = [k for k, keep in zip(keys, list(kept), strict=True) if keep]
+            matrix, absent = matrix[:, kept], absent[:, kept]
+            if not absent.any():  # every rank dropped the same keys: they agree again
+                return Gathered(keys, matrix, aggregate(keys, matrix), mixed=False)
+        self._warn_mixed(keys, np.asarray(absent.any(axis=0)))
+        matrix[absent] = math.nan  # downstream (run log, leak watch) reads NaN as absent
+        return Gathered(keys, matrix, aggregate(keys, matrix, absent=absent), mixed=True)
+
+    def _warn_mixed(self, keys: Sequence[str], some_absent: np.ndarray) -> None:
+        differing = tuple(k for k, some in zip(keys, list(some_absent), strict=True) if some)
+        if differing in self._warned or len(self._warned) > self.MAX_KEY_WARNINGS:
+            return
+        self._warned.add(differing)
+        if len(self._warned) > self.MAX_KEY_WARNINGS:
+            self._warn_once("keys-many", f"ranks keep reporting different key sets; "
+                            f"no more than {self.MAX_KEY_WARNINGS} are reported")
+            return
+        self._warn_once("keys:" + ",".join(differing),
+                        f"ranks reported different keys {list(differing)}; each is aggregated over the ranks that have it")
+
+
+def run_header(group: Any, log_rank: int, config: dict[str, Any], device: str, peak_scope: str) -> RunHeader:
+    """Who every rank is, once per run, at the first collect (pickled: two collectives, not worth a
+    packed layout). A collective; a ``log_rank`` outside the group raises on every rank alike."""
+    rank, world = rank_and_world(group)
+    if log_rank >= world:  # every rank knows the world size: all raise together
+        raise RankmemError(f"log_rank={log_rank} but the group has {world} rank(s): use 0..{world - 1}")
+    me = RankInfo(rank=rank, local_rank=int(os.environ.get("LOCAL_RANK", "0")), host=socket.gethostname(),
+                  pid=os.getpid(), device=device, peak_rss_scope=peak_scope)
+    ranks = [RankInfo(**info) for info in all_gather_objects(asdict(me), group)]
+    return RunHeader(world_size=world, ranks=ranks, config=config, started=time.time())
+
+
+
+
+
+
+
+
+
+

@@ -1,0 +1,169 @@
+"""Forensic events: what happened to a rank at the moment that matters (an OOM, a near-OOM, a kill).
+
+Each rank appends to its own ``<out_dir>/events/rank<r>.jsonl``, one JSON object per line, written
+whole by one ``os.write`` on an ``O_APPEND`` descriptor the moment it happens: the process may be
+about to die, and a line in the kernel's page cache outlives the process (no ``fsync``: only a
+machine crash loses it, and then the run is lost anyway). No collective and no device
+synchronisation happen here; the other ranks may be inside one.
+
+Every event carries ``kind`` (``oom``, ``near_oom``, ``killed``, ``stalled``), ``rank``, ``step``,
+``phase`` and ``time`` (Unix seconds). Byte figures are integer bytes under keys ending in ``_bytes``.
+This module imports neither torch nor numpy: the offline reader and the launcher use it too.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import time
+from typing import Any
+
+from rankmem.core.scalars import json_safe, to_float
+from rankmem.core.warnings import WarnOnce
+from rankmem.probe import procfs as _procfs
+
+__all__ = ["EventWriter", "encode_event", "events_path", "oom_event", "oom_where"]
+
+EVENTS_DIR = "events"
+KINDS = ("oom", "near_oom", "killed", "stalled")
+
+
+def events_path(out_dir: str, rank: int) -> str:
+    return os.path.join(out_dir, EVENTS_DIR, f"rank{rank}.jsonl")
+
+
+def _default(obj: Any) -> Any:
+    # numpy and 0-d torch scalars arrive from figures; anything else is named, not dropped.
+    number = to_float(obj)
+    return str(obj) if number is None else number
+
+
+def encode_event(event: dict[str, Any]) -> bytes:
+    """One JSON line; NaN and inf become ``null`` (JSON has no NaN)."""
+    text = json.dumps(json_safe(event), allow_nan=False, separators=(",", ":"), default=_default)
+    return text.encode("utf-8") + b"\n"
+
+
+class EventWriter:
+    """Appends this rank's events to ``<out_dir>/events/rank<rank>.jsonl``; never raises.
+
+    The file is opened on the first event (most runs have none, and then leave no file). A directory
+    that cannot be written gives one ``RuntimeWarning`` and disables the writer: training goes on.
+    """
+
+    def __init__(self, out_dir: str, rank: int) -> None:
+        self.path = events_path(out_dir, rank)
+        self.rank = rank
+        self._fd: int | None = None
+        self._disabled = False
+        self._warn_once = WarnOnce()
+
+    def write(self, event: dict[str, Any]) -> bool:
+        """Append ``event`` (``rank`` and ``time`` filled in when absent); False when it was not written."""
+        if self._disabled:
+            return False
+        try:
+            line = encode_event({"rank": self.rank, "time": time.time(), **event})
+        except Exception as exc:  # noqa: BLE001 - incl. MemoryError on the way out of a host OOM
+            self._warn_once("encode", f"cannot encode a {event.get('kind')!r} event ({exc!r}); it is skipped")
+            return False
+        try:
+            if self._fd is None:
+                os.makedirs(os.path.dirname(self.path), exist_ok=True)
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            written = os.write(self._fd, line)
+            # A regular file takes the whole line in one write; a short one (disk full) is finished so
+            # the file never holds half a line followed by the next event.
+            while written < len(line):
+                written += os.write(self._fd, line[written:])
+            return True
+        except OSError as exc:
+            self._disabled = True
+            self._warn_once("events", f"cannot write events to {self.path} ({exc}); events are disabled, "
+                                      "training goes on")
+            return False
+
+    def close(self) -> None:
+        _procfs.close_fd(self._fd)
+        self._fd = None
+
+
+
+
+
+
+
+
+# ---- OOM events from exceptions ---------------------------------------------------------------------
+# torch's allocator formats sizes as "N bytes", "N.NN KiB", "N.NN MiB", "N.NN GiB" (c10 format_size);
+# older builds and other accelerators' plugins say KB/MB/GB meaning the same powers of two.
+_UNITS = {"b": 1, "byte": 1, "bytes": 1, "kib": 1 << 10, "kb": 1 << 10, "mib": 1 << 20, "mb": 1 << 20,
+          "gib": 1 << 30, "gb": 1 << 30, "tib": 1 << 40, "tb": 1 << 40}
+_SIZE = r"(\d+(?:\.\d+)?)\s*(bytes|byte|B|KiB|KB|MiB|MB|GiB|GB|TiB|TB)\b"
+_REQUESTED = re.compile(r"Tried to allocate " + _SIZE, re.IGNORECASE)
+# "GPU 0 has a total capacity of 79.15 GiB of which 20.56 MiB is free."
+_CAPACITY = re.compile(r"total capacity of " + _SIZE + r" of which " + _SIZE + r" is free", re.IGNORECASE)
+
+
+_CPU_ALLOCATOR = "DefaultCPUAllocator: can't allocate memory"
+
+
+def _bytes(number: str, unit: str) -> int:
+    return round(float(number) * _UNITS[unit.lower()])
+
+
+def oom_where(exc: BaseException) -> str | None:
+    """``"host"`` for a host allocation that failed, ``"device"`` for an accelerator's out-of-memory
+    error, else None.
+
+    Host: ``MemoryError`` (Python, numpy); torch's CPU allocator, which raises a plain ``RuntimeError``
+    ("DefaultCPUAllocator: can't allocate memory: you tried to allocate N bytes", torch 2.13); and an
+    ``OSError`` with ``ENOMEM`` (a ``fork`` for a DataLoader worker, an ``mmap``). Device:
+    ``torch.OutOfMemoryError`` (alias ``torch.cuda.OutOfMemoryError``, also raised by XPU) is a
+    ``RuntimeError`` subclass, matched by class name so that this needs no torch import; torch_npu and
+    older builds raise a plain ``RuntimeError`` whose text says "out of memory".
+    """
+    if isinstance(exc, MemoryError):
+        return "host"
+    if isinstance(exc, OSError) and exc.errno == errno.ENOMEM:
+        return "host"
+    if isinstance(exc, RuntimeError) and _CPU_ALLOCATOR in str(exc):
+        return "host"
+    if any("OutOfMemory" in cls.__name__ for cls in type(exc).__mro__):
+        return "device"
+    if isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower():
+        return "device"
+    return None
+
+
+def oom_event(
+    exc: BaseException,
+    rank: int,
+    step: int | None,
+    phase: str | None,
+    host_figures: dict[str, Any],
+    device_figures: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """The ``oom`` event for ``exc`` leaving a window: where it happened, the error, the requested size
+    where the error text gives it, and the caller's figures at that instant (bytes). Pure: reads
+    nothing but its arguments, so it is safe on the failure path."""
+    text = str(exc)
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    event: dict[str, Any] = {
+        "kind": "oom", "rank": rank, "step": step, "phase": phase, "time": time.time(),
+        "where": oom_where(exc) or "unknown",
+        "error": f"{type(exc).__name__}: {first}" if first else type(exc).__name__,
+        "requested_bytes": None,
+    }
+    match = _REQUESTED.search(text)
+    if match:
+        event["requested_bytes"] = _bytes(*match.groups())
+    match = _CAPACITY.search(text)
+    if match:
+        event["error_total_bytes"] = _bytes(match[1], match[2])
+        event["error_free_bytes"] = _bytes(match[3], match[4])
+    event["host"] = dict(host_figures)
+    event["device"] = dict(device_figures) if device_figures is not None else None
+    return event

@@ -1,0 +1,172 @@
+"""Forensics on every rank: the moment a rank runs out of memory, and the trail it leaves before.
+
+- a heartbeat at every window edge (``rankmem train`` reads it after the kernel has killed the rank);
+- an ``oom`` event when ``torch.OutOfMemoryError`` (or an accelerator's equivalent) or ``MemoryError``
+  leaves a step or phase window, with the figures at that instant; on CUDA, the allocator's
+  out-of-memory observer adds the requested size and free memory as the allocator saw them, and with
+  ``oom_history`` on, a snapshot file of the allocation history next to the event;
+- the node's near-OOM watch (one per node: the lowest local rank), which writes ``near_oom`` events.
+
+No collective and no device synchronisation on these paths: the other ranks may be inside one, and a
+rank that runs out of memory must not wait for them. The user's exception always goes on unchanged
+(the windows re-raise it); nothing here may raise (the Monitor's guard holds every call).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from collections.abc import Callable
+from typing import Any
+
+from rankmem.core.guard import attempt
+from rankmem.core.records import WindowBytes
+from rankmem.forensics.events import EventWriter, oom_event, oom_where
+from rankmem.forensics.heartbeat import Heartbeat, heartbeat_dir
+from rankmem.forensics.nearoom import NearOomWatch
+from rankmem.probe.device import DeviceBackend
+from rankmem.probe.host import HostProbe
+from rankmem.windows import Where
+
+_RECORDED = "_rankmem_recorded"
+"""Set on an exception once its ``oom`` event is written: it leaves several windows on its way out."""
+
+
+def _recorded(exc: BaseException) -> bool:
+    return getattr(exc, _RECORDED, False) is True
+
+
+class Forensics:
+    """The Monitor's :class:`~rankmem.windows.WindowListener`: heartbeats, OOM events, near-OOM watch."""
+
+    def __init__(self, out_dir: str | None, rank: int, host: HostProbe, device: DeviceBackend | None, *,
+                 oom_history: int = 0, near_oom_watch: bool = True,
+                 flush: Callable[[], object] | None = None) -> None:
+        self.rank = rank
+        self._host = host
+        self._device = device
+        self._events = EventWriter(out_dir, rank) if out_dir is not None else None
+        beats = heartbeat_dir(out_dir)
+        self._heartbeat = Heartbeat(beats, rank) if beats is not None else None
+        self._history = max(int(oom_history), 0)
+        self._hooked = device is None  # the observer and history wait for the backend's initialisation
+        self._tag: tuple[int | None, str | None] | None = None
+        self._where = Where(None, None)
+        self._observed: dict[str, Any] | None = None  # what the allocator's observer saw, not yet written
+        self._last_failure_id: int | None = None  # only where the exception takes no attribute
+        self._snapshots = 0
+        self._flush = flush
+        self._watch: NearOomWatch | None = None
+        local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
+        if near_oom_watch and self._events is not None and local_rank == 0:
+            self._watch = NearOomWatch(self._near_oom, rank=rank, heartbeat_dir=beats).start()
+
+    # ---- WindowListener ----------------------------------------------------------------------------
+    def edge(self, where: Where, rss: int | None, failing: bool = False) -> None:
+        self._where = where
+        if self._heartbeat is not None:
+            self._heartbeat.beat(where.step, where.phase, rss)
+        if not self._hooked:
+            self._hook_device()
+        if self._history and self._device is not None and (where.step, where.phase) != self._tag:
+            self._tag = (where.step, where.phase)
+            self._device.tag_history(f"step {where.step} / {where.phase or '-'}")
+        if self._observed is not None and not failing:
+            # The allocator failed and the caller caught the error inside the window: still an event.
+            observed, self._observed = self._observed, None
+            self._write_oom(observed, None)
+
+    def failed(self, exc: BaseException, where: Where, window: WindowBytes) -> None:
+        if _recorded(exc) or id(exc) == self._last_failure_id or oom_where(exc) is None:
+            return  # not an OOM, or already recorded by the window it left first (the innermost)
+        # Marked, not kept: its traceback holds the failing frames (activations, the autograd graph),
+        # which a caller that catches the OOM and retries smaller (auto_find_batch_size) needs freed.
+        try:
+            setattr(exc, _RECORDED, True)
+        except (AttributeError, TypeError):
+            self._last_failure_id = id(exc)
+        host = self._host_figures(window)
+        device = self._device_figures() if oom_where(exc) == "device" else None
+        event = oom_event(exc, self.rank, where.step, where.phase, host, device)
+        observed, self._observed = self._observed, None
+        self._write_oom(event, observed)
+
+    # ---- OOM ---------------------------------------------------------------------------------------
+    def record(self, exc: BaseException, where: Where) -> None:
+        """An OOM the caller caught outside any window (a framework's exception hook)."""
+        self.failed(exc, where, WindowBytes())
+
+    def _hook_device(self) -> None:
+        device = self._device
+        if device is None or not device.initialised():
+            return
+        # After CUDA is initialised, never before: observers attached earlier crash (pytorch#107330).
+        self._hooked = True
+        device.attach_oom_observer(self._observer)
+        if self._history:
+            device.record_history(self._history)
+
+    def _observer(self, device: int, alloc: int, device_total: int, device_free: int) -> None:
+        # Called by the allocator inside the failing allocation, before it raises: keep, do not write
+        # yet (the exception leaving the window adds the window's figures to the same event).
+        where = self._where
+        self._observed = {
+            "kind": "oom", "rank": self.rank, "step": where.step, "phase": where.phase, "where": "device",
+            "observer": {"device": device, "alloc_bytes": alloc, "device_total_bytes": device_total,
+                         "device_free_bytes": device_free},
+        }
+
+    def _write_oom(self, event: dict[str, Any], observed: dict[str, Any] | None) -> None:
+        if observed is not None:
+            event.setdefault("observer", observed.get("observer"))
+            if event.get("requested_bytes") is None:
+                event["requested_bytes"] = observed["observer"]["alloc_bytes"]
+        if self._history and self._device is not None and self._events is not None:
+            event["snapshot"] = attempt(self._write_snapshot, default=None)  # the event matters more
+        if self._events is not None:
+            self._events.write(event)
+
+    def _write_snapshot(self) -> str | None:
+        snapshot = self._device.snapshot() if self._device is not None else None
+        if snapshot is None or self._events is None:
+            return None
+        self._snapshots += 1
+        directory = os.path.dirname(self._events.path)
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, f"rank{self.rank}-oom{self._snapshots}.pickle")
+        with open(path, "wb") as f:  # torch's _dump_snapshot format: pytorch.org/memory_viz reads it
+            pickle.dump(snapshot, f)
+        return path
+
+    def _host_figures(self, window: WindowBytes) -> dict[str, Any]:
+        now = self._host.read()
+        # The OOM killer weighs the working set (usage minus reclaimable file cache), not raw usage.
+        charged = now.cgroup_working_set if now.cgroup_working_set is not None else now.cgroup_used
+        cgroup_headroom = None if now.cgroup_limit is None or charged is None else now.cgroup_limit - charged
+        return {"rss_bytes": now.rss if now.rss is not None else window.rss, "window_peak_rss_bytes": window.peak_rss,
+                "node_available_bytes": now.node_available, "cgroup_limit_bytes": now.cgroup_limit,
+                "cgroup_headroom_bytes": cgroup_headroom}
+
+    def _device_figures(self) -> dict[str, Any] | None:
+        if self._device is None:
+            return None
+        # memory_stats and cudaMemGetInfo do not synchronise the device; the snapshot of segments
+        # is host-side allocator state.
+        d = self._device.read()
+        return {"allocated_bytes": d.allocated, "reserved_bytes": d.reserved, "inactive_split_bytes": d.inactive_split,
+                "free_bytes": d.free, "total_bytes": d.total, "top_segments": self._device.segments(top=5)}
+
+    # ---- near-OOM ----------------------------------------------------------------------------------
+    def _near_oom(self, info: dict[str, Any]) -> None:
+        if self._events is not None:
+            self._events.write(info)
+        if self._flush is not None:
+            self._flush()  # the sinks' pending records reach disk before the OOM killer may strike
+
+    def close(self, clean: bool = True) -> None:
+        if self._watch is not None:
+            self._watch.stop()
+        if self._heartbeat is not None:
+            self._heartbeat.close(clean)
+        if self._events is not None:
+            self._events.close()

@@ -1,0 +1,313 @@
+"""Reading the run log's columnar side file (:mod:`rankmem.runlog.columnar`) into arrays. Offline code.
+
+The file is memory-mapped and read batch by batch until its end, or until a batch that is not whole
+(a crash mid-write: flagged, never misread). The per-rank values are never parsed: each batch's
+``ranks`` column is a view of the mapped file, scattered into one ``keys x collects x ranks`` array
+per run, so the reader's heap holds the result and little else (see :func:`read_detail`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from rankmem.errors import RankmemError
+from rankmem.runlog.layout import DETAIL_AGGREGATES, LOG_OFFSET, WORLD_KEY
+
+_SCATTER_ROWS = 1 << 16
+"""Rows of ranks gathered from the mapped batches before each scatter: bounds the copy (64k rows x 8
+bytes x world) while keeping the numpy calls few when batches are small (one collect each)."""
+
+
+@dataclass
+class Detail:
+    """The side file's collects: one entry per collect, in file order, and the per-rank cube."""
+
+    steps: np.ndarray
+    times: np.ndarray
+    has_detail: np.ndarray
+    """Per collect: whether it carried per-rank values."""
+    keys: list[str]
+    cube: np.ndarray
+    """keys x (collects with detail) x ranks, float64, NaN where absent."""
+    log_offset: int
+    """The run log's size after the line of the last collect read here: its lines after it are not here."""
+    truncated: bool = False
+    """True when the file ends inside a batch (the last whole batch was read)."""
+    error: str | None = None
+    """Why reading stopped early other than a cut-off end (a damaged batch), for the report."""
+    _rows: dict[str, np.ndarray] = field(default_factory=dict)
+    """Per-row ``collect`` position and ``key`` index, for :meth:`aggregates`."""
+    _table: Any = None
+    """The mapped batches, whose aggregate columns :meth:`aggregates` reads when asked (a run whose every
+    collect has per-rank values never needs them: they are a function of those)."""
+
+    def series(self) -> dict[str, np.ndarray]:
+        return {k: self.cube[i] for i, k in enumerate(self.keys)}
+
+    def aggregates(self) -> dict[str, np.ndarray]:
+        """``K/max``, ``K/min``, ... of every collect (NaN where a collect lacks ``K``; -1 ranks where
+        it has ``K`` but no rank a value)."""
+        n, keys = self.steps.size, self.keys
+        if self._table is None:
+            return {}
+        where, key_of = self._rows["collect"], self._rows["key"]
+        out: dict[str, np.ndarray] = {}
+        for name in DETAIL_AGGREGATES:
+            grid = np.full((len(keys), n), np.nan)
+            grid[key_of, where] = self._table.column(name).to_numpy()
+            if not name.endswith("_rank") and not np.isfinite(grid).any():
+                continue  # the quantiles of an all-gather run: none were written
+            for i, key in enumerate(keys):
+                out[f"{key}/{name}"] = grid[i]
+        return out
+
+
+def read_detail(path: str, world: int) -> Detail:
+    """Read the side file at ``path`` written for ``world`` ranks.
+
+    Memory: the mapped file is paged in by the kernel, not copied; the heap holds the result (8 bytes x
+    keys x collects-with-detail x ranks), index arrays of one entry per row, and at most
+    :data:`_SCATTER_ROWS` rows of per-rank values in flight. RankmemError when the file is not a side
+    file of this run (no Arrow schema, another world size) or pyarrow is missing.
+    """
+    try:
+        import pyarrow as pa
+    except ImportError:
+        raise RankmemError(f"{path} holds the run's per-rank values in Arrow format: pip install pyarrow "
+                           "(or pip install rankmem, which depends on it) to read it") from None
+    batches: list[Any] = []
+    offsets: list[int] = []
+    truncated, error = False, None
+    # Not closed here: the batches are views of the mapping, which lives as long as they do.
+    source = pa.memory_map(path)
+    try:
+        reader = pa.ipc.open_stream(source)
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise RankmemError(f"{path} is not a rankmem per-rank file ({exc}); move it aside to read the run "
+                           "log's aggregates alone") from None
+    _check_schema(reader.schema, world, path)
+    while True:
+        try:
+            batch, meta = reader.read_next_batch_with_custom_metadata()
+        except StopIteration:
+            break
+        except (pa.ArrowInvalid, OSError) as exc:
+            # Cut off inside a batch (a crash) reads as invalid too: the end of the file decides.
+            truncated = source.tell() >= source.size()
+            error = None if truncated else str(exc)
+            break
+        if not _whole(batch, world):
+            error = f"batch {len(batches) + 1} holds per-rank lists that are not {world} long"
+            break
+        batches.append(batch)
+        offsets.append(_offset(meta))
+    return _assemble(batches, world, offsets[-1] if offsets else 0, truncated, error)
+
+
+def empty_detail(world: int, log_offset: int = 0, truncated: bool = False, error: str | None = None) -> Detail:
+    """No collects: a side file with no whole batch yet, or none at all."""
+    empty = np.empty(0)
+    return Detail(empty.astype(np.int64), empty, empty.astype(bool), [], np.empty((0, 0, world)), log_offset,
+                  truncated, error)
+
+
+def _check_schema(schema: Any, world: int, path: str) -> None:
+    missing = [c for c in ("collect", "step", "time", "key", "ranks") if c not in schema.names]
+    got = (schema.metadata or {}).get(WORLD_KEY, b"?").decode(errors="replace")
+    if missing or got != str(world):
+        raise RankmemError(f"{path} does not match its run log (columns missing: {missing or 'none'}; written "
+                           f"for a world of {got}, the log's is {world}): is it from another run?")
+
+
+def _whole(batch: Any, world: int) -> bool:
+    """Every per-rank list of the batch holds exactly ``world`` values (what the writer writes)."""
+    ranks = batch.column(batch.schema.get_field_index("ranks"))
+    lengths = ranks.value_lengths().to_numpy(zero_copy_only=False)
+    valid = ranks.is_valid().to_numpy(zero_copy_only=False)
+    return bool((lengths[valid] == world).all())
+
+
+def _offset(meta: Any) -> int:
+    try:
+        return int(meta[LOG_OFFSET]) if meta is not None and LOG_OFFSET in meta else 0
+    except ValueError:
+        return 0
+
+
+def _assemble(batches: list[Any], world: int, log_offset: int, truncated: bool, error: str | None) -> Detail:
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if not batches:
+        return empty_detail(world, log_offset, truncated, error)
+    table = pa.Table.from_batches(batches)
+    regular = _regular(batches, world)
+    if regular is not None:  # the common case: every collect has per-rank values of the same keys
+        keys, sizes, cube = regular
+        steps = np.concatenate([b.column(1).to_numpy()[:m] for b, m in zip(batches, sizes, strict=True)])
+        times = np.concatenate([b.column(2).to_numpy()[:m] for b, m in zip(batches, sizes, strict=True)])
+        return Detail(steps, times, np.ones(steps.size, dtype=bool), keys, cube, log_offset, truncated, error,
+                      _regular_rows(sizes, len(keys)), table)
+    collect = table.column("collect").to_numpy()
+    # Collect numbers rise through the file: sorted, they are the collects in file order.
+    _, first, position = np.unique(collect, return_index=True, return_inverse=True)
+    key_column = table.column("key")
+    keys = sorted(pc.unique(key_column).to_pylist())
+    key_of = pc.index_in(key_column, value_set=pa.array(keys, pa.string())).to_numpy()
+    valid = table.column("ranks").is_valid().to_numpy(zero_copy_only=False)
+    has_detail = np.zeros(first.size, dtype=bool)
+    has_detail[position[valid]] = True
+    detail_at = np.cumsum(has_detail) - 1  # a collect's row in the cube
+    cube_row = detail_at[position]
+    # Not np.full: every (key, collect) a row fills is written once, so only the rest needs its NaN.
+    cube = np.empty((len(keys), int(has_detail.sum()), world))
+    covered = np.zeros(cube.shape[:2], dtype=bool)
+    covered[key_of[valid], cube_row[valid]] = True
+    cube[~covered] = np.nan
+    _scatter(table.column("ranks"), valid, key_of, cube_row, cube, world)
+    return Detail(table.column("step").to_numpy()[first], table.column("time").to_numpy()[first], has_detail,
+                  keys, cube, log_offset, truncated, error, {"collect": position, "key": key_of}, table)
+
+
+def _regular(batches: list[Any], world: int) -> tuple[list[str], list[int], np.ndarray] | None:
+    """(keys, collects per batch, keys x collects x ranks) when every collect holds per-rank values of the
+    same keys: each batch is then ``keys`` blocks of its collects, in the writer's order, and each block
+    is copied whole into its key's rows. None otherwise (the general path places row by row)."""
+    import pyarrow as pa
+
+    keys = sorted(set(batches[0].column(3).to_pylist()))
+    k, sizes, last = len(keys), [], -1
+    expected: dict[int, Any] = {}
+    for batch in batches:
+        m, rest = divmod(batch.num_rows, k)
+        ranks = batch.column(len(batch.schema) - 1)
+        if rest or m == 0 or ranks.null_count:
+            return None
+        if m not in expected:
+            expected[m] = pa.array([key for key in keys for _ in range(m)], pa.string())
+        collect = batch.column(0).to_numpy().reshape(k, m)
+        if not batch.column(3).equals(expected[m]) or not (collect == collect[0]).all() \
+                or collect[0, 0] <= last or (m > 1 and not (collect[0, 1:] > collect[0, :-1]).all()):
+            return None
+        last = int(collect[0, -1])
+        sizes.append(m)
+    cube = np.empty((k, sum(sizes), world))
+    at = 0
+    for batch, m in zip(batches, sizes, strict=True):
+        ranks = batch.column(len(batch.schema) - 1)
+        cube[:, at : at + m] = ranks.flatten().to_numpy(zero_copy_only=False).reshape(k, m, world)
+        at += m
+    return keys, sizes, cube
+
+
+def _regular_rows(sizes: list[int], k: int) -> dict[str, np.ndarray]:
+    """Each row's collect position and key index in the regular layout (key blocks within a batch)."""
+    collect, key, at = [], [], 0
+    for m in sizes:
+        collect.append(np.tile(np.arange(at, at + m), k))
+        key.append(np.repeat(np.arange(k), m))
+        at += m
+    return {"collect": np.concatenate(collect), "key": np.concatenate(key)}
+
+
+def _scatter(ranks: Any, valid: np.ndarray, key_of: np.ndarray, cube_row: np.ndarray, cube: np.ndarray,
+             world: int) -> None:
+    """Each valid row's per-rank values into ``cube[key, row]``, from views of the mapped file, a few
+    batches at a time (a null list holds no values: past the crossover most rows have none)."""
+    at, count = 0, 0
+    values: list[np.ndarray] = []
+    rows: list[np.ndarray] = []
+    # One index into (key, collect) pairs: numpy copies a row per index, ~4x faster than two index arrays.
+    target, slot = cube.reshape(-1, world), key_of * cube.shape[1] + cube_row
+
+    def scatter() -> None:
+        nonlocal values, rows, count
+        if values:
+            target[slot[np.concatenate(rows)]] = np.concatenate(values) if len(values) > 1 else values[0]
+        values, rows, count = [], [], 0
+
+    for chunk in ranks.chunks:
+        n = len(chunk)
+        got = chunk.flatten().to_numpy(zero_copy_only=False).reshape(-1, world)
+        if got.shape[0]:
+            values.append(got)
+            rows.append(at + np.flatnonzero(valid[at : at + n]))
+            count += got.shape[0]
+        at += n
+        if count >= _SCATTER_ROWS:
+            scatter()
+    scatter()
+
+
+class DetailFollower:
+    """Follows a side file that is still being written: :meth:`poll` returns the newest collect's step and
+    per-rank values, reading only the bytes added since the last call (whole batches; a batch still
+    being written is left for the next call). ``rankmem watch`` draws its per-rank rows from it."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.latest: tuple[int, dict[str, list[float | None]]] | None = None
+        self._offset = 0
+        self._schema: Any = None
+        self._identity: tuple[int, int] | None = None
+
+    def poll(self) -> tuple[int, dict[str, list[float | None]]] | None:
+        try:
+            import pyarrow as pa
+
+            st = os.stat(self.path)
+        except (ImportError, OSError):
+            return self.latest
+        identity = (st.st_dev, st.st_ino)
+        if identity != self._identity or st.st_size < self._offset:  # a new run moved the old file aside
+            self._identity, self._offset, self._schema, self.latest = identity, 0, None, None
+        if st.st_size == self._offset:
+            return self.latest
+        try:
+            # Mapped, not read: the batches are decoded in place, so a first poll of a long run's file
+            # (gigabytes at scale) holds one batch's values, not the file.
+            source = pa.memory_map(self.path)
+        except (pa.ArrowInvalid, OSError):
+            return self.latest
+        with source:
+            source.seek(self._offset)
+            batch, consumed = None, self._offset
+            while True:
+                try:
+                    message = pa.ipc.read_message(source)
+                    if self._schema is None:
+                        self._schema = pa.ipc.read_schema(message)
+                    else:
+                        read = pa.ipc.read_record_batch(message, self._schema)
+                        if read.column(read.schema.get_field_index("ranks")).null_count < read.num_rows:
+                            batch = read  # past the crossover most collects carry none: keep the last that does
+                except (pa.ArrowInvalid, OSError, EOFError, StopIteration, TypeError):
+                    break  # the end, a batch still being written, or the end-of-stream marker
+                consumed = source.tell()
+            self._offset = consumed
+            found = _last_collect(batch) if batch is not None else None
+        if found is not None:
+            self.latest = found
+        return self.latest
+
+
+def _last_collect(batch: Any) -> tuple[int, dict[str, list[float | None]]] | None:
+    """(step, per-rank values by key) of the batch's last collect with per-rank values."""
+    collect = batch.column(batch.schema.get_field_index("collect")).to_numpy()
+    valid = batch.column(batch.schema.get_field_index("ranks")).is_valid().to_numpy(zero_copy_only=False)
+    if not valid.any():
+        return None
+    last = collect[np.flatnonzero(valid)[-1]]
+    rows = np.flatnonzero((collect == last) & valid)
+    keys = batch.column(batch.schema.get_field_index("key")).to_pylist()
+    ranks = batch.column(batch.schema.get_field_index("ranks"))
+    step = int(batch.column(batch.schema.get_field_index("step"))[int(rows[0])].as_py())
+    out: dict[str, list[float | None]] = {}
+    for row in rows.tolist():
+        values = ranks[row].values.to_numpy(zero_copy_only=False)
+        out[keys[row]] = [None if not np.isfinite(v) else float(v) for v in values]
+    return step, out

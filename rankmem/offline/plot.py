@@ -1,0 +1,217 @@
+"""``rankmem plot``: one panel per key, one line per rank against step, drawn with matplotlib (Agg).
+
+- **Which phase**: where a phase's own peak (``mem/phase/P/peak_*``) is the step's peak on a rank,
+  a marker sits on that rank's line, in the rank's colour, one shape per phase; on each rank's
+  :data:`MARKS_PER_RANK` highest steps only, so a run of 400+ steps shows which phase made its
+  spikes instead of a carpet of markers.
+- **How close to OOM**: the capacity that bounds the key (:mod:`rankmem.offline.capacity`: device total,
+  node total, cgroup limit) is a dashed line. Within :data:`NEAR` times the data the panel runs from
+  0 to just above it; further away it would flatten the data into the floor, so it stays off the
+  panel and its legend entry says so.
+- **No staircases**: the y range spans at least :data:`MIN_SPAN_GIB` (12 MiB of drift is a ripple,
+  not a cliff), and a panel widened so says the data's actual range in MiB.
+- The worst rank (highest peak; lowest for headroom) is drawn thicker and named in the legend;
+  events are red vertical lines at their step.
+
+matplotlib is imported only here: ``pip install 'rankmem[plot]'``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import math
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from rankmem.core.catalogue import PHASE_PREFIX, PHASE_SUFFIX, PLOT_KEYS, phase_key, worse
+from rankmem.errors import MissingExtraError, RankmemError
+from rankmem.offline import Run
+from rankmem.offline.capacity import Capacity, capacities, for_key
+from rankmem.offline.events import read_events
+
+_MARKERS = "o^sDv<>Px*"
+_DPI = 100
+NEAR = 3.0
+"""A capacity up to this many times the panel's highest value is drawn on the panel (from 0)."""
+MARKS_PER_RANK = 40
+"""Phase markers per rank at most: on its highest steps, where which phase set the peak matters."""
+MIN_SPAN_GIB = 0.25
+"""The smallest y range of a GiB panel: drift of a few MiB must not fill the panel's height."""
+
+
+def default_keys(run: Run) -> list[str]:
+    return [k for k in PLOT_KEYS if k in run.series]
+
+
+def _label(key: str) -> str:
+    return f"{key} (GiB)" if key.endswith("_gib") else key
+
+
+def plot_run(run: Run, output: str, keys: Sequence[str] | None = None, size: tuple[int, int] | None = None) -> list[str]:
+    """Write a PNG of ``keys`` (default: the catalogue's ``PLOT_KEYS`` present in the run); returns the keys drawn."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise MissingExtraError("rankmem plot", "plot", "matplotlib")
+    if run.steps.size == 0:  # first: a log without steps has no keys either, and no key is the wrong hint
+        raise RankmemError(
+            f"{run.path} has no logged steps to plot: the run stopped, or its jsonl sink failed, before its first "
+            "collect() was written; see the job's output for why, and plot a run log that has steps"
+        )
+    chosen = list(keys) if keys else default_keys(run)
+    missing = [k for k in chosen if k not in run.series]
+    if missing or not chosen:
+        available = ", ".join(k for k in sorted(run.series) if not k.startswith(PHASE_PREFIX))
+        raise RankmemError(f"no such key(s) in the run log: {', '.join(missing) or '(none chosen)'}; choose from: {available}")
+    fig = draw_run(run, chosen, size)
+    import matplotlib.pyplot as plt
+
+    try:
+        # No bbox_inches="tight": the PNG must be exactly the size asked for.
+        fig.savefig(output, dpi=_DPI, format="png")
+    finally:
+        plt.close(fig)
+    return chosen
+
+
+_NAMED_RANKS = 16
+"""Ranks named in a panel's legend; past it, only the worst."""
+
+
+def draw_run(run: Run, chosen: Sequence[str], size: tuple[int, int] | None = None) -> Any:
+    """The matplotlib figure of :func:`plot_run` (the caller closes it)."""
+    width, height = size or (1200, 360 * len(chosen))
+
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed; must precede pyplot's first import
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    fig, axes = plt.subplots(len(chosen), 1, figsize=(width / _DPI, height / _DPI), dpi=_DPI, sharex=True, squeeze=False)
+    phases = run.phases()
+    events = [e for e in read_events(run.path).events if isinstance(e.get("step"), int)]
+    caps = capacities(run)
+    for ax, key in zip(axes[:, 0], chosen, strict=True):
+        _draw_key(ax, run, key, phases, events, for_key(caps, key), plt)
+    axes[-1, 0].set_xlabel("step")
+    axes[-1, 0].xaxis.set_major_locator(MaxNLocator(integer=True))
+    fig.tight_layout()
+    return fig
+
+
+def _draw_key(ax: Any, run: Run, key: str, phases: Sequence[str], events: Sequence[dict[str, Any]],
+              caps: Sequence[Capacity], plt: Any) -> None:
+    """One panel: a line per rank (the worst thick), the phase that set each step's peak, capacity
+    lines, events as red lines, and a y range that shows drift at its size."""
+    steps = run.steps
+    matrix = run.series[key]
+    world = matrix.shape[1]
+    low = worse(key) == "low"
+    with np.errstate(invalid="ignore"), _quiet():
+        worst_per_rank = np.nanmin(matrix, axis=0) if low else np.nanmax(matrix, axis=0)
+    finite = np.isfinite(worst_per_rank)
+    worst = int(np.nanargmin(worst_per_rank) if low else np.nanargmax(worst_per_rank)) if finite.any() else -1
+    cmap = plt.get_cmap("tab10" if world <= 10 else "viridis")
+    colors = [cmap(rank % 10 if world <= 10 else rank / max(world - 1, 1)) for rank in range(world)]
+    for rank in range(world):
+        # Past a legend's worth of ranks only the worst is named: 1,024 entries would bury the panel.
+        named = world <= _NAMED_RANKS or rank == worst
+        label = f"rank {rank}" + (" (worst)" if rank == worst else "") if named else None
+        ax.plot(steps, matrix[:, rank], color=colors[rank], label=label, linewidth=2.2 if rank == worst else 1.0)
+    _draw_every_step(ax, run, key, low)
+    _draw_phase_peaks(ax, run, key, phases, colors)
+    for n, e in enumerate(events):
+        # A vertical line at each event's step, labelled once per kind and rank in the legend.
+        ax.axvline(e["step"], color="red", linestyle="--", linewidth=1.0, alpha=0.8,
+                   label=f"{e.get('kind')} rank {e.get('rank')}" if n < 8 else None)
+    unit = " GiB" if key.endswith("_gib") else ""
+    _draw_capacity_and_range(ax, steps, matrix, caps, key.endswith("_gib"))
+    if worst >= 0:
+        ax.set_title(f"{key}: worst rank {worst}, {'min' if low else 'peak'} {worst_per_rank[worst]:.3f}{unit}")
+    ax.set_ylabel(_label(key))
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="best", fontsize="small", ncol=2 if world > 4 else 1)
+
+
+def _draw_every_step(ax: Any, run: Run, key: str, low: bool) -> None:
+    """Where only some steps carry per-rank values (past the all-reduce crossover), the worst over ranks
+    of every logged step, from its aggregates: the per-rank lines alone would miss the steps between."""
+    if run.logged is None:
+        return
+    stat = "min" if low else "max"
+    values = run.logged.metrics.get(f"{key}/{stat}")
+    if values is not None and np.isfinite(values).any():
+        ax.plot(run.logged.steps, values, color="black", linewidth=0.8, linestyle=":", zorder=1,
+                label=f"{stat} over ranks, every step")
+
+
+def _draw_phase_peaks(ax: Any, run: Run, key: str, phases: Sequence[str], colors: Sequence[Any]) -> None:
+    """A marker where a phase's own peak is the rank's step peak, on that rank's highest
+    :data:`MARKS_PER_RANK` steps: which phase set the spikes, per rank, without burying a long run."""
+    suffix = PHASE_SUFFIX.get(key)
+    if suffix is None:
+        return
+    steps, matrix = run.steps, run.series[key]
+    top = np.zeros(matrix.shape, dtype=bool)
+    for rank in range(matrix.shape[1]):
+        values = np.where(np.isfinite(matrix[:, rank]), matrix[:, rank], -np.inf)
+        top[np.argsort(-values, kind="stable")[:MARKS_PER_RANK], rank] = True
+    top &= np.isfinite(matrix)
+    for i, p in enumerate(phases):
+        col = run.series.get(phase_key(p, suffix))
+        if col is None:
+            continue
+        marker = _MARKERS[i % len(_MARKERS)]
+        with np.errstate(invalid="ignore"):
+            # The step peak is the max of its phases' peaks and the gaps: bit-equal where the phase set it.
+            set_peak = top & np.isfinite(col) & np.isclose(col, matrix, rtol=1e-9, atol=1e-12)
+        for rank in range(matrix.shape[1]):
+            hit = set_peak[:, rank]
+            if hit.any():
+                # A dark edge: a marker in the rank's colour would vanish on the rank's own line.
+                ax.scatter(steps[hit], matrix[hit, rank], marker=marker, s=22, color=colors[rank],
+                           edgecolors="black", linewidths=0.5, zorder=3)
+        # One legend entry per phase, in grey: the colour belongs to the rank.
+        ax.scatter([], [], marker=marker, s=22, color="dimgray", label=f"phase {p} set the step peak")
+
+
+def _draw_capacity_and_range(ax: Any, steps: np.ndarray, matrix: np.ndarray, caps: Sequence[Capacity],
+                             gib: bool) -> None:
+    if not np.isfinite(matrix).any():
+        return
+    lo, hi = float(np.nanmin(matrix)), float(np.nanmax(matrix))
+    top_cap = None
+    for cap in caps:
+        near = cap.value <= NEAR * max(hi, 1e-9)
+        label = f"{cap.label} {cap.value:.3f} GiB" + ("" if near else f" (off the panel: peak is {hi / cap.value:.1%})")
+        ax.plot(steps, cap.per_step, color="black", linestyle=(0, (6, 3)), linewidth=1.3, label=label, zorder=2)
+        if near:
+            top_cap = max(top_cap or 0.0, float(np.nanmax(cap.per_step)))
+    if top_cap is not None:  # from 0 to just above the capacity: the gap is the room left
+        ax.set_ylim(0, top_cap * 1.05)
+        return
+    floor = MIN_SPAN_GIB if gib else 0.0
+    span = max(hi - lo, floor)
+    mid = (hi + lo) / 2
+    bottom = mid - span / 2
+    if gib and bottom < 0 <= lo:  # memory is never negative: keep the floor's span above 0
+        bottom = 0.0
+    low, high = bottom - 0.05 * span, bottom + span * 1.05
+    if not (math.isfinite(low) and math.isfinite(high)):  # values near float64's limit: matplotlib's choice
+        return
+    ax.set_ylim(low, high)
+    if gib and hi - lo < floor:  # the panel is wider than the data: say how wide the data is
+        ax.text(0.01, 0.97, f"data range {lo:.3f}..{hi:.3f} GiB ({(hi - lo) * 1024:.1f} MiB)",
+                transform=ax.transAxes, fontsize="small", va="top", ha="left", color="dimgray",
+                bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "none"})
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Silence numpy's all-NaN-slice warnings: a rank or a step without a value is normal here."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        yield

@@ -1,0 +1,477 @@
+"""``rankmem report``: what a run log says about each memory key, worst rank first.
+
+The lines a user needs first come first: the forensic events (an OOM, a kill), then the leak verdicts
+of :mod:`rankmem.offline.leaks`, then the worst rank of each headline key. Then, per key: the worst value over
+the run (the peak, or the minimum for keys where low is bad, such as device headroom), the step and
+rank that hold it, the phase that set it (when the run has phases), and the imbalance across ranks
+(max over mean of the per-rank peaks); per phase (:mod:`rankmem.offline.phases`): its peak, what it leaves
+behind, the worst rank and the per-step mean; capacity (:mod:`rankmem.offline.capacity`) and the headroom
+left under each; host RSS growth. Everything is computed on the arrays of
+:func:`rankmem.offline.read_run`, so a 100k-step log costs little more than reading it.
+:mod:`rankmem.offline.html` writes the same as one self-contained page.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from rankmem.core.catalogue import (
+    HEADLINE,
+    OUTSIDE_PHASES,
+    PHASE_PREFIX,
+    PHASE_SUFFIX,
+    is_memory_key,
+    key_of,
+    phase_of_peak,
+    worst_stat,
+)
+from rankmem.core.scalars import json_safe
+from rankmem.offline import Run
+from rankmem.offline.capacity import capacities
+from rankmem.offline.events import read_events
+from rankmem.offline.leaks import LeakConfig, Trend, detect_leaks, worst_first
+from rankmem.offline.phases import PhaseRow, phase_rows
+
+
+@dataclass
+class KeyReport:
+    """The worst value of one per-rank key over the run."""
+
+    key: str
+    worst: str
+    """``"max"`` or ``"min"``: which end is dangerous."""
+    value: float
+    step: int
+    rank: int
+    phase: str | None
+    """The phase whose own peak equals this step's peak on this rank; ``None`` when not applicable."""
+    imbalance: float | None
+    """max over mean, across ranks, of each rank's peak over the run (1.0 = balanced)."""
+
+
+@dataclass
+class Growth:
+    """How much a per-rank key grew from the first to the last step, for the rank that grew most."""
+
+    key: str
+    rank: int
+    first: float
+    last: float
+    mean_growth: float
+    """Mean over ranks of (last - first)."""
+
+    @property
+    def growth(self) -> float:
+        return self.last - self.first
+
+
+@dataclass
+class Limit:
+    """A capacity and the least room left under it over the run."""
+
+    label: str
+    capacity: float
+    """GiB; the smallest over ranks and steps."""
+    headroom: float | None = None
+    """GiB; the least left, at ``step`` on ``rank`` (None where it is not measured)."""
+    step: int | None = None
+    rank: int | None = None
+
+
+@dataclass
+class Report:
+    path: str
+    world_size: int
+    hosts: list[str]
+    steps: int
+    first_step: int | None
+    last_step: int | None
+    corrupt: int
+    truncated: bool
+    keys: list[KeyReport] = field(default_factory=list)
+    headroom: KeyReport | None = None
+    host_growth: Growth | None = None
+    trends: list[Trend] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    """Every rank's forensic events (``oom``, ``near_oom``, ``killed``, ``stalled``), by time."""
+    corrupt_events: int = 0
+    phases: list[PhaseRow] = field(default_factory=list)
+    """Per phase and key: the worst value, its step and rank, the per-step mean, a delta's total."""
+    detail_steps: int | None = None
+    """Logged steps that carry per-rank values, when not all do (past the all-reduce crossover, or the
+    last second before a crash); per-key worst values then come from every step's aggregates."""
+    detail_note: str | None = None
+    """Why per-rank values are missing beyond that (a damaged or missing side file)."""
+    limits: list[Limit] = field(default_factory=list)
+    """Device total, node total, cgroup limit, where measured, with the least headroom under each."""
+
+    def worst(self) -> list[tuple[str, KeyReport]]:
+        """(headline label, report) of the catalogue's headline keys present: who is closest to trouble."""
+        by_key = {k.key: k for k in self.keys}
+        # A peak of 0 everywhere (no dataloader workers) has no worst rank worth a line.
+        return [(label, by_key[s.key]) for label, s in HEADLINE
+                if s.key in by_key and not (by_key[s.key].worst == "max" and by_key[s.key].value == 0)]
+
+    @property
+    def leaks(self) -> list[Trend]:
+        """The leaking series, worst first: the soonest to exhaust its memory, then the fastest growing."""
+        return worst_first(self.trends)
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["leaks"] = [asdict(t) for t in self.leaks]
+        out["worst"] = [{"label": label, **asdict(k)} for label, k in self.worst()]
+        if self.host_growth is not None:
+            out["host_growth"]["growth"] = self.host_growth.growth
+        cleaned: dict[str, Any] = json_safe(out)
+        return cleaned
+
+
+def memory_keys(run: Run) -> list[str]:
+    """The run's per-rank memory keys, phase keys aside, sorted (with those only aggregates name)."""
+    keys = set(run.series)
+    if run.logged is not None:
+        keys.update(k[: -len("/max")] for k in run.logged.metrics if k.endswith("/max"))
+    return sorted(k for k in keys if is_memory_key(k))
+
+
+def _phase_of(run: Run, key: str, row: int, rank: int, value: float) -> str | None:
+    if key not in PHASE_SUFFIX:
+        return None
+    rank_values = {k: float(m[row, rank]) for k, m in run.series.items() if k.startswith(PHASE_PREFIX)}
+    return phase_of_peak(key, value, rank_values)
+
+
+def _worst_logged(run: Run, key: str, low: bool) -> tuple[float, int, int] | None:
+    """(value, step, rank) of ``key``'s worst aggregate over every logged step (``K/min`` with
+    ``K/min_rank`` where low is bad); None when the run has no such aggregates."""
+    if run.logged is None:
+        return None
+    stat = "min" if low else "max"
+    values, ranks = run.logged.metrics.get(f"{key}/{stat}"), run.logged.metrics.get(f"{key}/{stat}_rank")
+    if values is None or ranks is None or not np.isfinite(values).any():
+        return None
+    filled = np.where(np.isfinite(values), values, np.inf if low else -np.inf)
+    at = int(filled.argmin() if low else filled.argmax())
+    return float(values[at]), int(run.logged.steps[at]), int(ranks[at]) if np.isfinite(ranks[at]) else -1
+
+
+def key_report(run: Run, key: str) -> KeyReport | None:
+    """The worst value of ``key`` with its step, rank, phase and imbalance; None if never present.
+
+    Where only some steps carry per-rank values (:attr:`Run.logged`), the worst value, its step and rank
+    come from every step's aggregates (``K/max`` and ``K/max_rank``); the imbalance and the phase from
+    the steps with per-rank values."""
+    matrix = run.series.get(key, np.empty((0, 0)))
+    worst = worst_stat(key)
+    logged = _worst_logged(run, key, worst == "min")
+    if matrix.size == 0 or not np.isfinite(matrix).any():
+        if logged is None:
+            return None
+        return KeyReport(key=key, worst=worst, value=logged[0], step=logged[1], rank=logged[2], phase=None,
+                         imbalance=None)
+    report = _key_report_detail(run, key, matrix, worst)
+    if logged is not None and (logged[0] < report.value if worst == "min" else logged[0] > report.value):
+        report.value, report.step, report.rank, report.phase = logged[0], logged[1], logged[2], None
+    return report
+
+
+def _key_report_detail(run: Run, key: str, matrix: np.ndarray, worst: str) -> KeyReport:
+    low = worst == "min"
+    filled = np.where(np.isfinite(matrix), matrix, np.inf if low else -np.inf)
+    # argmin/argmax over the flattened (step, rank) array: ties go to the earliest step, then lowest rank.
+    flat = int(filled.argmin() if low else filled.argmax())
+    row, rank = divmod(flat, matrix.shape[1])
+    value = float(matrix[row, rank])
+    imbalance = None
+    if not low:
+        per_rank = filled.max(axis=0)  # -inf for a rank with no finite value: dropped below
+        per_rank = per_rank[np.isfinite(per_rank)]
+        mean = float(per_rank.mean()) if per_rank.size else math.nan
+        imbalance = float(per_rank.max()) / mean if per_rank.size and mean > 0 else None
+    return KeyReport(
+        key=key,
+        worst=worst,
+        value=value,
+        step=int(run.steps[row]),
+        rank=rank,
+        phase=_phase_of(run, key, row, rank, value),
+        imbalance=imbalance,
+    )
+
+
+def growth(run: Run, key: str) -> Growth | None:
+    """First-to-last change of ``key`` per rank (each rank's own first and last finite value)."""
+    matrix = run.series.get(key)
+    if matrix is None:
+        return None
+    best: Growth | None = None
+    changes = []
+    for rank in range(matrix.shape[1]):
+        col = matrix[:, rank]
+        ok = np.flatnonzero(np.isfinite(col))
+        if ok.size < 2:
+            continue
+        first, last = float(col[ok[0]]), float(col[ok[-1]])
+        changes.append(last - first)
+        if best is None or last - first > best.growth:
+            best = Growth(key=key, rank=rank, first=first, last=last, mean_growth=0.0)
+    if best is not None:
+        best.mean_growth = float(np.mean(changes))
+    return best
+
+
+def build_report(run: Run, leak_config: LeakConfig | None = None) -> Report:
+    # The leak verdicts are the longest part on a long run (medians over every rank's series) and share
+    # nothing with the tables: they run on a second thread meanwhile (numpy drops the GIL in them).
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rankmem-leaks") as pool:
+        trends = pool.submit(detect_leaks, run, config=leak_config)
+        report = _tables(run)
+        report.trends = trends.result()
+    return report
+
+
+def _tables(run: Run) -> Report:
+    events = read_events(run.path)
+    steps = run.steps if run.logged is None else run.logged.steps
+    report = Report(
+        path=run.path,
+        world_size=run.world_size,
+        hosts=sorted({str(r.get("host")) for r in run.header.get("ranks", []) if isinstance(r, dict)}),
+        steps=int(steps.size),
+        first_step=int(steps[0]) if steps.size else None,
+        last_step=int(steps[-1]) if steps.size else None,
+        corrupt=run.corrupt,
+        truncated=run.truncated,
+        events=events.events,
+        corrupt_events=events.corrupt,
+        detail_steps=int(run.steps.size) if run.logged is not None else None,
+        detail_note=run.detail_note,
+    )
+    for key in memory_keys(run):
+        kr = key_report(run, key)
+        if kr is not None:
+            report.keys.append(kr)
+            if key == key_of("headroom"):
+                report.headroom = kr
+    report.host_growth = growth(run, key_of("rss"))
+    report.phases = phase_rows(run)
+    report.limits = limits(run, report)
+    return report
+
+
+def _least(run: Run, matrix: np.ndarray) -> tuple[float, int, int] | None:
+    """(value, step, rank) of the smallest finite value of a steps x ranks matrix."""
+    if not np.isfinite(matrix).any():
+        return None
+    row, rank = divmod(int(np.where(np.isfinite(matrix), matrix, np.inf).argmin()), matrix.shape[1])
+    return float(matrix[row, rank]), int(run.steps[row]), rank
+
+
+def limits(run: Run, report: Report) -> list[Limit]:
+    """Each measured capacity with the least headroom under it: the device's own headroom key, the
+    node's available memory, the cgroup limit minus its usage."""
+    under = {
+        "device total": run.series.get(key_of("headroom")),
+        "node total": run.series.get(key_of("node_available")),
+    }
+    used, limit = run.series.get(key_of("cgroup_used")), run.series.get(key_of("cgroup_limit"))
+    if used is not None and limit is not None:
+        under["cgroup limit"] = limit - used
+    out = []
+    for cap in capacities(run):
+        item = Limit(cap.label, cap.value)
+        matrix = under.get(cap.label)
+        least = _least(run, matrix) if matrix is not None else None
+        if least is not None:
+            item.headroom, item.step, item.rank = least
+        out.append(item)
+    return out
+
+
+def _fmt(value: float, key: str) -> str:
+    return f"{value:.3f}" if key.endswith("_gib") else f"{value:g}"
+
+
+def stdout_console(width: int) -> Any:
+    """A rich Console on stdout, ``width`` columns off a terminal (piped output and tests stay stable).
+    A reader that leaves (``| head -1``) raises BrokenPipeError to the CLI, which exits quietly with the
+    command's status, instead of rich's own ``SystemExit(1)``."""
+    import sys
+
+    from rich.console import Console
+
+    class _PipedConsole(Console):
+        def on_broken_pipe(self) -> None:
+            raise BrokenPipeError
+
+    return _PipedConsole(file=sys.stdout, width=None if sys.stdout.isatty() else width, highlight=False)
+
+
+def render(report: Report) -> None:
+    """Print the report with rich: a summary, one table row per key, then headroom, growth and leaks."""
+    from rich import box
+    from rich.table import Table
+
+    console = stdout_console(120)
+    # What happened, whether anything leaks, and who is worst come first: they are why it is opened.
+    for line in [*event_lines(report), *leak_lines(report), *worst_lines(report), *summary_lines(report)]:
+        console.print(line, markup=False, soft_wrap=True)  # an event or a verdict is one line, whatever its length
+    for title, (columns, rows) in (("", key_table(report)), ("per phase", phase_table(report))):
+        if not rows:
+            continue
+        table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, title=title or None,
+                      title_justify="left")
+        for name, justify in columns:
+            table.add_column(name, justify=justify)  # type: ignore[arg-type]
+        for row in rows:
+            table.add_row(*row)
+        console.print()
+        console.print(table)
+    console.print()
+    for line in verdict_lines(report):
+        console.print(line, markup=False, soft_wrap=True)  # a leak's verdict is one line, whatever its length
+
+
+Columns = list[tuple[str, str]]
+
+
+def key_table(report: Report) -> tuple[Columns, list[list[str]]]:
+    """(name, justify) columns and rows of the per-key table, for the terminal and the HTML page."""
+    columns = [("key", "left"), ("worst", "right"), ("unit", "left"), ("step", "right"), ("rank", "right"),
+               ("phase", "left"), ("max/mean", "right")]
+    rows = [[k.key, f"{k.worst} {_fmt(k.value, k.key)}", "GiB" if k.key.endswith("_gib") else "", str(k.step),
+             str(k.rank), k.phase or "", f"{k.imbalance:.2f}" if k.imbalance is not None else ""]
+            for k in report.keys]
+    return columns, rows
+
+
+def phase_table(report: Report) -> tuple[Columns, list[list[str]]]:
+    """The per-phase table: a phase's peak and what it leaves behind (``*_delta``), each with the worst
+    rank and step, the mean per step, and for a delta its largest per-rank total over the run."""
+    columns = [("phase", "left"), ("key", "left"), ("worst GiB", "right"), ("step", "right"), ("rank", "right"),
+               ("mean/step", "right"), ("total (rank)", "right")]
+    rows = []
+    for p in report.phases:
+        signed = p.total is not None  # a delta: its sign says grown or given back
+        fmt = "+.3f" if signed else ".3f"
+        total = f"{p.total:+.3f} ({p.total_rank})" if p.total is not None else ""
+        rows.append([p.phase, p.key, f"{p.worst:{fmt}}", str(p.step), str(p.rank), f"{p.mean_per_step:{fmt}}", total])
+    return columns, rows
+
+
+def event_lines(report: Report) -> list[str]:
+    """One line per event: ``EVENT oom rank 1 step 3 phase update: host MemoryError ...``."""
+    lines = [f"EVENT {describe_event(e)}" for e in report.events]
+    if report.corrupt_events:
+        lines.append(f"events: {report.corrupt_events} torn or corrupt line(s) skipped")
+    return lines
+
+
+def _mapping(value: Any) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
+
+
+def describe_event(e: Mapping[str, Any]) -> str:
+    where = f"{e.get('kind')} rank {e.get('rank')} step {e.get('step')} phase {e.get('phase') or '-'}"
+    kind = e.get("kind")
+    if kind == "oom":
+        what = f"{e.get('where')} {e.get('error') or ''}".strip()
+        requested = e.get("requested_bytes")
+        if isinstance(requested, (int, float)):
+            what += f"; requested {requested / 2**30:.3f} GiB"
+        device = _mapping(e.get("device"))  # an event line is another process's writing: trust no type
+        if isinstance(device.get("free_bytes"), (int, float)) and isinstance(device.get("total_bytes"), (int, float)):
+            what += f"; device free {device['free_bytes'] / 2**30:.3f} of {device['total_bytes'] / 2**30:.3f} GiB"
+        host = _mapping(e.get("host"))
+        if isinstance(host.get("rss_bytes"), (int, float)):
+            what += f"; RSS {host['rss_bytes'] / 2**30:.3f} GiB"
+        return f"{where}: {what}"
+    if kind == "near_oom":
+        reasons = e.get("reasons")
+        return f"{where}: {', '.join(map(str, reasons if isinstance(reasons, list) else [])) or 'low headroom'}"
+    rss = e.get("last_rss_bytes")
+    last = f", last RSS {rss / 2**30:.3f} GiB" if isinstance(rss, (int, float)) else ""
+    if kind == "killed":
+        return f"{where}: killed by {e.get('signal')}{last}; cause {e.get('cause')}"
+    if kind == "stalled":
+        age = e.get("heartbeat_age_s")
+        age_text = f"{age:.0f} s" if isinstance(age, (int, float)) else "?"
+        return f"{where}: no heartbeat for {age_text}{last}; process state {e.get('process_state')}"
+    return where
+
+
+def worst_lines(report: Report) -> list[str]:
+    """The worst rank of each headline key, one line each: ``worst peak_rss: rank 2, max 4.500 GiB at
+    step 7 (phase update)``."""
+    lines = []
+    for label, k in report.worst():
+        unit = " GiB" if k.key.endswith("_gib") else ""
+        phase = "" if not k.phase else f" ({k.phase})" if k.phase == OUTSIDE_PHASES else f" (phase {k.phase})"
+        lines.append(f"worst {label}: rank {k.rank}, {k.worst} {_fmt(k.value, k.key)}{unit} at step {k.step}{phase}")
+    return lines
+
+
+def limit_lines(report: Report) -> list[str]:
+    lines = []
+    if report.limits:
+        lines.append("capacity: " + ", ".join(f"{lim.label} {lim.capacity:.3f} GiB" for lim in report.limits))
+    return lines
+
+
+def summary_lines(report: Report) -> list[str]:
+    lines = [f"run log: {report.path}"]
+    span = f"steps {report.first_step}..{report.last_step}" if report.steps else "no steps"
+    hosts = f"{len(report.hosts)} host{'s' if len(report.hosts) != 1 else ''}"
+    lines.append(f"{report.world_size} ranks on {hosts}, {report.steps} logged steps ({span})")
+    if report.detail_steps is not None:
+        lines.append(f"per-rank values on {report.detail_steps} of the {report.steps} steps (the others logged "
+                     "their aggregates: max, min, mean and the ranks holding them); worst values from all steps")
+    if report.detail_note:
+        lines.append(f"note: {report.detail_note}")
+    if report.corrupt or report.truncated:
+        lines.append(
+            f"skipped: {report.corrupt} corrupt line{'s' if report.corrupt != 1 else ''}, "
+            f"{'a truncated last line' if report.truncated else 'no truncated last line'}"
+        )
+    return lines + limit_lines(report)
+
+
+HEADROOM_LABELS = {"node total": "node available", "cgroup limit": "cgroup headroom (limit - used)"}
+
+
+def verdict_lines(report: Report) -> list[str]:
+    """Headroom under each capacity and host RSS growth (the leak verdicts are among the top lines)."""
+    lines = []
+    if report.headroom is not None:
+        h = report.headroom
+        lines.append(f"device headroom: min {h.value:.3f} GiB at step {h.step} on rank {h.rank}")
+    for lim in report.limits:
+        if lim.label in HEADROOM_LABELS and lim.headroom is not None:
+            lines.append(f"{HEADROOM_LABELS[lim.label]}: min {lim.headroom:.3f} GiB at step {lim.step} on rank "
+                         f"{lim.rank} (of {lim.capacity:.3f} GiB)")
+    if report.host_growth is not None:
+        g = report.host_growth
+        lines.append(
+            f"host RSS growth (first to last step): {g.growth * 1024:+.1f} MiB on rank {g.rank} "
+            f"(mean over ranks {g.mean_growth * 1024:+.1f} MiB)"
+        )
+    return lines
+
+
+def leak_lines(report: Report) -> list[str]:
+    lines = []
+    leaks = report.leaks
+    if leaks:
+        lines += [f"LEAK {t.describe()}" for t in leaks]
+    elif report.trends:
+        lines.append(f"leaks: none found ({len(report.trends)} rank series checked)")
+    else:
+        lines.append("leaks: not checked (too few steps)")
+    return lines

@@ -1,0 +1,131 @@
+"""The newest lines of a run log that is still being written, read from its end.
+
+``rankmem watch`` redraws every second against a log that may be gigabytes long, so it never reads
+the log whole: :func:`read_last_steps` seeks near the end, reads a block, and doubles the block
+until it holds the lines it needs (a line at 1,024 ranks is ~1 MB). Whatever follows the last
+newline is a line still being written and is left alone; the writer's one ``write()`` per line makes
+every newline-terminated line whole. :class:`TailFollower` re-reads only when the file changed and
+notices a rotation (a restarted job moved the log aside) by the file's identity.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from rankmem.runlog.layout import HEADER_KIND, STEP_KIND
+
+FIRST_BLOCK = 64 * 1024
+MAX_BLOCK = 256 * 1024 * 1024
+"""Reading back stops here: a log whose last N step lines do not fit in 256 MiB is not a run log."""
+
+
+def read_header(path: str) -> dict[str, Any] | None:
+    """The header line of ``path``; None when it is missing, not yet whole, or not a header."""
+    try:
+        with open(path, "rb") as f:
+            first = f.readline()
+    except OSError:
+        return None
+    if not first.endswith(b"\n"):
+        return None
+    try:
+        header = json.loads(first)
+    except ValueError:
+        return None
+    return header if isinstance(header, dict) and header.get("kind") == HEADER_KIND else None
+
+
+def _step(line: bytes) -> dict[str, Any] | None:
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        return None
+    # A step line with its per-rank values (schema 1, inline) or with the aggregates alone (schema 2).
+    # What the reader counts as corrupt is skipped here too: a step that is not an integer, a "ranks"
+    # or "metrics" that is there but not an object.
+    if not isinstance(obj, dict) or obj.get("kind") != STEP_KIND or type(obj.get("step")) is not int:
+        return None
+    ranks, metrics = obj.get("ranks"), obj.get("metrics")
+    if not (isinstance(ranks, dict) or isinstance(metrics, dict)):
+        return None
+    if ("ranks" in obj and not isinstance(ranks, dict)) or ("metrics" in obj and not isinstance(metrics, dict)):
+        return None
+    return obj
+
+
+def read_last_steps(path: str, count: int = 2, size: int | None = None) -> tuple[list[dict[str, Any]], int]:
+    """The last ``count`` whole step lines of ``path`` (oldest first) and the bytes read to find them.
+
+    ``size``: read as if the file ended there (a caller that has just stat'ed it). Corrupt lines and the
+    header are skipped; fewer than ``count`` come back when the log has fewer.
+    """
+    with open(path, "rb") as f:
+        end = os.fstat(f.fileno()).st_size if size is None else size
+        block = FIRST_BLOCK
+        while True:
+            start = max(0, end - block)
+            f.seek(start)
+            data = f.read(end - start)
+            # Cut what follows the last newline (a line being written) and, unless this is the file's
+            # start, the first piece (a line cut by the block's start).
+            cut = data.rfind(b"\n")
+            lines = data[: cut + 1].split(b"\n")[:-1] if cut >= 0 else []
+            if start > 0 and lines:
+                lines = lines[1:]
+            steps: list[dict[str, Any]] = []
+            for line in reversed(lines):
+                step = _step(line)
+                if step is not None:
+                    steps.append(step)
+                    if len(steps) == count:
+                        break
+            if len(steps) == count or start == 0 or block >= MAX_BLOCK:
+                return steps[::-1], len(data)
+            block *= 2
+
+
+@dataclass
+class Tail:
+    """What :class:`TailFollower` last saw."""
+
+    header: dict[str, Any] | None = None
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    """The newest step lines, oldest first."""
+    size: int = 0
+    bytes_read: int = 0
+    """Bytes the last read took (0 when the file had not changed)."""
+
+
+class TailFollower:
+    """Follows one run log: :meth:`poll` returns the header and newest step lines, re-reading only what
+    changed (nothing when the size and identity are the same as last time)."""
+
+    def __init__(self, path: str, count: int = 2) -> None:
+        self.path = path
+        self.count = count
+        self._identity: tuple[int, int] | None = None
+        self.tail = Tail()
+
+    def poll(self) -> Tail:
+        try:
+            st = os.stat(self.path)
+        except OSError:  # not written yet, or moved aside and not yet recreated
+            self._identity, self.tail = None, Tail()
+            return self.tail
+        identity = (st.st_dev, st.st_ino)
+        if identity != self._identity or st.st_size < self.tail.size:
+            self._identity, self.tail = identity, Tail(header=read_header(self.path))
+        elif self.tail.header is None:
+            self.tail.header = read_header(self.path)
+        if st.st_size == self.tail.size:
+            self.tail.bytes_read = 0
+            return self.tail
+        try:
+            steps, nread = read_last_steps(self.path, self.count, st.st_size)
+        except OSError:
+            return self.tail
+        self.tail.steps, self.tail.size, self.tail.bytes_read = steps, st.st_size, nread
+        return self.tail

@@ -1,0 +1,361 @@
+"""Host memory of this process, its children and its node.
+
+On Linux every per-step read is an ``os.pread`` on a descriptor opened once (a few microseconds);
+elsewhere psutil is the fallback. The implementation is chosen once, by :func:`make_host_probe`.
+The children's private memory is read on a thread of its own (:mod:`rankmem.probe.children`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Protocol
+
+from rankmem.core.records import HostReading
+from rankmem.core.warnings import WarnOnce
+from rankmem.probe import procfs as _procfs
+from rankmem.probe.children import ChildrenUss
+
+_STATUS_BUF = 4096  # /proc/self/status is ~1.4 KB; VmHWM sits in its first half
+_MEMINFO_BUF = 8192
+
+
+
+class Every:
+    """A refresh cadence: :meth:`due` is True at the first call, then at most once per ``seconds``."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._at = -float("inf")
+
+    def due(self) -> bool:
+        now = time.monotonic()
+        if now - self._at < self.seconds:
+            return False
+        self._at = now
+        return True
+
+    def expire(self) -> None:
+        """Make the next :meth:`due` True (after a fork, the children are another process's)."""
+        self._at = -float("inf")
+
+class LinuxHostProbe:
+    """Reads ``/proc`` and cgroup files through descriptors kept open for the life of the probe.
+
+    Children: the descendant list is rebuilt from ``/proc/PID/task/*/children`` at most every
+    ``children_refresh_s`` seconds (a walk costs ~100 us per process; a psutil scan of all of ``/proc``
+    ~0.7 ms); each known child's ``statm`` is read through a cached descriptor on every call. Their
+    private memory (USS) is summed at the same cadence on a daemon thread (:class:`ChildrenUss`).
+    """
+
+    def __init__(self, children: bool = True, children_refresh_s: float = 5.0, proc: str = "/proc") -> None:
+        self._proc = proc
+        self._pid = os.getpid()
+        self._page = os.sysconf("SC_PAGE_SIZE")
+        self._children_enabled = children
+        self._children_refresh_s = children_refresh_s
+        self._children_fds: dict[int, int] = {}
+        self._children_due = Every(children_refresh_s)
+        self._children_uss: ChildrenUss | None = None
+        self._warn_once = WarnOnce()
+        self._open()
+
+    def _open(self) -> None:
+        me = f"{self._proc}/{self._pid}"
+        self._statm = _procfs.open_ro(f"{me}/statm")
+        self._status = _procfs.open_ro(f"{me}/status")
+        self._meminfo = _procfs.open_ro(f"{self._proc}/meminfo")
+        self._clear_refs: int | None
+        try:
+            # Writing "5" resets VmHWM to the current RSS (Linux >= 4.0). Opening does not reset; the
+            # first reset_peak() that fails marks the peak as a lifetime peak.
+            self._clear_refs = os.open(f"{me}/clear_refs", os.O_WRONLY | os.O_CLOEXEC)
+        except OSError:
+            self._clear_refs = None
+        self.peak_is_lifetime = self._clear_refs is None
+        if self.peak_is_lifetime:
+            self._lifetime_warning()
+        try:
+            with open(f"{me}/cgroup") as f:
+                files = _procfs.find_cgroup_files(f.read())
+        except OSError:
+            files = None
+        self._cgroup = _procfs.CgroupReader(files) if files is not None else None
+
+    def check_fork(self) -> None:
+        # Descriptors opened on /proc/PID follow the PID, not the caller: a forked child must reopen.
+        if os.getpid() != self._pid:
+            self.close()
+            self._pid = os.getpid()
+            self._children_due.expire()
+            self._open()
+
+    def rss(self) -> int | None:
+        data = _procfs.pread(self._statm, 256)
+        return None if data is None else _procfs.parse_statm_rss(data, self._page)
+
+    def peak_rss(self) -> int | None:
+        """Max RSS since the last :meth:`reset_peak` (``VmHWM``)."""
+        return self.rss_and_peak()[1]
+
+    @property
+    def peak_scope(self) -> str:
+        """``window`` when VmHWM resets at each window edge, ``lifetime`` where it cannot."""
+        return "lifetime" if self.peak_is_lifetime else "window"
+
+    def rss_and_peak(self) -> tuple[int | None, int | None]:
+        """Current RSS and the peak since the last reset from one read of ``status`` (``VmRSS``,
+        ``VmHWM``): the kernel formats the whole file on every read (~5 us), so read it once."""
+        data = _procfs.pread(self._status, _STATUS_BUF)
+        if data is None:
+            return self.rss(), None
+        rss, hwm = _procfs.parse_status_rss_hwm(data)
+        return (rss if rss is not None else self.rss()), hwm
+
+    def edge(self) -> tuple[int | None, int | None]:
+        """The window-edge read: current RSS and the peak since the last edge, then the peak reset."""
+        self.check_fork()
+        rss, peak = self.rss_and_peak()
+        self.reset_peak()
+        return rss, peak
+
+    def reset_peak(self) -> None:
+        if self._clear_refs is not None:
+            try:
+                os.write(self._clear_refs, b"5")
+            except OSError:
+                os.close(self._clear_refs)
+                self._clear_refs = None
+                self.peak_is_lifetime = True
+                self._lifetime_warning()
+
+    def _lifetime_warning(self) -> None:
+        self._warn_once("clear_refs", "cannot reset VmHWM (/proc/self/clear_refs); peak RSS is a lifetime peak")
+
+    def children_rss(self) -> int | None:
+        if not self._children_enabled:
+            return None
+        if self._children_due.due():
+            self._refresh_children()
+        total = 0
+        for pid, fd in list(self._children_fds.items()):
+            data = _procfs.pread(fd, 256)
+            rss = None if not data else _procfs.parse_statm_rss(data, self._page)
+            if rss is None:  # the child exited: its statm reads ESRCH or nothing
+                os.close(fd)
+                del self._children_fds[pid]
+                continue
+            total += rss
+        return total
+
+    def children_uss(self) -> int | None:
+        """Summed private memory of the descendants, as last read by the refresh thread."""
+        if not self._children_enabled:
+            return None
+        if self._children_uss is None:
+            self._children_uss = ChildrenUss(self._descendants, self._children_refresh_s, self._proc)
+        return self._children_uss.value()
+
+    def _descendants(self) -> set[int]:
+        if not os.path.exists(f"{self._proc}/{self._pid}/task/{self._pid}/children"):
+            # Kernels without CONFIG_PROC_CHILDREN: psutil's scan of all of /proc (~0.7 ms), still
+            # only once per refresh interval.
+            import psutil
+
+            try:
+                return {p.pid for p in psutil.Process(self._pid).children(recursive=True)}
+            except psutil.Error:
+                return set()
+        return _procfs.descendants(self._pid, self._proc)
+
+    def _refresh_children(self) -> None:
+        pids = self._descendants()
+        for gone in set(self._children_fds) - pids:
+            os.close(self._children_fds.pop(gone))
+        for pid in pids - set(self._children_fds):
+            fd = _procfs.open_ro(f"{self._proc}/{pid}/statm")
+            if fd is not None:
+                self._children_fds[pid] = fd
+
+    def node(self) -> tuple[int | None, int | None]:
+        data = _procfs.pread(self._meminfo, _MEMINFO_BUF)
+        if data is None:
+            return None, None
+        total, available = _procfs.parse_meminfo(data)
+        if available is None:
+            self._warn_once("MemAvailable", "/proc/meminfo has no MemAvailable (Linux < 3.14); node available unavailable")
+        return total, available
+
+    def cgroup(self) -> tuple[int | None, int | None, int | None]:
+        """``(used, limit, working set)``, all ``None`` when no memory limit applies."""
+        return self._cgroup.read() if self._cgroup is not None else (None, None, None)
+
+    def read(self) -> HostReading:
+        """The slow read, once per collect: every figure, node, cgroup and children included."""
+        self.check_fork()
+        return read_host(self)
+
+    def read_node(self) -> HostReading:
+        """What a collect adds to the window edges' reads: node, cgroup and children; this process's
+        own RSS and peak are not read (``None``): the window's closing edge has just read them."""
+        self.check_fork()
+        return read_host(self, process=False)
+
+    def close(self) -> None:
+        if self._children_uss is not None:
+            self._children_uss.close()
+            self._children_uss = None
+        if self._cgroup is not None:
+            self._cgroup.close()
+            self._cgroup = None
+        fds = [self._statm, self._status, self._meminfo, self._clear_refs]
+        for fd in [*fds, *self._children_fds.values()]:
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self._children_fds.clear()
+        self._statm = self._status = self._meminfo = self._clear_refs = None
+
+
+class PsutilHostProbe:
+    """Off Linux: psutil. The window peak is our own max of the RSS read at window edges ("sampled")."""
+
+    def __init__(self, children: bool = True, children_refresh_s: float = 5.0) -> None:
+        import psutil
+
+        self._psutil = psutil
+        self._proc = psutil.Process()
+        self._children_enabled = children
+        self._children: list[psutil.Process] = []
+        self._children_due = Every(children_refresh_s)
+        self.peak_is_lifetime = True
+        self.peak_scope = "sampled"
+        self._peak: int | None = None
+
+    def rss(self) -> int | None:
+        try:
+            return int(self._proc.memory_info().rss)
+        except Exception:
+            return None
+
+    def peak_rss(self) -> int | None:
+        """Our own max of the RSS seen at window edges (``sampled``): psutil has no resettable
+        high-water mark, and Windows' ``peak_wset`` is a lifetime one."""
+        rss = self.rss()
+        if rss is not None:
+            self._peak = rss if self._peak is None else max(self._peak, rss)
+        return self._peak
+
+    def rss_and_peak(self) -> tuple[int | None, int | None]:
+        return self.rss(), self.peak_rss()
+
+    def reset_peak(self) -> None:
+        self._peak = None
+
+    def edge(self) -> tuple[int | None, int | None]:
+        rss = self.rss()
+        if rss is not None:
+            self._peak = rss if self._peak is None else max(self._peak, rss)
+        peak, self._peak = self._peak, None
+        return rss, peak
+
+    def children_rss(self) -> int | None:
+        if not self._children_enabled:
+            return None
+        if self._children_due.due():
+            try:
+                self._children = self._proc.children(recursive=True)
+            except Exception:
+                self._children = []
+        total = 0
+        for child in self._children:
+            try:
+                total += int(child.memory_info().rss)
+            except Exception:
+                continue
+        return total
+
+    def children_uss(self) -> int | None:
+        return None  # smaps_rollup is Linux-only; psutil's USS walks every mapping on the caller's thread
+
+    def node(self) -> tuple[int | None, int | None]:
+        vm = self._psutil.virtual_memory()
+        return int(vm.total), int(vm.available)
+
+    def cgroup(self) -> tuple[int | None, int | None, int | None]:
+        return None, None, None  # cgroups are Linux-only
+
+    def read(self) -> HostReading:
+        return read_host(self)
+
+    # No read_node(): peak_rss() folds the RSS it reads into the sampled peak, and a collect's full read
+    # is part of what the sampled peak has always seen.
+
+    def check_fork(self) -> None:
+        pass  # psutil.Process() follows no descriptors
+
+    def close(self) -> None:
+        self._children = []
+
+
+class HostProbe(Protocol):
+    """What the windows need from a host probe; tests and other platforms pass their own through
+    ``Monitor(host_probe=...)``."""
+
+    @property
+    def peak_scope(self) -> str:
+        """``window``, ``lifetime`` (the kernel cannot reset the peak) or ``sampled`` (edge reads only)."""
+        ...
+
+    def edge(self) -> tuple[int | None, int | None]:
+        """At a window edge (a few microseconds): current RSS and the peak since the previous edge,
+        then reset that peak."""
+        ...
+
+    def read(self) -> HostReading:
+        """Every host figure now (node, cgroup and children included)."""
+        ...
+
+    # Optional: ``read_node() -> HostReading``, the figures of ``read`` other than this process's RSS and
+    # peak (left ``None``), read once per collect when present; probes without it are read in full.
+
+    def close(self) -> None: ...
+
+
+class _PeakSource(Protocol):
+    peak_is_lifetime: bool
+
+    def rss(self) -> int | None: ...
+    def peak_rss(self) -> int | None: ...
+    def children_rss(self) -> int | None: ...
+    def children_uss(self) -> int | None: ...
+    def node(self) -> tuple[int | None, int | None]: ...
+    def cgroup(self) -> tuple[int | None, int | None, int | None]: ...
+
+
+def read_host(probe: _PeakSource, process: bool = True) -> HostReading:
+    """Every host figure of ``probe`` at one instant; without ``process``, RSS and peak are ``None``."""
+    total, available = probe.node()
+    cg_used, cg_limit, cg_working = probe.cgroup()
+    return HostReading(
+        rss=probe.rss() if process else None,
+        peak_rss=probe.peak_rss() if process else None,
+        peak_rss_is_lifetime=probe.peak_is_lifetime,
+        children_rss=probe.children_rss(),
+        node_total=total,
+        node_available=available,
+        cgroup_used=cg_used,
+        cgroup_limit=cg_limit,
+        children_uss=probe.children_uss(),
+        cgroup_working_set=cg_working,
+    )
+
+
+def make_host_probe(children: bool = True, children_refresh_s: float = 5.0) -> HostProbe:
+    """The host probe for this platform, chosen once."""
+    if sys.platform.startswith("linux") and os.path.exists(f"/proc/{os.getpid()}/statm"):
+        return LinuxHostProbe(children=children, children_refresh_s=children_refresh_s)
+    return PsutilHostProbe(children=children, children_refresh_s=children_refresh_s)

@@ -1,0 +1,187 @@
+"""The run-log writer, on the logging rank: the header once, then one whole line per step.
+
+Lines follow :mod:`rankmem.runlog.layout`: the aggregates on the line, the per-rank values in the
+columnar side file (:mod:`rankmem.runlog.columnar`), or on the line with ``detail="inline"`` (also what
+it falls back to, with one warning, where pyarrow is not installed). Each line is one ``write(2)`` to a file opened for
+appending, with no buffer in between: a crash loses at most the line being written. A write that fails
+part-way (a full disk takes what fits, then says ENOSPC) is cut back to the last whole line, so the
+file never holds half a line followed by later whole ones; the caller (:class:`rankmem.sinks.SafeSink`)
+retries later and reports the steps lost. A restart into the same directory first moves the earlier
+log aside; the run directory is locked (:mod:`rankmem.runlog.lock`) so that two jobs never share it.
+Online code: it imports nothing of the reader.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict
+from typing import Any
+
+from rankmem.core.records import RunHeader, StepRecord
+from rankmem.core.scalars import json_safe
+from rankmem.core.warnings import WarnOnce, warn
+from rankmem.runlog.append import append_whole
+from rankmem.runlog.columnar import DetailWriter, pyarrow_available
+from rankmem.runlog.layout import (
+    DETAIL_NAME,
+    HEADER_KIND,
+    INLINE,
+    SCHEMA,
+    SEPARATORS,
+    STEP_MAX,
+    STEP_MIN,
+    detail_name,
+    step_object,
+)
+from rankmem.runlog.lock import RunDirLock
+
+
+def rotate(path: str) -> str | None:
+    """Move an existing non-empty log (or directory) aside to ``PATH.1``, ``.2``, ... so that a job
+    restarted with the same ``out_dir`` never truncates the records of the run before it; returns
+    where it went, None when there was nothing to move."""
+    if not os.path.exists(path) or (os.path.isfile(path) and os.path.getsize(path) == 0):
+        return None
+    n = 1
+    while os.path.exists(f"{path}.{n}"):
+        n += 1
+    os.replace(path, f"{path}.{n}")
+    return f"{path}.{n}"
+
+
+def rotated_line(path: str, rotated: str) -> str:
+    """The one line that says so: a restart is normal, the earlier run's records are kept."""
+    return f"{path} was from an earlier run (a restart into the same out_dir?); rotated it to {rotated}"
+
+
+def header_to_json(header: RunHeader, detail: str = DETAIL_NAME) -> dict[str, Any]:
+    from rankmem.core.version import __version__
+
+    try:
+        import torch
+
+        torch_version: str | None = str(torch.__version__)
+    except ImportError:
+        torch_version = None
+    return {
+        "kind": HEADER_KIND,
+        "schema": SCHEMA,
+        "rankmem": __version__,
+        "torch": torch_version,
+        "world_size": header.world_size,
+        "started": header.started,
+        "ranks": [asdict(r) for r in header.ranks],
+        "config": header.config,
+        "detail": detail,
+    }
+
+
+_RANK_SUFFIX = "_rank"
+
+
+def _integer_ranks(metrics: dict[str, float]) -> dict[str, Any]:
+    """``K/max_rank`` and ``K/min_rank`` as JSON integers (``1``, not ``1.0``): the aggregate carries
+    them as floats because it is one float64 block, but a rank is a rank. -1 (no rank had ``K``) stays
+    -1; readers take old logs' floats alike."""
+    return {k: int(v) if k.endswith(_RANK_SUFFIX) and v == v else v for k, v in metrics.items()}
+
+
+class RunLogWriter:
+    """Appends whole lines to ``path``; the header is written once, by :meth:`open`.
+
+    Both methods raise ``OSError`` when the disk refuses a line (nothing of it stays in the file) and
+    may be called again: :meth:`open` after a failure starts over, :meth:`write` goes on appending.
+    """
+
+    COLUMNAR = "columnar"
+
+    def __init__(self, path: str, detail: str = COLUMNAR) -> None:
+        if detail not in (self.COLUMNAR, INLINE):
+            raise ValueError(f"detail must be {self.COLUMNAR!r} or {INLINE!r}, got {detail!r}")
+        self.path = path
+        self.detail_path = os.path.join(os.path.dirname(os.path.abspath(path)), detail_name(os.path.basename(path)))
+        self._columnar = detail == self.COLUMNAR
+        self._detail: DetailWriter | None = None
+        self._collects = 0
+        self._fd: int | None = None
+        self._size = 0  # bytes of whole lines in the file: where a failed write is cut back to
+        self._lock = RunDirLock(os.path.dirname(os.path.abspath(path)))
+        self._warn_once = WarnOnce()
+
+    def open(self, header: RunHeader) -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        if not self._lock.held_by_launcher():
+            self._lock.acquire()  # before the rotation: a second job must not move this one's log aside
+        rotated = rotate(self.path)
+        self._close_fd()
+        if self._columnar and not pyarrow_available():
+            self._columnar = False
+            warn("rankmem: pyarrow is not installed, so the run log keeps the per-rank values on its lines "
+                 "(slower to report on at scale); pip install pyarrow to write them to the columnar side file")
+        # An earlier run's side file goes with its log, under the same suffix (the reader pairs them so).
+        detail_rotated = None
+        if os.path.exists(self.detail_path):
+            if rotated:
+                detail_rotated = self.detail_path + rotated[len(self.path):]
+                os.replace(self.detail_path, detail_rotated)
+            else:
+                detail_rotated = rotate(self.detail_path)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        self._size = 0
+        self._collects = 0
+        # default=str: the caller's config may hold paths; they become strings, not a lost header.
+        raw = header_to_json(header, os.path.basename(self.detail_path) if self._columnar else INLINE)
+        line = json.dumps(json_safe(raw), allow_nan=False, separators=SEPARATORS, default=str)
+        try:
+            self._write_line(line)
+            if self._columnar:
+                self._detail = DetailWriter(self.detail_path, header.world_size)
+                self._detail.open()
+        except OSError:
+            self._close_fd()  # the next open() starts over on the empty file
+            raise
+        if detail_rotated and not rotated:
+            warn(f"rankmem: {rotated_line(self.detail_path, detail_rotated)}")
+        if rotated:
+            warn(f"rankmem: {rotated_line(self.path, rotated)}")
+
+    def write(self, record: StepRecord) -> None:
+        if not STEP_MIN <= record.step <= STEP_MAX:
+            # The reader holds steps as int64; a line it must count as corrupt is better not written.
+            self._warn_once(f"step-range:{record.step}", f"step {record.step} is outside the run log's 64-bit "
+                                                         f"step range; that record is not written to {self.path}")
+            return
+        # Hot path: encode as is, and only when the text holds a non-finite token (NaN, Infinity,
+        # which JSON lacks) rebuild the record with nulls. Checking every value in Python first cost
+        # more than the encoding itself.
+        ranks = None if self._columnar else record.columns()
+        raw = step_object(record.step, record.time, _integer_ranks(record.metrics), ranks)
+        line = json.dumps(raw, separators=SEPARATORS)
+        if "NaN" in line or "Infinity" in line:
+            line = json.dumps(json_safe(raw), allow_nan=False, separators=SEPARATORS)
+        self._write_line(line)
+        if self._detail is not None:
+            self._detail.add(self._collects, record, self._size)
+        self._collects += 1
+
+    def flush(self) -> None:
+        """Write the per-rank values still waiting for their batch (the lines are never buffered)."""
+        if self._detail is not None:
+            self._detail.flush()
+
+    def _write_line(self, line: str) -> None:
+        assert self._fd is not None, "RunLogWriter.open() must come first"
+        self._size += append_whole(self._fd, (line + "\n").encode("utf-8"), self._size, self.path)
+
+    def _close_fd(self) -> None:
+        if self._detail is not None:
+            detail, self._detail = self._detail, None
+            detail.close()
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
+
+    def close(self) -> None:
+        self._close_fd()
+        self._lock.release()

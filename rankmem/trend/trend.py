@@ -1,0 +1,396 @@
+"""Leak verdicts: is a rank's memory still growing, steadily, after warm-up?
+
+For each rank and each baseline series (the catalogue's ``LEAK_KEYS``: host RSS, dataloader-worker RSS,
+device allocated) we look at the last part of the run only (by default its second half), so a warm-up
+that levels off is not flagged, and ask (the statistics are in :mod:`rankmem.trend.stats`):
+
+- **Does it grow?** Theil–Sen slope (median of all pairwise slopes: robust to spikes such as a
+  checkpoint save) with Sen's 95% interval, and a one-sided Mann–Kendall test (rank-based, no noise
+  model assumed) below ``alpha``.
+- **Is the growth large against the noise and against what is at stake?** The growth over the window
+  (slope x steps spanned) must clear a bar of ``noise_factor`` noise standard deviations plus a stakes
+  floor. This replaces a fixed 64 MiB floor, which dismissed a statistically certain 1 MiB/step leak
+  (49 MiB over the last 50 of 100 steps: 10 GiB over a 10,000-step run) while a noisy series could
+  wander past it. Why these two terms:
+
+  * *Evidence.* Memory series are autocorrelated (allocator caches and arenas wander), so Mann–Kendall
+    alone is over-confident: a wander of 10 MiB tests "significant" over 50 steps. What a wander cannot
+    do is move the series by several times its own spread in one direction. The noise is the larger of
+    the robust spread around the fitted line and the step-to-step spread (MAD of first differences),
+    so one spike does not inflate it and a slow wander does not shrink it, taken at the upper end of
+    its 95% interval: a short window can underestimate it, and the online watch re-tests short windows.
+  * *Stakes.* A clean, certain drift of a few KiB per step is not worth an alarm on an 80 GiB device,
+    and a floor that is right for a 16 GiB node is not for a 2 TiB one. So the floor is a share
+    (``capacity_fraction``, 1e-4: 8 MiB of an 80 GiB GPU) of what the series grows into: the device's
+    memory, or this rank's share of its cgroup limit or node memory. Where that is unknown (a series
+    judged alone) it is ``min_growth_mib``.
+
+- **No give-back**: a leak never returns memory, a cache that fills and empties does. The largest
+  persistent fall (after a 9-step running median that drops one-step spikes) must stay under half the
+  growth, so a sawtooth is not flagged.
+- **Not a few level shifts**: a cache allocated once, or a staircase of a few such, rises and never
+  falls, like a leak. A leak is growth spread over the steps; a shift is growth at one step with flat
+  levels around it. The window (spike-clipped block medians) is fitted both ways, as a line and as up
+  to three flat levels split where least squares puts them (optimal segmentation), and BIC chooses; a
+  line is one parameter against two per shift. When the levels win, the part after the largest shift
+  is judged again, by the same rules: a leak that starts after a jump is still flagged, a staircase is
+  not. :attr:`Trend.reason` says why a clear trend was dismissed.
+
+Long windows are first reduced to at most ``max_points`` block medians, which bounds the O(n²)
+pairwise work at ~32k pairs per series and damps the short-range autocorrelation that makes
+Mann–Kendall over-confident. Ranks with the same steps are judged together, in one numpy pass.
+
+A flagged series is then placed in its context by :mod:`rankmem.trend.outlook`: the phase that leaves the
+growth behind, and the step (and wall time) at which the memory it grows into runs out.
+``bench/bench_leaks.py`` measures recall and false alarms over generated series, online and offline.
+
+:class:`LeakWatch` is fed each collect's gathered values on the logging rank and warns once per rank
+and series; :func:`rankmem.offline.leaks.detect_leaks` runs the same verdicts offline over a run log. This
+module is online code: it imports neither the run-log reader nor the report.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from rankmem.core.catalogue import LEAK_KEYS, PHASE_DELTA, PHASE_PREFIX
+from rankmem.errors import RankmemError
+from rankmem.trend import outlook as _outlook
+from rankmem.trend.outlook import Exhaustion
+from rankmem.trend.stats import (
+    block_medians,
+    mann_kendall,
+    pair_differences,
+    robust_sd,
+    running_median,
+    segment,
+    sen,
+    theil_sen,
+    tie_variance,
+    upper_p,
+)
+
+__all__ = ["LEAK_KEYS", "LeakConfig", "Trend", "mann_kendall", "theil_sen", "trend", "trends"]
+
+_MIB_PER_GIB = 1024.0
+
+
+@dataclass(frozen=True)
+class LeakConfig:
+    """When a growing series counts as a leak. Validated on construction."""
+
+    window: float = 0.5
+    """Fraction of the logged steps examined, counted from the end: warm-up before it is ignored."""
+    last: int | None = None
+    """Examine the last ``last`` logged steps instead of a fraction."""
+    min_steps: int = 20
+    """Fewer logged steps in the window give no verdict."""
+    alpha: float = 0.01
+    """Largest one-sided Mann–Kendall p-value that counts as growth."""
+    noise_factor: float = 3.0
+    """The growth over the window must exceed this many noise standard deviations (plus the stakes floor)."""
+    capacity_fraction: float = 1e-4
+    """The stakes floor: this share of the memory the series grows into (device total; the rank's share
+    of its cgroup limit or node memory), in MiB of growth over the window."""
+    min_growth_mib: float = 8.0
+    """The stakes floor, MiB, where the capacity is unknown."""
+    max_points: int = 256
+    """Longer windows are reduced to this many block medians before the pairwise statistics."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.window <= 1.0:
+            raise RankmemError(f"leak window must be a fraction in (0, 1], got {self.window}")
+        if self.last is not None and self.last < 3:
+            raise RankmemError(f"leak window 'last' must be at least 3 steps, got {self.last}")
+        if self.min_steps < 3:
+            raise RankmemError(f"min_steps must be at least 3, got {self.min_steps}")
+        if not 0.0 < self.alpha < 1.0:
+            raise RankmemError(f"alpha must be in (0, 1), got {self.alpha}")
+        if self.noise_factor < 0:
+            raise RankmemError(f"noise_factor must be >= 0, got {self.noise_factor}")
+        if not 0.0 <= self.capacity_fraction < 1.0:
+            raise RankmemError(f"capacity_fraction must be in [0, 1), got {self.capacity_fraction}")
+        if self.min_growth_mib < 0:
+            raise RankmemError(f"min_growth_mib must be >= 0, got {self.min_growth_mib}")
+        if self.max_points < 8:
+            raise RankmemError(f"max_points must be at least 8, got {self.max_points}")
+
+    def stakes_mib(self, capacity_gib: float | None) -> float:
+        """The stakes floor for a series growing into ``capacity_gib`` (None: unknown)."""
+        if capacity_gib is None or not math.isfinite(capacity_gib) or capacity_gib <= 0:
+            return self.min_growth_mib
+        return self.capacity_fraction * capacity_gib * _MIB_PER_GIB
+
+
+@dataclass(frozen=True)
+class Trend:
+    """One rank's series over the examined window, and the verdict."""
+
+    key: str
+    rank: int
+    first_step: int
+    last_step: int
+    n: int
+    """Logged steps examined (before block medians)."""
+    slope_mib: float
+    """Theil–Sen growth rate, MiB per step."""
+    low_mib: float
+    high_mib: float
+    """95% confidence interval of the slope, MiB per step."""
+    p_value: float
+    """One-sided Mann–Kendall p-value for an increasing series."""
+    growth_mib: float
+    """``slope_mib`` times the steps spanned by the window."""
+    noise_mib: float
+    """The series' noise: the larger of its robust spread around the line and step to step, MiB."""
+    bar_mib: float
+    """The growth a leak must reach: ``noise_factor`` x noise + the stakes floor, MiB."""
+    drawdown_mib: float
+    """Largest persistent fall inside the window (after a 9-step running median), MiB."""
+    leak: bool
+    reason: str = ""
+    """Why a clear trend (growing, Mann–Kendall significant) was not flagged; empty otherwise."""
+    phase: str | None = None
+    """For a leak: the phase whose deltas carry the growth (``update``), where one clearly does."""
+    exhaustion: Exhaustion | None = None
+    """For a leak: when the memory it grows into runs out at this rate, where that is known."""
+
+    @property
+    def confidence(self) -> float:
+        """1 - p: how sure the test is that the series grows."""
+        return 1.0 - self.p_value
+
+    def describe(self) -> str:
+        text = (
+            f"rank {self.rank} {self.key}: {self.slope_mib:+.3f} MiB/step "
+            f"(95% CI {self.low_mib:+.3f}..{self.high_mib:+.3f}, p={self.p_value:.1e}), "
+            f"{self.growth_mib:+.1f} MiB over steps {self.first_step}..{self.last_step}"
+        )
+        if self.phase is not None:
+            text += f"; growth is left behind by phase {self.phase!r}"
+        if self.exhaustion is not None:
+            text += f"; {self.exhaustion.describe()}"
+        return text
+
+
+# ---- the verdict -------------------------------------------------------------------------------------
+
+_SPIKE_SD = 4.0
+"""A block median this many step-to-step noise deviations off its running median is a spike: the
+shape check clips it (a one-step checkpoint spike would otherwise pass for a level)."""
+_MAX_SHIFTS = 3
+_DRAWDOWN_WIDTH = 9
+"""The give-back is measured on a running median this wide: it drops spikes of up to 4 steps (a
+narrower one, measured here, costs recall on noisy series more than it gains on sawtooths)."""
+_RESOLUTION_MIB = 0.01
+"""Below this residual the fits are equally good: RSS moves by 4 KiB pages."""
+_MAX_DEPTH = 3
+"""How many times the part after a shift is judged again (each time a shorter part)."""
+_NORMAL_95 = 1.645
+_MAD_SE = 1.167
+"""Standard error of the MAD estimate of a normal sample's sd, in sds, times sqrt(n)."""
+
+
+def _window(n: int, config: LeakConfig) -> int:
+    """How many of the last ``n`` points to examine."""
+    if config.last is not None:
+        return min(n, config.last)
+    return max(int(math.ceil(n * config.window)), min(n, config.min_steps))
+
+
+def _trend_columns(x: np.ndarray, y: np.ndarray, key: str, ranks: Sequence[int], config: LeakConfig,
+                   stakes: np.ndarray, depth: int = 0) -> list[Trend | None]:
+    """The verdicts for the columns of ``y`` (MiB, no gaps; column c is rank ``ranks[c]``, its stakes
+    floor ``stakes[c]`` MiB) against the shared steps ``x``, in one numpy pass: the pairwise work is
+    what costs, and it vectorises across ranks."""
+    take = _window(x.size, config)
+    if take < config.min_steps:
+        return [None] * len(ranks)
+    x, y = x[-take:], y[-take:]
+    xb, yb = block_medians(x, y, config.max_points)
+    rows = np.ascontiguousarray(yb.T)
+    dy = pair_differences(rows)
+    var = tie_variance(rows)
+    slope, low, high = sen(pair_differences(xb.reshape(1, -1))[0], dy, var, 0.95)
+    p = np.array([upper_p(float(s), float(v)) for s, v in zip(np.sign(dy).sum(axis=1), var, strict=True)])
+    span = float(x[-1] - x[0])
+    growth = slope * span
+    noise = np.maximum(robust_sd(y - slope * x[:, None]), robust_sd(np.diff(y, axis=0)) / math.sqrt(2))
+    # A short window can underestimate the noise: take the upper 95% bound of the MAD estimate
+    # (its standard error is ~1.17 sd / sqrt(n)), so that re-testing short windows online stays quiet.
+    noise *= 1.0 + _NORMAL_95 * _MAD_SE / math.sqrt(take)
+    bar = config.noise_factor * noise + stakes
+    # A leak never gives memory back; a cache that fills and empties (a sawtooth) does.
+    smooth = running_median(y, _DRAWDOWN_WIDTH)
+    drawdown = (np.maximum.accumulate(smooth, axis=0) - smooth).max(axis=0)
+    clear = (slope > 0) & (p < config.alpha)
+    grows = clear & (growth >= bar) & (drawdown <= 0.5 * growth)
+    reasons = [""] * len(ranks)
+    for c in np.flatnonzero(clear & ~grows).tolist():
+        if growth[c] < bar[c]:
+            reasons[c] = (f"growth {growth[c]:+.1f} MiB is under the bar of {bar[c]:.1f} MiB "
+                          f"({config.noise_factor:g} x {noise[c]:.1f} MiB noise + {stakes[c]:.1f} MiB at stake)")
+        else:
+            reasons[c] = f"gives back {drawdown[c]:.1f} MiB of its {growth[c]:+.1f} MiB growth (fills and empties)"
+    if depth < _MAX_DEPTH:
+        for c in np.flatnonzero(grows).tolist():  # only would-be leaks pay for the shape check
+            why = _level_shifts(x, y[:, c], xb, yb[:, c], key, config, float(stakes[c]), depth)
+            if why:
+                grows[c] = False
+                reasons[c] = why
+    out: list[Trend | None] = []
+    for c, rank in enumerate(ranks):
+        if math.isnan(slope[c]):
+            out.append(None)
+            continue
+        out.append(Trend(
+            key=key, rank=rank, first_step=int(x[0]), last_step=int(x[-1]), n=int(take),
+            slope_mib=float(slope[c]), low_mib=float(low[c]), high_mib=float(high[c]), p_value=float(p[c]),
+            growth_mib=float(growth[c]), noise_mib=float(noise[c]), bar_mib=float(bar[c]),
+            drawdown_mib=float(drawdown[c]), leak=bool(grows[c]), reason=reasons[c],
+        ))
+    return out
+
+
+def _level_shifts(x: np.ndarray, y: np.ndarray, xb: np.ndarray, yb: np.ndarray, key: str, config: LeakConfig,
+                  stakes: float, depth: int) -> str:
+    """Why one would-be leak is a few level shifts instead ("level shift of +N MiB at step S..."), or ""
+    when it is not. ``x, y``: the window (MiB); ``xb, yb``: its block medians."""
+    n = yb.size
+    min_len = max(3, n // 20)
+    if n < 2 * min_len:
+        return ""
+    white = float(robust_sd(np.diff(yb)[:, None])[0]) / math.sqrt(2)
+    smooth = running_median(yb[:, None])[:, 0]
+    ys = np.where(np.abs(yb - smooth) > _SPIKE_SD * max(white, _RESOLUTION_MIB), smooth, yb)
+    floor = n * _RESOLUTION_MIB**2
+
+    def bic(rss: float, params: int) -> float:
+        return n * math.log((rss + floor) / n) + params * math.log(n)
+
+    centred = xb - xb.mean()
+    fit = np.polyfit(centred, ys, 1)
+    line = bic(float(((ys - np.polyval(fit, centred)) ** 2).sum()), 2)
+    best: tuple[float, list[int]] | None = None
+    for shifts in range(1, _MAX_SHIFTS + 1):
+        if n < (shifts + 1) * min_len:
+            break
+        starts, rss = segment(ys, shifts, min_len)
+        score = bic(rss, 2 * shifts + 1)
+        if best is None or score < best[0]:
+            best = (score, starts)
+    if best is None or best[0] >= line:
+        return ""
+    starts = best[1]
+    edges = [0, *starts, n]
+    levels = [float(np.median(ys[a:b])) for a, b in zip(edges[:-1], edges[1:], strict=True)]
+    jumps = np.diff(levels)
+    at = float(xb[starts[int(np.argmax(jumps))]])
+    after = x >= at
+    if after.sum() >= config.min_steps:
+        # Is what follows the largest shift a leak of its own? Judged whole, by the same rules.
+        whole = replace(config, window=1.0, last=None)
+        again = _trend_columns(x[after], y[after, None], key, [0], whole, np.array([stakes]), depth + 1)[0]
+        if again is not None and again.leak:
+            return ""
+    # Name the shifts that stand out of the step-to-step noise; the fit also moves with the wander.
+    sizes = [float(j) for j in jumps]
+    major = [(j, s) for j, s in zip(sizes, starts, strict=True) if abs(j) >= config.noise_factor * white] or [
+        (max(sizes), starts[sizes.index(max(sizes))])]
+    text = [f"{j:+.1f} MiB at step {int(xb[s])}" for j, s in major]
+    if len(text) == 1:
+        return f"level shift of {text[0]}, no steady growth after it"
+    return f"{len(text)} level shifts ({', '.join(text)}), no steady growth after the largest"
+
+
+def trend(steps: np.ndarray, values_gib: np.ndarray, key: str, rank: int, config: LeakConfig | None = None,
+          capacity_gib: float | None = None) -> Trend | None:
+    """The verdict for one series (GiB values against step numbers); None when too short to judge.
+    ``capacity_gib``: what the series grows into (see :attr:`LeakConfig.capacity_fraction`)."""
+    config = config or LeakConfig()
+    values = np.asarray(values_gib, dtype=float)
+    ok = np.isfinite(values)
+    x = np.asarray(steps, dtype=float)[ok]
+    stakes = np.array([config.stakes_mib(capacity_gib)])
+    return _trend_columns(x, values[ok, None] * _MIB_PER_GIB, key, [rank], config, stakes)[0]
+
+
+# Ranks judged in one pass: 64 ranks x 32k pairs keeps the pairwise arrays near 17 MB each.
+_BATCH = 64
+
+
+def trends(steps: np.ndarray, columns_gib: np.ndarray, key: str, ranks: Sequence[int], config: LeakConfig,
+           capacity_gib: Sequence[float | None] | None = None) -> list[Trend]:
+    """Trends of the columns of ``columns_gib`` (steps x series; column c is rank ``ranks[c]``, growing
+    into ``capacity_gib[c]``), by rank.
+
+    Columns without gaps share their steps and are judged together; a column with gaps has its own
+    window and is judged alone; an empty one (a key this rank never reported) is skipped."""
+    finite = np.isfinite(columns_gib)
+    caps = list(capacity_gib) if capacity_gib is not None else [None] * len(ranks)
+    stakes = np.array([config.stakes_mib(c) for c in caps])
+    whole = [c for c in range(len(ranks)) if finite[:, c].all()]
+    x = np.asarray(steps, dtype=float)
+    out: list[Trend | None] = []
+    for start in range(0, len(whole), _BATCH):
+        cols = whole[start : start + _BATCH]
+        out += _trend_columns(x, columns_gib[:, cols] * _MIB_PER_GIB, key, [ranks[c] for c in cols], config,
+                              stakes[cols])
+    for c in range(len(ranks)):
+        if finite[:, c].any() and c not in whole:
+            out.append(trend(steps, columns_gib[:, c], key, ranks[c], config, caps[c]))
+    return sorted((t for t in out if t is not None), key=lambda t: t.rank)
+
+
+# ---- a flagged series in its context ----------------------------------------------------------------
+
+def outlook(found: Sequence[Trend], current_gib: Callable[[Trend], float | None],
+            context: Callable[[int], Mapping[str, float | None]], node_of: Callable[[int], object],
+            pace: float | None, phase_deltas: Callable[[Trend], Mapping[str, np.ndarray]],
+            rows_per_step: float, also_leaking: Sequence[Trend] = ()) -> list[Trend]:
+    """``found`` with each leak's phase and exhaustion filled in (other trends unchanged).
+
+    ``current_gib(t)``: the series' value at ``t.last_step``; ``context(rank)``: that rank's latest
+    capacity figures by key; ``node_of(rank)``: which node it runs on (host memory is shared there);
+    ``pace``: seconds per step; ``phase_deltas(t)``: per phase, the delta key's values over ``t``'s
+    window; ``rows_per_step``: logged rows per step (1 when every step is logged); ``also_leaking``:
+    leaks found before, which draw on their node's host memory too.
+    """
+    node_rate: dict[object, float] = {}
+    for t in [*found, *also_leaking]:
+        if t.leak and not _outlook.is_device_key(t.key):
+            node = node_of(t.rank)
+            node_rate[node] = node_rate.get(node, 0.0) + t.slope_mib
+    out = []
+    for t in found:
+        if not t.leak:
+            out.append(t)
+            continue
+        phase = _outlook.leaking_phase(phase_deltas(t), t.slope_mib / rows_per_step) if t.key in PHASE_DELTA else None
+        projection = None
+        current = current_gib(t)
+        room = None if current is None else _outlook.headroom_gib(t.key, context(t.rank), current)
+        if room is not None:
+            rate = t.slope_mib if _outlook.is_device_key(t.key) else node_rate[node_of(t.rank)]
+            projection = _outlook.exhaustion(room[0], room[1], rate, t.last_step, pace)
+        out.append(replace(t, phase=phase, exhaustion=projection))
+    return out
+
+
+def phase_delta_keys(key: str, keys: Sequence[str]) -> dict[str, str]:
+    """Phase name -> its delta key of ``key`` (``mem/phase/P/rss_delta_gib`` for host RSS) among ``keys``."""
+    suffix = PHASE_DELTA.get(key)
+    if suffix is None:
+        return {}
+    tail = "/" + suffix
+    return {k[len(PHASE_PREFIX) : -len(tail)]: k for k in keys if k.startswith(PHASE_PREFIX) and k.endswith(tail)}
+
+
+# ---- online ----------------------------------------------------------------------------------------
+
+
+

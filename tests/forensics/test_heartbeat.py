@@ -1,0 +1,122 @@
+"""Heartbeat files: the fixed record round-trips, survives the process, and bad files are skipped."""
+
+from __future__ import annotations
+
+import os
+import struct
+import time
+from pathlib import Path
+
+import pytest
+
+from rankmem.forensics import heartbeat as _heartbeat
+from rankmem.forensics.heartbeat import RECORD_SIZE, Heartbeat, heartbeat_dir, read_heartbeats
+
+
+def test_beat_round_trip(tmp_path: Path) -> None:
+    before = time.time()
+    hb = Heartbeat(str(tmp_path), 1)
+    first = read_heartbeats(str(tmp_path))[1]
+    assert first.pid == os.getpid() and first.step is None and first.seq == 0 and not first.clean
+    hb.beat(57, "update", 3 << 30)
+    hb.beat(58, "rollout", None)
+    rec = read_heartbeats(str(tmp_path))[1]
+    assert (rec.rank, rec.step, rec.phase, rec.rss_bytes, rec.seq, rec.clean) == (1, 58, "rollout", None, 2, False)
+    assert before <= rec.time <= time.time()
+    assert os.path.getsize(tmp_path / "rank1.hb") == RECORD_SIZE
+    hb.close()
+    rec = read_heartbeats(str(tmp_path))[1]
+    assert rec.clean and rec.step == 58 and rec.seq == 2
+    hb.beat(59, "x", 1)  # after close: dropped, no error
+    assert read_heartbeats(str(tmp_path))[1].step == 58
+
+
+def test_a_negative_step_reads_back_as_itself(tmp_path: Path) -> None:
+    hb = Heartbeat(str(tmp_path), 0)
+    hb.beat(-1, "validate", 1 << 30)  # an evaluation before training, numbered -1
+    assert read_heartbeats(str(tmp_path))[0].step == -1
+    hb.beat(None, None, None)
+    assert read_heartbeats(str(tmp_path))[0].step is None
+    hb.close()
+
+
+def test_unclean_close_and_outliving_the_process(tmp_path: Path) -> None:
+    pid = os.fork()
+    if pid == 0:
+        hb = Heartbeat(str(tmp_path), 2)
+        hb.beat(12, "rollout", 1 << 20)
+        os.kill(os.getpid(), 9)  # what the OOM killer does: no code runs after this
+    os.waitpid(pid, 0)
+    rec = read_heartbeats(str(tmp_path))[2]
+    assert rec.pid == pid and rec.step == 12 and rec.phase == "rollout" and not rec.clean
+    hb = Heartbeat(str(tmp_path), 3)
+    hb.close(clean=False)
+    assert not read_heartbeats(str(tmp_path))[3].clean
+
+
+def test_phase_is_truncated_on_a_character_boundary(tmp_path: Path) -> None:
+    hb = Heartbeat(str(tmp_path), 0)
+    hb.beat(1, "p" * 31 + "é", None)  # "é" is 2 bytes and would straddle the 32-byte field
+    assert read_heartbeats(str(tmp_path))[0].phase == "p" * 31
+    hb.beat(2, "rollout/génération", None)
+    assert read_heartbeats(str(tmp_path))[0].phase == "rollout/génération"
+
+
+def test_short_garbage_and_torn_files_are_skipped(tmp_path: Path) -> None:
+    Heartbeat(str(tmp_path), 0).beat(5, "a", 1)
+    (tmp_path / "rank1.hb").write_bytes(b"RMHB")  # short
+    (tmp_path / "rank2.hb").write_bytes(os.urandom(RECORD_SIZE))  # garbage
+    good = (tmp_path / "rank0.hb").read_bytes()
+    (tmp_path / "rank3.hb").write_bytes(good[:-8] + struct.pack("<Q", 99))  # seq halves disagree: torn
+    (tmp_path / "rank4.hb").write_bytes(good[:4] + struct.pack("<H", 99) + good[6:])  # a newer version
+    (tmp_path / "notes.txt").write_text("x")
+    assert list(read_heartbeats(str(tmp_path))) == [0]
+    assert read_heartbeats(str(tmp_path / "missing")) == {}
+
+
+def test_unwritable_directory_warns_and_beats_are_no_ops(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.warns(RuntimeWarning, match="cannot write the heartbeat"):
+        hb = Heartbeat(str(blocker / "hb"), 0)
+    hb.beat(1, "a", 1)
+    hb.close()
+
+
+def test_heartbeat_dir_rule(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(_heartbeat.ENV_DIR, raising=False)
+    assert heartbeat_dir(str(tmp_path)) == str(tmp_path / "heartbeat")
+    assert heartbeat_dir(None) is None
+    monkeypatch.setenv(_heartbeat.ENV_DIR, "/launcher/hb")
+    assert heartbeat_dir(str(tmp_path)) == "/launcher/hb"
+    assert heartbeat_dir(None) == "/launcher/hb"
+
+
+def test_a_file_that_cannot_be_mapped_is_written_with_pwrite(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_map(*args: object) -> None:
+        raise OSError(19, "No such device")  # ENODEV: what mmap gives on a file system without it
+
+    monkeypatch.setattr(_heartbeat.mmap, "mmap", no_map)
+    hb = Heartbeat(str(tmp_path), 4)
+    hb.beat(7, "update", 5 << 20)
+    rec = read_heartbeats(str(tmp_path))[4]
+    assert (rec.step, rec.phase, rec.rss_bytes, rec.seq, rec.clean) == (7, "update", 5 << 20, 1, False)
+    hb.close()
+    assert read_heartbeats(str(tmp_path))[4].clean
+    assert os.path.getsize(tmp_path / "rank4.hb") == RECORD_SIZE
+
+
+def test_a_version_1_record_still_reads(tmp_path: Path) -> None:
+    """A rank of the previous release (another node, mid-upgrade) wrote version 1, with -1 for no step."""
+    hb = Heartbeat(str(tmp_path), 3)
+    hb.beat(12, "update", 1 << 30)
+    hb.close()
+    path = tmp_path / "rank3.hb"
+    data = bytearray(path.read_bytes())
+    struct.pack_into("<H", data, 4, 1)  # the version field, after the 4-byte magic
+    path.write_bytes(bytes(data))
+    assert read_heartbeats(str(tmp_path))[3].step == 12
+    step_at = struct.calcsize("<4sHHIiQ")
+    struct.pack_into("<q", data, step_at, -1)
+    path.write_bytes(bytes(data))
+    assert read_heartbeats(str(tmp_path))[3].step is None

@@ -1,0 +1,171 @@
+"""Hugging Face Trainer integration, with a real ``transformers.Trainer`` on a tiny random GPT-2 (CPU)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rankmem.offline import read_run
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+REPO = Path(__file__).resolve().parents[2]
+KEYS = ("mem/host/rss_gib", "mem/host/peak_rss_gib", "mem/phase/train_step/peak_rss_gib")
+
+
+def _statm_rss_gib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+
+def tiny_trainer(tmp_path: Path, model_class: Any = None, samples: int = 32, callbacks: Any = None,
+                 **arguments: Any) -> Any:
+    """A Trainer over a tiny random GPT-2 (``model_class``, a subclass, to make it fail) on ``samples``
+    random sequences, on the CPU, logging every step; ``arguments`` override the TrainingArguments."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    model = (model_class or GPT2LMHeadModel)(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=128,
+                                                        n_positions=32))
+    data = [{"input_ids": x, "labels": x} for x in torch.randint(0, 128, (samples, 16))]
+    options = {"output_dir": str(tmp_path / "hf"), "max_steps": 3, "per_device_train_batch_size": 4,
+               "logging_steps": 1, "use_cpu": True, "report_to": [], "save_strategy": "no", "disable_tqdm": True,
+               **arguments}
+    return Trainer(model=model, args=TrainingArguments(**options), train_dataset=data, callbacks=callbacks)
+
+
+def _check_entry(entry: dict[str, Any], world: int) -> None:
+    for key in KEYS:
+        lo, mean, hi = entry[key + "/min"], entry[key + "/mean"], entry[key + "/max"]
+        assert 0.05 < lo <= mean <= hi < 8, (key, lo, mean, hi)
+        assert entry[key + "/max_rank"] in range(world)
+    assert entry["mem/host/peak_rss_gib/max"] >= entry["mem/host/rss_gib/max"]
+    assert entry["mem/host/peak_rss_gib/min"] >= entry["mem/host/rss_gib/min"]
+
+
+def test_trainer_single_process(tmp_path: Path) -> None:
+    from rankmem.integrations.hf import RankmemCallback, attach
+
+    trainer = tiny_trainer(tmp_path, output_dir=str(tmp_path))
+    data = trainer.train_dataset
+    cb = attach(trainer)
+    order = [type(c).__name__ for c in trainer.callback_handler.callbacks]
+    assert order.index("RankmemCallback") == order.index("DefaultFlowCallback") + 1
+    trainer.train()
+    statm = _statm_rss_gib()
+
+    steps = [e for e in trainer.state.log_history if "loss" in e]
+    assert [e["step"] for e in steps] == [1, 2, 3]
+    for entry in steps:
+        _check_entry(entry, world=1)
+        assert entry["mem/host/rss_gib/max_rank"] == 0
+    # The last window ended moments ago: its RSS is this process's RSS now, within 64 MiB.
+    assert abs(cb.last_metrics["mem/host/rss_gib/max"] - statm) < 1 / 16
+    assert isinstance(cb, RankmemCallback)
+
+    # evaluate() after train(): the callback closed its monitor at train end and builds a fresh one,
+    # so the eval log still carries live figures.
+    trainer.evaluate(eval_dataset=data[:8])
+    evals = [e for e in trainer.state.log_history if "eval_loss" in e]
+    assert len(evals) == 1
+    assert abs(evals[0]["mem/host/rss_gib/max"] - _statm_rss_gib()) < 1 / 16
+
+
+def test_an_oom_leaving_train_is_an_event_at_its_step(tmp_path: Path) -> None:
+    import numpy as np
+    from transformers import GPT2LMHeadModel
+
+    from rankmem.forensics.heartbeat import read_heartbeats
+    from rankmem.integrations.hf import attach
+    from rankmem.offline.events import read_events
+
+    class RunsOutInTheThirdStep(GPT2LMHeadModel):  # type: ignore[misc]
+        forwards = 0
+
+        def forward(self, **kwargs: Any) -> Any:
+            type(self).forwards += 1
+            if type(self).forwards == 3:
+                np.ones(1 << 62, dtype=np.uint8)  # a real MemoryError (4 EiB)
+            return super().forward(**kwargs)
+
+    trainer = tiny_trainer(tmp_path, RunsOutInTheThirdStep, max_steps=5, remove_unused_columns=False)
+    cb = attach(trainer, out_dir=str(tmp_path), near_oom_watch=False)
+    attach(trainer, cb)  # twice: train is wrapped once
+    with pytest.raises(MemoryError):
+        trainer.train()
+    assert [e["step"] for e in trainer.state.log_history if "loss" in e] == [1, 2]
+    (event,) = read_events(str(tmp_path)).events
+    assert (event["kind"], event["where"], event["step"], event["phase"]) == ("oom", "host", 3, "train_step")
+    # The callback's own monitor was closed, as by a failure: its heartbeat says the exit was not clean.
+    assert cb.monitor is None
+    beat = read_heartbeats(str(tmp_path / "heartbeat"))[0]
+    assert beat.step == 3 and beat.phase == "train_step" and not beat.clean
+
+
+def test_an_oom_auto_find_batch_size_retries_is_still_an_event(tmp_path: Path) -> None:
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    from rankmem.integrations.hf import attach
+    from rankmem.offline.events import read_events
+
+    class TooBigAtBatch8(GPT2LMHeadModel):  # type: ignore[misc]
+        def forward(self, **kwargs: Any) -> Any:
+            if kwargs["input_ids"].shape[0] == 8:
+                torch.empty(1 << 60, dtype=torch.uint8)  # torch's CPU allocator refuses 1 EiB
+            return super().forward(**kwargs)
+
+    trainer = tiny_trainer(tmp_path, TooBigAtBatch8, max_steps=2, per_device_train_batch_size=8,
+                           remove_unused_columns=False, auto_find_batch_size=True)
+    attach(trainer, out_dir=str(tmp_path), near_oom_watch=False)
+    trainer.train()  # accelerate takes the OOM, shrinks the batch (to 7) and trains on
+    assert [e["step"] for e in trainer.state.log_history if "loss" in e] == [1, 2]
+    (event,) = read_events(str(tmp_path)).events
+    assert (event["kind"], event["where"], event["step"], event["phase"]) == ("oom", "host", 1, "train_step")
+    assert event["requested_bytes"] == 1 << 60
+
+
+def test_importing_rankmem_imports_no_framework() -> None:
+    code = "import sys, rankmem; print(sorted(m for m in ('transformers', 'lightning', 'torch') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_missing_framework_names_the_extra() -> None:
+    code = (
+        "import sys; sys.modules['transformers'] = None\n"
+        "try:\n    import rankmem.integrations.hf\nexcept ImportError as e:\n"
+        "    print(type(e).__name__, e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == (
+        "MissingExtraError rankmem.integrations.hf needs transformers, which is not installed: "
+        "pip install 'rankmem[hf]'"
+    )
+
+
+# ---- attach() of a callback already in the Trainer's list moves it: one collect per on_log ----------
+
+def test_hf_attach_twice_collects_once_per_log(tmp_path: Path) -> None:
+    """A callback passed in callbacks= and then attach()ed is moved, not added twice: twice, every
+    on_log would run two collects, the second one's near-empty window overwriting the step's figures."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+
+    from rankmem.integrations.hf import RankmemCallback, attach
+
+    cb = RankmemCallback(out_dir=str(tmp_path / "run"), sinks=("jsonl",), near_oom_watch=False)
+    trainer = tiny_trainer(tmp_path, samples=16, max_steps=2, callbacks=[cb])
+    attach(trainer, cb)  # "puts the callback ahead of the trackers"
+    trainer.train()
+    run = read_run(str(tmp_path / "run"))
+    # One collect per on_log: the two steps, then the final summary (logged at the last step again).
+    assert run.steps.tolist() == [1, 2, 2]
+    assert sum(c is cb for c in trainer.callback_handler.callbacks) == 1

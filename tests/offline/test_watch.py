@@ -1,0 +1,327 @@
+"""``rankmem watch``: the run log's tail read from its end, the frame built from log, heartbeats and
+events, and the command driven against a real ``rankmem train`` job while it writes (``--once`` with
+the ranks paused, so what is shown can be compared with the files exactly; then the live view in a
+pseudo-terminal for a few redraws, ended by SIGINT)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rankmem.cli import main
+from rankmem.core.catalogue import key_of, worse
+from rankmem.forensics.events import EventWriter
+from rankmem.forensics.heartbeat import Heartbeat, read_heartbeats
+from rankmem.offline import read_run
+from rankmem.offline.columnar import DetailFollower
+from rankmem.offline.tail import FIRST_BLOCK, TailFollower, read_last_steps
+from rankmem.offline.watch import COLUMNS, Watcher, build_frame
+from rankmem.runlog import RUN_LOG_NAME
+from rankmem.runlog.layout import DETAIL_NAME
+from tests.conftest import REPO, sigint_as_at_a_terminal
+from tests.runlog_helpers import run_with_events, write_run
+
+TRAIN_TIMEOUT_S = 240
+
+
+# ---- the tail ----------------------------------------------------------------------------------------
+
+def test_tail_skips_a_line_being_written_and_corrupt_lines(tmp_path: Path) -> None:
+    path = write_run(tmp_path, {key_of("rss"): np.arange(12.0).reshape(6, 2)}, detail="inline")
+    with open(path, "a") as f:
+        f.write('{not json\n{"kind":"step","step":99,"ti')  # a corrupt line, then one cut mid-write
+    steps, _ = read_last_steps(str(path), 2)
+    assert [s["step"] for s in steps] == [4, 5]
+    assert steps[-1]["ranks"][key_of("rss")] == [10.0, 11.0]
+    steps, _ = read_last_steps(str(path), 100)  # fewer in the file: all of them, header skipped
+    assert [s["step"] for s in steps] == list(range(6))
+
+
+def test_tail_reads_a_bounded_amount_of_a_big_log_and_grows_for_long_lines(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    path = write_run(tmp_path, {key_of("rss"): rng.random((3000, 8))}, detail="inline")
+    size = path.stat().st_size
+    steps, nread = read_last_steps(str(path), 2)
+    assert [s["step"] for s in steps] == [2998, 2999] and nread == FIRST_BLOCK < size
+    # ~300 KB lines: an inline log of 16k ranks (a columnar log's lines hold the aggregates only).
+    wide = write_run(tmp_path / "wide", {key_of("rss"): rng.random((3, 16384))}, detail="inline")
+    steps, nread = read_last_steps(str(wide), 2)
+    assert [s["step"] for s in steps] == [1, 2] and FIRST_BLOCK < nread <= wide.stat().st_size
+
+
+def test_follower_rereads_only_on_change_and_follows_a_rotation(tmp_path: Path) -> None:
+    write_run(tmp_path, {key_of("rss"): np.ones((3, 2))})
+    follower = TailFollower(str(tmp_path / RUN_LOG_NAME))
+    assert [s["step"] for s in follower.poll().steps] == [1, 2]
+    assert follower.poll().bytes_read == 0  # unchanged: nothing read
+    os.replace(tmp_path / RUN_LOG_NAME, tmp_path / "rankmem.jsonl.1")  # a restart moved it aside...
+    assert follower.poll().steps == []
+    write_run(tmp_path, {key_of("rss"): np.ones((1, 4))})  # ...and a new run began
+    tail = follower.poll()
+    assert tail.header is not None and tail.header["world_size"] == 4 and [s["step"] for s in tail.steps] == [0]
+
+
+# ---- the frame -----------------------------------------------------------------------------------------
+
+def test_frame_marks_the_worst_rank_per_column_in_the_catalogues_direction(tmp_path: Path) -> None:
+    rss = np.array([[1.0, 2.0, 3.0], [1.0, 2.5, 2.0]])
+    headroom = np.array([[5.0, 1.0, 9.0], [5.0, 4.0, 0.5]])
+    children = np.zeros((2, 3))
+    write_run(tmp_path, {key_of("rss"): rss, key_of("headroom"): headroom, key_of("children_rss"): children})
+    beats = [Heartbeat(str(tmp_path / "heartbeat"), r) for r in range(3)]
+    beats[0].beat(2, "rollout", None)
+    beats[2].beat(2, "", None)
+    beats[1].close()
+    EventWriter(str(tmp_path), 2).write({"kind": "near_oom", "step": 1, "phase": "update", "reasons": ["low"]})
+    frame = Watcher(str(tmp_path)).frame()
+    assert frame.step == 1 and frame.world_size == 3 and frame.step_time_s == pytest.approx(1.0)
+    assert [label for label, _ in frame.columns] == ["rss", "headroom", "children"]
+    assert worse(key_of("headroom")) == "low"
+    assert frame.worst == {key_of("rss"): 1, key_of("headroom"): 2}  # all-zero children: no worst rank
+    assert [(r.step, r.phase, r.exited) for r in frame.rows] == [(2, "rollout", False), (None, "", True),
+                                                                  (2, "", False)]
+    assert [e["kind"] for e in frame.events] == ["near_oom"]
+
+
+def test_frame_before_the_first_step_comes_from_heartbeats(tmp_path: Path) -> None:
+    Heartbeat(str(tmp_path / "heartbeat"), 1).beat(None, "", None)
+    frame = build_frame(str(tmp_path), TailFollower(str(tmp_path / RUN_LOG_NAME)).poll(),
+                        read_heartbeats(str(tmp_path / "heartbeat")), [])
+    assert frame.step is None and frame.world_size == 2 and frame.columns == []
+
+
+def test_once_on_a_directory_with_nothing_yet_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["watch", "--once", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (
+        f"rankmem watch: error: nothing to show in {tmp_path} yet: no run log lines and no heartbeats "
+        f"(expected {tmp_path}/rankmem.jsonl and {tmp_path}/heartbeat)\n"
+    )
+
+
+# ---- against a real job ----------------------------------------------------------------------------------
+
+def _wait_for(cond, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+def _logged_steps(out: Path) -> int:
+    try:
+        return max(0, (out / RUN_LOG_NAME).read_bytes().count(b"\n") - 1)
+    except OSError:
+        return 0
+
+
+def _parse_once(text: str, labels: list[str]) -> tuple[int, dict[int, tuple[str, str, dict[str, bool]]]]:
+    """(logged step, rank -> (step, phase, label -> marked worst)) from one ``--once`` frame."""
+    lines = text.splitlines()
+    step = int(lines[0].split("logged step ")[1].split()[0])
+    rows = {}
+    for line in lines:
+        tokens = line.split()
+        if len(tokens) == 5 + len(labels) and tokens[0].isdigit() and tokens[4] == "s":
+            rows[int(tokens[0])] = (tokens[1], tokens[2], {lab: v.endswith("*") for lab, v in zip(labels, tokens[5:], strict=True)})
+    return step, rows
+
+
+def _run_live_in_pty(run: Path, frames_seen: int, out: Path, timeout: float = 60) -> tuple[int, str]:
+    master, slave = pty.openpty()
+    env = {**os.environ, "TERM": "xterm", "COLUMNS": "150", "LINES": "40"}
+    proc = subprocess.Popen([sys.executable, "-m", "rankmem", "watch", str(run), "--interval", "0.2"],
+                            stdin=slave, stdout=slave, stderr=slave, env=env, cwd=REPO, start_new_session=True,
+                            preexec_fn=sigint_as_at_a_terminal)
+    os.close(slave)
+    chunks: list[bytes] = []
+    event_written = False
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 0.5)
+            if ready:
+                chunks.append(os.read(master, 65536))
+            text = b"".join(chunks).decode("utf-8", "replace")
+            shown = text.count("rankmem watch ")
+            if shown >= 2 and not event_written:  # an event written while it runs shows up in a later frame
+                EventWriter(str(out), 1).write({"kind": "near_oom", "step": 3, "phase": "update", "reasons": ["test"]})
+                event_written = True
+            if shown >= frames_seen and "near_oom rank 1 step 3 phase update: test" in text:
+                break
+        proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
+        rc = proc.wait(timeout=30)
+        while True:  # what it printed on the way out
+            ready, _, _ = select.select([master], [], [], 0.2)
+            if not ready:
+                break
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # EIO: the terminal's other end closed
+                break
+            if not data:
+                break
+            chunks.append(data)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(master)
+    return rc, b"".join(chunks).decode("utf-8", "replace")
+
+
+def test_watch_follows_a_real_job(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    job = subprocess.Popen([sys.executable, "-m", "rankmem", "train", "--task", "grpo", "--steps", "60",
+                            "--nproc-per-node", "2", "--no-progress", "--out", str(out)],
+                           cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_for(lambda: _logged_steps(out) >= 4 and len(read_heartbeats(str(out / "heartbeat"))) == 2
+                  and DetailFollower(str(out / DETAIL_NAME)).poll() is not None,  # its first batch: ~1 s
+                  120, "the job's first steps")
+        # Pause both ranks, so the log and heartbeats hold still while --once reads them.
+        beats = read_heartbeats(str(out / "heartbeat"))
+        for b in beats.values():
+            os.kill(b.pid, signal.SIGSTOP)
+        try:
+            time.sleep(0.3)
+            last = read_last_steps(str(out / RUN_LOG_NAME), 1)[0][-1]
+            # The per-rank values: the side file's newest collect (its batch may be a second behind).
+            detail = DetailFollower(str(out / DETAIL_NAME)).poll()
+            beats = read_heartbeats(str(out / "heartbeat"))
+            once = subprocess.run([sys.executable, "-m", "rankmem", "watch", "--once", str(out)], cwd=REPO,
+                                  capture_output=True, text=True, timeout=60)
+        finally:
+            for b in beats.values():
+                os.kill(b.pid, signal.SIGCONT)
+        assert once.returncode == 0, once.stderr
+        assert "ranks" not in last and detail is not None and detail[0] <= last["step"]
+        per_rank = detail[1]
+        if detail[0] != last["step"]:
+            assert f"per-rank values of step {detail[0]}" in once.stdout, once.stdout
+        columns = [(label, key_of(name)) for label, name in COLUMNS if key_of(name) in per_rank]
+        step, rows = _parse_once(once.stdout, [label for label, _ in columns])
+        assert step == last["step"], once.stdout
+        assert sorted(rows) == [0, 1], once.stdout
+        for rank, (hb_step, phase, marks) in rows.items():
+            assert (hb_step, phase) == (str(beats[rank].step), beats[rank].phase or "-"), once.stdout
+            assert phase in ("rollout", "log_prob", "update", "-")
+            for label, key in columns:
+                vec = per_rank[key]
+                if len(set(vec)) == 1:
+                    assert not marks[label], (label, once.stdout)
+                    continue
+                target = min(vec) if worse(key) == "low" else max(vec)
+                assert marks[label] == (rank == vec.index(target)), (label, vec, once.stdout)
+
+        rc, text = _run_live_in_pty(out, frames_seen=4, out=out)
+        assert rc == 0, text[-3000:]
+        assert text.count("rankmem watch ") >= 4 and "near_oom rank 1 step 3 phase update: test" in text, text[-3000:]
+        assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+        assert job.wait(timeout=TRAIN_TIMEOUT_S) == 0, job.stdout.read() if job.stdout else ""
+    finally:
+        if job.poll() is None:
+            job.send_signal(signal.SIGINT)  # rankmem train stops torchrun and its workers on Ctrl-C
+            job.wait(timeout=60)
+    # After the job: --once still works, every rank shown as exited.
+    done = subprocess.run([sys.executable, "-m", "rankmem", "watch", "--once", str(out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.count("(exited)") == 2, done.stdout
+    assert json.loads((out / RUN_LOG_NAME).read_text().splitlines()[-1])["step"] == 59
+
+
+# ---- rankmem watch crashes on a step line the reader counts as corrupt --------------------------
+
+@pytest.mark.parametrize("bad", ['{"kind":"step","step":null,"time":5.0,"metrics":{}}',
+                                 '{"kind":"step","step":3,"time":5.0,"metrics":{},"ranks":null}'])
+def test_watch_skips_a_corrupt_last_step_line(tmp_path: Path, bad: str) -> None:
+    """read_last_steps accepts any object with kind=step and a metrics dict; build_frame then does
+    int(last["step"]) (TypeError on null) and step.get("ranks", {}).get(...) (AttributeError on null).
+    read_run counts the same line as corrupt and reads on."""
+    from rankmem.offline.watch import Watcher
+    from tests.runlog_helpers import write_run
+
+    write_run(tmp_path, {"mem/host/rss_gib": np.array([[1.0, 2.0], [1.5, 2.5]])}, detail="inline")
+    with open(tmp_path / "rankmem.jsonl", "a") as f:
+        f.write(bad + "\n")
+    assert read_run(str(tmp_path)).corrupt_lines == [4]
+    frame = Watcher(str(tmp_path)).frame()
+    assert frame.step == 1
+    assert frame.rows[1].values["mem/host/rss_gib"] == 2.5
+
+
+# ---- rankmem watch reads the whole side file into memory at its first frame ----------------------
+
+def test_watch_first_frame_does_not_read_the_whole_side_file(tmp_path: Path) -> None:
+    """DetailFollower.poll() starts at offset 0 and f.read()s everything up to the end into one bytes
+    object, then decodes every batch, to show the last one: on a long run at scale (1,024 ranks x 28
+    keys x 100k steps is ~23 GB of side file) `rankmem watch` allocates the whole file on a login node
+    at start-up. TailFollower reads the JSON log from its end for exactly this reason."""
+    import tracemalloc
+
+    from rankmem.offline.columnar import DetailFollower
+    from tests.runlog_helpers import write_run
+
+    steps, world = 1500, 64
+    rng = np.random.default_rng(0)
+    write_run(tmp_path, {f"k{i}": rng.random((steps, world)) for i in range(8)})
+    side = tmp_path / "rankmem.ranks.arrow"
+    size = side.stat().st_size
+    follower = DetailFollower(str(side))
+    tracemalloc.start()
+    latest = follower.poll()
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert latest is not None and latest[0] == steps - 1
+    assert peak < size / 4, f"the first poll held {peak / 2**20:.1f} MiB for a {size / 2**20:.1f} MiB side file"
+
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_watch_once_with_an_event_time_out_of_range_is_not_a_traceback(tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """An event whose "time" is 1e20 (or NaN, accepted by json.loads): time.localtime raises
+    OverflowError / ValueError in render_frame."""
+    run = run_with_events(tmp_path, '{"kind":"oom","rank":0,"step":1,"phase":null,"time":1e20}')
+    rc, out, err = _cli(capsys, "watch", "--once", str(run))
+    assert rc == 0 and "oom rank 0" in out
+
+
+
+def test_watch_once_with_a_per_rank_int_past_float_range_is_not_a_traceback(tmp_path: Path,
+                                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """A per-rank value written as a 400-digit JSON integer: watch._vector calls math.isfinite on it,
+    which raises OverflowError (the reader files the same value as NaN)."""
+    huge = "1" + "0" * 400
+    (tmp_path / "rankmem.jsonl").write_text(
+        '{"kind":"header","schema":1,"world_size":2}\n'
+        '{"kind":"step","step":1,"time":1.0,"metrics":{},"ranks":{"mem/host/rss_gib":[' + huge + ',2.0]}}\n')
+    rc, out, err = _cli(capsys, "watch", "--once", str(tmp_path))
+    assert rc in (0, 2), err
+
+
+
+def test_watch_once_with_a_damaged_world_size_is_one_error_line(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """build_frame does int(header["world_size"]) unchecked: "two" raises ValueError (and 10**9 would
+    build a billion rows); read_run refuses both with a RankmemError naming the damaged header."""
+    (tmp_path / "rankmem.jsonl").write_text(
+        '{"kind":"header","schema":1,"world_size":"two"}\n'
+        '{"kind":"step","step":1,"time":1.0,"metrics":{},"ranks":{"mem/host/rss_gib":[1.0,2.0]}}\n')
+    rc, out, err = _cli(capsys, "watch", "--once", str(tmp_path))
+    assert rc == 2 and "world_size" in err

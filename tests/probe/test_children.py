@@ -1,0 +1,55 @@
+"""The children's private memory: summed from fixed smaps_rollup text, refreshed on its own thread."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from rankmem.probe.children import ChildrenUss
+
+KIB = 1024
+
+
+def _rollup(path: Path, clean_kb: int, dirty_kb: int) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "smaps_rollup").write_text(
+        "55d5c000-7ffd0000 ---p 00000000 00:00 0    [rollup]\nRss:  9000 kB\nPss:  3000 kB\n"
+        f"Private_Clean:  {clean_kb} kB\nPrivate_Dirty:  {dirty_kb} kB\nSwap:  0 kB\n")
+
+
+def test_sums_the_descendants_and_refreshes_off_the_callers_thread(tmp_path: Path) -> None:
+    _rollup(tmp_path / "self", 1, 1)
+    _rollup(tmp_path / "11", 100, 900)
+    _rollup(tmp_path / "12", 0, 24)
+    listed: list[str] = []
+    kids = {11, 12, 13}  # 13 exited between the listing and the read: it adds nothing
+
+    def descendants() -> set[int]:
+        listed.append(threading.current_thread().name)
+        return set(kids)
+
+    uss = ChildrenUss(descendants, refresh_s=0.02, proc=str(tmp_path))
+    assert uss.value() == (100 + 900 + 24) * KIB  # the first read, on the caller's thread
+    assert listed == [threading.current_thread().name]
+    _rollup(tmp_path / "12", 0, 2024)
+    deadline = time.monotonic() + 5
+    while uss.value() != (100 + 900 + 2024) * KIB and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert uss.value() == (100 + 900 + 2024) * KIB
+    assert set(listed[1:]) == {"rankmem-children-uss"}  # every later pass ran on the refresh thread
+    kids.clear()
+    time.sleep(0.1)
+    assert uss.value() == 0  # no children: 0, not unavailable
+    uss.close()
+    assert uss._thread is not None and not uss._thread.is_alive()
+
+
+def test_a_kernel_without_smaps_rollup_gives_none(tmp_path: Path) -> None:
+    (tmp_path / "self").mkdir()
+    uss = ChildrenUss(lambda: {11}, refresh_s=60, proc=str(tmp_path))
+    with pytest.warns(RuntimeWarning, match=r"no /proc/PID/smaps_rollup \(Linux < 4.14\)"):
+        assert not uss.supported and uss.value() is None
+    uss.close()
