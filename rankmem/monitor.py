@@ -142,26 +142,20 @@ class Monitor:
                  host_probe: HostProbe | None = None, **options: Any) -> None:
         if config is not None and options:
             raise RankmemError("pass either a MonitorConfig or keyword options, not both")
-        self.config = config if config is not None else MonitorConfig.from_options(options)
+        self.config = c = config if config is not None else MonitorConfig.from_options(options)
         self.group = group
         self._guard = Guard()
-        device = select_backend(self.config.device, device_module)
-        host = host_probe if host_probe is not None else make_host_probe(self.config.children,
-                                                                         self.config.children_refresh_s)
-        self._windows = Windows(host, device, self._guard)
-        self._forensics = Forensics(self.config.out_dir, global_rank(), host, device,
-                                    oom_history=self.config.oom_history, near_oom_watch=self.config.near_oom_watch,
-                                    flush=lambda: self.flush(2.0))
-        self._windows.listener = self._forensics
+        device = select_backend(c.device, device_module)
+        host = host_probe if host_probe is not None else make_host_probe(c.children, c.children_refresh_s)
+        sinks = [make_sink(spec, c.out_dir) for spec in c.sinks or ()]
+        self._publisher = Publisher(sinks, c.leak_check, self._guard, background=c.sink_thread)
+        self._forensics = Forensics(c.out_dir, global_rank(), host, device, oom_history=c.oom_history,
+                                    near_oom_watch=c.near_oom_watch, flush=lambda: self._publisher.flush(2.0))
+        self._windows = Windows(host, device, self._guard, listener=self._forensics)
         self._exchange = Exchange(group, device.name if device else None, device.module if device else None,
-                                              detail_rank=self.config.log_rank)
-        sinks = [make_sink(spec, self.config.out_dir) for spec in self.config.sinks or ()]
-        self._publisher = Publisher(sinks, self.config.leak_check, self._guard, background=self.config.sink_thread)
-        self._header: RunHeader | None = None
-        self._last: tuple[int, float, Gathered] | None = None
+                                  detail_rank=c.log_rank)
+        self._last: tuple[int, float, Gathered, dict[str, float]] | None = None
         self._last_record: StepRecord | None = None
-        self._collects = 0
-        self._numbered = False  # a collect was given step=: the collect count is no step number then
         self._detail = False
         self._closed = False
         self._pid = os.getpid()
@@ -197,14 +191,14 @@ class Monitor:
     @property
     def header(self) -> RunHeader | None:
         """The run header, known on every rank after the first :meth:`collect`."""
-        return self._header
+        return self._publisher.header
 
     @property
     def last_record(self) -> StepRecord | None:
         """The last collect's record, per-rank vectors included, on every rank (built on first use)."""
         if self._last_record is None and self._last is not None:
-            step, when, gathered = self._last
-            self._last_record = StepRecord(step, when, gathered.aggregated, gathered.columns())
+            step, when, gathered, metrics = self._last
+            self._last_record = StepRecord(step, when, metrics, gathered.columns())
         return self._last_record
 
     def step(self, n: int | None = None) -> AbstractContextManager[None]:
@@ -212,7 +206,7 @@ class Monitor:
         :meth:`collect` after it on every rank, every step or every N steps. Unnumbered, its events say
         the step the next collect logs (unknown where collects are numbered with ``step=``)."""
         self._check_open()
-        return self._windows.step(n, label=self._collects if n is None and not self._numbered else None)
+        return self._windows.step(n)
 
     def set_step(self, n: int) -> None:
         """Name the step in progress for heartbeats, events and the next :meth:`collect` (unless given
@@ -235,11 +229,8 @@ class Monitor:
         window_metrics(window, out)
         for name, p in phases.items():
             phase_metrics(name, p, out)
-        out.update(self._callers(metrics))
+        out.update(scalar_items(metrics, self._guard.warn_once))
         return out
-
-    def _callers(self, metrics: Mapping[str, Any] | None) -> dict[str, float]:
-        return scalar_items(metrics, self._guard.warn_once)
 
     def collect(self, metrics: Mapping[str, Any] | None = None, step: int | None = None) -> dict[str, float]:
         """Aggregate this window's per-rank figures and ``metrics`` across ranks in one collective.
@@ -253,42 +244,37 @@ class Monitor:
             raise RankmemError("collect() is already running in another thread: call it from one thread per rank "
                                "(two collectives at once on one process group corrupt it)")
         try:
-            return self._collect(metrics, step)
+            local = self._measure(metrics)
+            step, stated = self._windows.next_step(step)
+            if self._publisher.header is None:
+                self._start()
+            detail, self._detail = self._detail, False
+            gathered = self._exchange.gather_aggregate(local, step if stated else None, detail=detail)
+            out = {**gathered.aggregated, **verl_metrics(gathered.aggregated)} if self.config.verl_keys \
+                else dict(gathered.aggregated)
+            self._last, self._last_record = (int(step), time.time(), gathered, out), None
+            if self._publisher.opened:
+                self._publisher.publish(*self._last)
+            return dict(out)  # the caller's own copy: the sinks write ``out`` later, on their thread
         finally:
             self._collecting.release()
 
-    def _collect(self, metrics: Mapping[str, Any] | None, step: int | None) -> dict[str, float]:
-        # A telemetry bug must not leave the other ranks waiting: this rank then sends the caller's keys.
+    def _measure(self, metrics: Mapping[str, Any] | None) -> dict[str, float]:
+        """This rank's keys; a telemetry bug must not leave the other ranks waiting: this rank then
+        sends the caller's keys alone."""
         local = self._guard.call("local", "measuring this rank failed, it sends only the caller's metrics",
                                  self.local_metrics, metrics, default=None)
         if local is None:
             self._windows.discard()
-            local = self._callers(metrics)
-        self._numbered = self._numbered or step is not None
-        explicit = step is not None or self._windows.step_n is not None
-        if step is None:
-            step = self._windows.step_n if self._windows.step_n is not None else self._collects
-        self._windows.step_n = None
-        self._collects += 1
-        if self._header is None:
-            self._start()
-        detail, self._detail = self._detail, False
-        gathered = self._exchange.gather_aggregate(local, step if explicit else None, detail=detail)
-        if self.config.verl_keys:
-            gathered.aggregated.update(verl_metrics(gathered.aggregated))
-        self._last, self._last_record = (int(step), time.time(), gathered), None
-        if self._publisher.opened:
-            self._publisher.publish(*self._last)
-        # The caller's own copy: the run log is written from this dict later, on the publisher's thread.
-        return dict(gathered.aggregated)
+            local = scalar_items(metrics, self._guard.warn_once)
+        return local
 
     def _start(self) -> None:
         """The first collect: every rank learns who every rank is; the logging rank opens the sinks."""
         device = self._windows.device
-        self._header = run_header(self.group, self.config.log_rank, self.config.to_header(),
-                                              device.device_name() if device else "none", self.peak_rss_scope)
-        if self.rank == self.config.log_rank:
-            self._publisher.open(self._header)
+        header = run_header(self.group, self.config.log_rank, self.config.to_header(),
+                            device.device_name() if device else "none", self.peak_rss_scope)
+        self._publisher.start(header, logging=self.rank == self.config.log_rank)
 
     def _check_call(self) -> None:
         """Misuse that would corrupt or hang the collective, raised before any communication."""
@@ -298,7 +284,7 @@ class Monitor:
                                "corrupt it; measure in the child with rankmem.sample() instead")
         # Membership cannot change while the group lives: asked at the first collect only
         # (torch.distributed's lookups cost tens of microseconds right after a step's compute).
-        if self._header is None and self.rank < 0:
+        if self._publisher.header is None and self.rank < 0:
             raise RankmemError("this rank is not a member of the Monitor's group: call collect() on the group's "
                                "ranks only, or build the Monitor with group=None")
 

@@ -84,8 +84,9 @@ class Windows:
         self._phases: dict[str, PhaseBytes] = {}
         self._phase_stack: list[str] = []
         self._step: int | None = None
-        self.step_n: int | None = None
-        """The step number the next collect logs: the last numbered step closed, or :meth:`set_step`'s."""
+        self._step_n: int | None = None  # what the next collect logs: the last numbered step closed, or set_step's
+        self._collects = 0
+        self._numbered = False  # a collect was given step=: the collect count is no step number then
         self._implicit: _Open | None = self._begin()
         # A collect adds the node, cgroup and children figures; the closing edge has read RSS and peak.
         self._read_node: Callable[[], HostReading] = getattr(host, "read_node", host.read)
@@ -148,12 +149,25 @@ class Windows:
                              figures, default=None)
 
     # ---- windows ------------------------------------------------------------------------------------
+    def next_step(self, given: int | None) -> tuple[int, bool]:
+        """The step number a collect logs, and whether it was stated (``given``, a numbered step or
+        :meth:`set_step`) rather than counted; called once per collect."""
+        self._numbered = self._numbered or given is not None
+        stated = given is not None or self._step_n is not None
+        if given is None:
+            given = self._step_n if self._step_n is not None else self._collects
+        self._step_n = None
+        self._collects += 1
+        return given, stated
+
     @contextlib.contextmanager
-    def step(self, n: int | None = None, label: int | None = None) -> Iterator[None]:
+    def step(self, n: int | None = None) -> Iterator[None]:
         """A step window. Steps closed before the next :meth:`take` merge (max peaks, summed events).
-        ``label``: what the listener and failures call an unnumbered step (the collect it will be in)."""
+        Unnumbered, the listener and failures call it by the collect it will be in (unknown where
+        collects are numbered with ``step=``)."""
         if n is not None:
             n = _step_number(n)  # at entry: a bad number must not replace the step body's own exception
+        label = self._collects if n is None and not self._numbered else None
         if self._implicit is not None:
             self._open.remove(self._implicit)
             self._implicit = None
@@ -164,7 +178,7 @@ class Windows:
     def set_step(self, n: int) -> None:
         """Name the step in progress (for the listener and failures, and the next collect) without
         opening a window."""
-        self._step = self.step_n = _step_number(n)
+        self._step = self._step_n = _step_number(n)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -198,7 +212,7 @@ class Windows:
         closed = self._bytes(window, rss, dev)
         self._closed = closed if self._closed is None else _merge(self._closed, closed)
         if n is not None:
-            self.step_n = n
+            self._step_n = n
 
     def _close_phase(self, name: str, window: _Open, rss: int | None, dev: DeviceReading | None) -> None:
         p = self._phases.setdefault(name, PhaseBytes())

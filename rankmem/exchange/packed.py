@@ -54,7 +54,7 @@ class PackedGather:
         self._on_device = False
         self._where: tuple[str, int | None] | None = None
         self._device: Any = None
-        self._warn_once = WarnOnce()
+        self.warn_once = WarnOnce()
         self._last_schema: Schema | None = None
         self._last_sig = 0.0
         self._width = -1
@@ -63,6 +63,26 @@ class PackedGather:
         self._send_np: np.ndarray = np.empty(0)
         self._out: Any = None
         self._out_np: np.ndarray | None = None  # the output as numpy, where it lives on the CPU
+
+    @property
+    def world(self) -> int:
+        """The group's size, once :meth:`ready` has resolved it (0 before, or with nothing to gather)."""
+        return self._world
+
+    @property
+    def device(self) -> Any:
+        """The ``torch.device`` the gathers run on, once :meth:`ready` has resolved it."""
+        return self._device
+
+    def ready(self) -> bool:
+        """Resolve the group (once) and the device (every call); False when there is nothing to gather."""
+        return self._setup()
+
+    def signature(self, schema: Schema) -> float:
+        """The layout checksum of ``schema``, cached for the steady state (one layout, every step)."""
+        if schema != self._last_schema:
+            self._last_schema, self._last_sig = schema, schema_signature(schema)
+        return self._last_sig
 
     def _module(self) -> tuple[str, Any] | None:
         """The device type and module of device tensors; None when there is no device to gather on."""
@@ -104,7 +124,7 @@ class PackedGather:
             count = int(found[1].device_count()) if found is not None else 0
             message = _check_local_device(kind, index, count)
             if message is not None:
-                self._warn_once(f"local:{kind}:{index}", message)
+                self.warn_once(f"local:{kind}:{index}", message)
 
     def _setup(self) -> bool:
         """Resolve the group's size once and the tensors' device at every call (the current device
@@ -139,12 +159,11 @@ class PackedGather:
         """Pack, one all-gather, check. Every rank's vector as a ranks x width view of the reused output
         buffer (copy what you keep) and each rank's value count; or, when layouts differ or values outgrow
         the capacity, the count the pickled fallback must make room for (every rank returns it alike)."""
-        if schema != self._last_schema:
-            self._last_schema, self._last_sig = schema, schema_signature(schema)
+        sig = self.signature(schema)
         n, world, width = len(values), self._world, self.capacity + _HEAD
         self._buffers(width)
         send = self._send_np
-        send[0], send[1], send[2] = self._last_sig, n, step
+        send[0], send[1], send[2] = sig, n, step
         if n <= self.capacity:
             send[_HEAD : _HEAD + n] = values
             if n < self.capacity:
@@ -160,10 +179,10 @@ class PackedGather:
         head = block[:, :_HEAD].tolist()
         lengths = [int(h[1]) for h in head]
         self._check_steps([h[2] for h in head])
-        sig = head[0][0]
+        first = head[0][0]
         # Equal layouts may still carry different numbers of values (per-rank list lengths inside
         # the payload); all that must hold is that every rank's values fit.
-        if all(h[0] == sig for h in head) and max(lengths) <= self.capacity:
+        if all(h[0] == first for h in head) and max(lengths) <= self.capacity:
             return block, lengths
         return max(lengths)
 
@@ -220,7 +239,7 @@ class PackedGather:
             if s == s:
                 at.setdefault(int(s), []).append(r)
         detail = "; ".join(f"rank(s) {ranks} at step {s}" for s, ranks in sorted(at.items()))
-        self._warn_once("steps", f"ranks met in one collect() at different steps ({detail}): a rank called collect() "
+        self.warn_once("steps", f"ranks met in one collect() at different steps ({detail}): a rank called collect() "
                         "more or fewer times than the others; the last one to call it waits for the process-group "
                         "timeout")
 
