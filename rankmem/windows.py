@@ -19,7 +19,7 @@ from typing import Protocol
 
 from rankmem.core.catalogue import PHASE_NAME
 from rankmem.core.guard import Guard
-from rankmem.core.records import DeviceReading, HostReading, PhaseBytes, WindowBytes
+from rankmem.core.records import DeviceReading, PhaseBytes, WindowBytes
 from rankmem.errors import RankmemError
 from rankmem.probe.device import DeviceBackend
 from rankmem.probe.host import HostProbe
@@ -88,8 +88,6 @@ class Windows:
         self._collects = 0
         self._numbered = False  # a collect was given step=: the collect count is no step number then
         self._implicit: _Open | None = self._begin()
-        # A collect adds the node, cgroup and children figures; the closing edge has read RSS and peak.
-        self._read_node: Callable[[], HostReading] = getattr(host, "read_node", host.read)
 
     @property
     def where(self) -> Where:
@@ -234,7 +232,8 @@ class Windows:
                 self._implicit = self._begin()
         closed, phases = self._closed, self._phases
         self._closed, self._phases = None, {}
-        host = self._guard.call("host", "host probe failed", self._read_node, default=None)
+        # The node, cgroup and children figures; the closing edge has read this process's RSS and peak.
+        host = self._guard.call("host", "host probe failed", self.host.read, False, default=None)
         if host is not None:
             closed.add_node(host)
         return closed, phases
