@@ -85,28 +85,11 @@ class PackedGather:
         return self._last_sig
 
     def _module(self) -> tuple[str, Any] | None:
-        """The device type and module of device tensors; None when there is no device to gather on."""
-        if self.device_module is not None:
-            return self.device_type or "cuda", self.device_module
-        import torch
-
-        if self.device_type is not None:
-            module = getattr(torch, self.device_type, None)
-            return None if module is None else (self.device_type, module)
-        return ("cuda", torch.cuda) if torch.cuda.is_available() else None
+        return device_module_of(self.device_type, self.device_module)
 
     def resolve_device(self, backend: str) -> tuple[str, int | None]:
-        """``(type, index)`` of the tensors for a group of ``backend``, read now: ``("cpu", None)`` for
-        gloo and MPI (they gather CPU tensors), else the current device of the device type (NCCL, HCCL
-        and XCCL gather device tensors only, on the device the rank set for itself)."""
-        backend = backend.lower()
-        found = None if "gloo" in backend or "mpi" in backend else self._module()
-        if found is None:
-            return "cpu", None
-        kind, module = found
-        # The first collect is a collective of the rank's own group, after its set_device: reading
-        # the current device here (which initialises CUDA) is what the collective itself would do.
-        return kind, int(module.current_device())
+        """``(type, index)`` of the tensors for a group of ``backend``, read now (:func:`device_for`)."""
+        return device_for(backend, self.device_type, self.device_module)
 
     def _follow_device(self) -> None:
         """Put the tensors on the device :meth:`resolve_device` names, moving them when it changed."""
@@ -246,3 +229,29 @@ class PackedGather:
 
 _HEAD = 3
 """The header of each rank's packed vector: layout checksum, value count, the caller's step."""
+
+
+def device_module_of(device_type: str | None, device_module: Any) -> tuple[str, Any] | None:
+    """The device type and module of device tensors; None when there is no device to gather on."""
+    if device_module is not None:
+        return device_type or "cuda", device_module
+    import torch
+
+    if device_type is not None:
+        module = getattr(torch, device_type, None)
+        return None if module is None else (device_type, module)
+    return ("cuda", torch.cuda) if torch.cuda.is_available() else None
+
+
+def device_for(backend: str, device_type: str | None, device_module: Any) -> tuple[str, int | None]:
+    """``(type, index)`` of the tensors for a group of ``backend``, read now: ``("cpu", None)`` for
+    gloo and MPI (they gather CPU tensors), else the current device of the device type (NCCL, HCCL
+    and XCCL gather device tensors only, on the device the rank set for itself)."""
+    backend = backend.lower()
+    found = None if "gloo" in backend or "mpi" in backend else device_module_of(device_type, device_module)
+    if found is None:
+        return "cpu", None
+    kind, module = found
+    # The first collect is a collective of the rank's own group, after its set_device: reading
+    # the current device here (which initialises CUDA) is what the collective itself would do.
+    return kind, int(module.current_device())
