@@ -199,7 +199,10 @@ class Monitor:
         beats, rank = heartbeat_dir(self.config.out_dir), global_rank()
 
         def where() -> tuple[int | None, str | None]:
-            w = self._windows.where
+            try:  # read from the attribution thread while the training thread opens and closes phases
+                w = self._windows.where
+            except IndexError:  # the phase stack emptied between its test and its read
+                return None, None
             return w.step, w.phase
 
         return DeviceAttribution(device, self.config.nvml_refresh_s, nvml_module=nvml_module, where=where,

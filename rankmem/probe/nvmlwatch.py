@@ -90,7 +90,13 @@ class DeviceAttribution:
                 return
             reader = DeviceBackend(self._device.name, self._device.module, index=index)
             while not self._stop.is_set():
-                self._sample(nvml_device, reader)
+                try:
+                    self._sample(nvml_device, reader)
+                except Exception as exc:  # noqa: BLE001 - one bad sample (a process gone mid-read), not the thread
+                    self._warn_once("sample", f"a device attribution sample failed: {exc!r}")
+                    with self._done:
+                        self._samples += 1  # a waiting event gets the last split rather than a timeout
+                        self._done.notify_all()
                 self._wake.wait(self._refresh_s)
                 self._wake.clear()
         except Exception as exc:  # noqa: BLE001 - telemetry never kills training
