@@ -214,3 +214,30 @@ def test_refresh_option_is_checked() -> None:
     for bad in (0, -1, math.inf, "10", True):
         with pytest.raises(RankmemError, match="nvml_refresh_s must be"):
             Monitor(device="cpu", sinks=(), nvml_refresh_s=bad)
+
+
+@in_host_namespace
+def test_a_near_oom_event_carries_the_split(tmp_path: Path) -> None:
+    from rankmem.forensics.forensics import Forensics
+    from rankmem.probe.device import DeviceBackend
+    from rankmem.probe.host import make_host_probe
+    from rankmem.probe.nvmlwatch import DeviceAttribution
+
+    cuda = FakeCuda(context=300 * MIB)
+    nvml = FakeNvml(cuda, managed=128 * MIB)
+    device = DeviceBackend("cuda", cuda)
+    attribution = DeviceAttribution(device, 3600, nvml_module=nvml)
+    host = make_host_probe(children=False)
+    forensics = Forensics(str(tmp_path), 0, host, device, near_oom_watch=False, attribution=attribution)
+    cuda.set_device(0)
+    cuda.malloc(512 * MIB)
+    device.read()  # the training thread's read finds the device; the next poll starts the thread
+    attribution.poll()
+    forensics._near_oom({"kind": "near_oom", "rank": 0, "step": 5, "phase": None, "reasons": ["node available low"]})
+    forensics.close()
+    attribution.close()
+    host.close()
+    event = json.loads((tmp_path / "events" / "rank0.jsonl").read_text())
+    table = event["device"]["attribution"]
+    assert table["unattributed_bytes"] == 128 * MIB and table["reserved_bytes"] == 512 * MIB
+    assert table["nontorch_bytes"] == 300 * MIB and table["foreign_bytes"] == 0
