@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -141,6 +142,9 @@ def test_an_oom_event_carries_a_fresh_split_in_its_device_table(tmp_path: Path) 
     with monitor.step(0):
         cuda.malloc(1024 * MIB)
     monitor.collect()  # starts the thread; its first split is at once, the next in an hour
+    deadline = time.monotonic() + 30
+    while monitor._attribution is not None and monitor._attribution.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)  # the thread's start (nvmlInit, the handle) is not what the event waits for
     with pytest.raises(FakeOutOfMemoryError):
         with monitor.step(1):
             cuda.malloc(2048 * MIB)  # 300 + 1024 + 1024 held: 2048 more does not fit in 4096
