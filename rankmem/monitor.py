@@ -22,25 +22,27 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from rankmem.core.catalogue import phase_metrics, verl_metrics, window_metrics
+from rankmem.core.catalogue import ATTRIBUTION_FIELDS, phase_metrics, verl_metrics, window_metrics
 from rankmem.core.guard import Guard
-from rankmem.core.records import RunHeader, StepRecord
+from rankmem.core.records import PhaseBytes, RunHeader, StepRecord, WindowBytes
 from rankmem.core.scalars import scalar_items
 from rankmem.errors import RankmemError
 from rankmem.exchange.aggregate import Gathered
 from rankmem.exchange.dist import dist_active, global_rank, rank_and_world
 from rankmem.exchange.exchange import Exchange, run_header
 from rankmem.forensics.forensics import Forensics
-from rankmem.probe.device import select_backend
+from rankmem.forensics.heartbeat import heartbeat_dir, node_siblings
+from rankmem.probe.device import DeviceBackend, select_backend
 from rankmem.probe.host import HostProbe, make_host_probe
+from rankmem.probe.nvmlwatch import DeviceAttribution
 from rankmem.publish.publisher import Publisher
 from rankmem.sinks import Sink, check_sink_specs, make_sink
-from rankmem.windows import Windows
+from rankmem.windows import Where, Windows
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,6 +75,9 @@ class MonitorConfig:
     near_oom_watch: bool = True
     """With ``out_dir`` set, the lowest local rank of each node polls cgroup / node headroom and memory
     pressure every 0.2 s on a thread and writes a ``near_oom`` event (once per episode)."""
+    nvml_refresh_s: float | None = 10.0
+    """On CUDA with ``rankmem[nvml]``, seconds between splits of device used by owner (NVML's process
+    list, on a thread of its own: docs/device-attribution.md); None turns attribution off."""
     sink_thread: bool = True
     """Write sinks and run the leak watch on a background thread (the caller's thread only hands the
     collect over); False does it inside :meth:`Monitor.collect`."""
@@ -102,6 +107,11 @@ class MonitorConfig:
         if isinstance(refresh, bool) or not isinstance(refresh, numbers.Real) or not 0 < refresh < math.inf:
             raise RankmemError(f"children_refresh_s must be a finite number of seconds > 0, got {refresh!r}")
         object.__setattr__(self, "children_refresh_s", float(refresh))
+        nvml = self.nvml_refresh_s
+        if nvml is not None:
+            if isinstance(nvml, bool) or not isinstance(nvml, numbers.Real) or not 0 < nvml < math.inf:
+                raise RankmemError(f"nvml_refresh_s must be a finite number of seconds > 0, or None (off); got {nvml!r}")
+            object.__setattr__(self, "nvml_refresh_s", float(nvml))
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> MonitorConfig:
@@ -116,6 +126,37 @@ class MonitorConfig:
         config["sinks"] = [s if isinstance(s, str) else type(s).__name__ for s in self.sinks or ()]
         config["run"] = self.run_config
         return config
+
+
+def make_attribution(config: MonitorConfig, device: DeviceBackend | None, nvml_module: Any,
+                     where_now: Callable[[], Where]) -> DeviceAttribution | None:
+    """NVML's split of device used, on CUDA: the real ``torch.cuda`` with pynvml, or a fake pair."""
+    real = device is not None and getattr(device.module, "__name__", None) == "torch.cuda"
+    if device is None or device.name != "cuda" or config.nvml_refresh_s is None:
+        return None
+    if nvml_module is None and not real:
+        return None  # a fake torch.cuda without a fake NVML: the real driver knows nothing of it
+    beats, rank = heartbeat_dir(config.out_dir), global_rank()
+
+    def where() -> tuple[int | None, str | None]:
+        try:  # read from the attribution thread while the training thread opens and closes phases
+            w = where_now()
+        except IndexError:  # the phase stack emptied between its test and its read
+            return None, None
+        return w.step, w.phase
+
+    return DeviceAttribution(device, config.nvml_refresh_s, nvml_module=nvml_module, where=where,
+                             siblings=lambda translated: node_siblings(beats, rank, translated))
+
+
+def attribute(window: WindowBytes, phases: Mapping[str, PhaseBytes], attribution: DeviceAttribution) -> None:
+    """The last device split into the window's figures (a few attribute reads: no NVML call here)."""
+    split = attribution.poll()
+    if split is not None:
+        for name, part in ATTRIBUTION_FIELDS.items():
+            setattr(window, name, getattr(split, part))
+    for name, p in phases.items():
+        p.device_descendants = attribution.phase_descendants.get(name)
 
 
 def _whole(value: Any) -> bool:
@@ -134,12 +175,13 @@ class Monitor:
 
     ``group`` is the process group to aggregate over (default: the world, if initialised; none
     otherwise, in which case nothing is communicated). ``device_module`` replaces the torch device
-    module of the backend (e.g. :class:`rankmem.testing.FakeCuda`); ``host_probe`` replaces the host
-    probe (any :class:`rankmem.probe.host.HostProbe`). Keyword options are :class:`MonitorConfig` fields.
+    module of the backend (e.g. :class:`rankmem.testing.FakeCuda`); ``nvml_module`` replaces ``pynvml``
+    (e.g. :class:`rankmem.testing.FakeNvml`); ``host_probe`` replaces the host probe (any
+    :class:`rankmem.probe.host.HostProbe`). Keyword options are :class:`MonitorConfig` fields.
     """
 
     def __init__(self, config: MonitorConfig | None = None, *, group: Any = None, device_module: Any = None,
-                 host_probe: HostProbe | None = None, **options: Any) -> None:
+                 host_probe: HostProbe | None = None, nvml_module: Any = None, **options: Any) -> None:
         if config is not None and options:
             raise RankmemError("pass either a MonitorConfig or keyword options, not both")
         self.config = c = config if config is not None else MonitorConfig.from_options(options)
@@ -149,8 +191,10 @@ class Monitor:
         host = host_probe if host_probe is not None else make_host_probe(c.children, c.children_refresh_s)
         sinks = [make_sink(spec, c.out_dir) for spec in c.sinks or ()]
         self._publisher = Publisher(sinks, c.leak_check, self._guard, background=c.sink_thread)
+        self._attribution = make_attribution(c, device, nvml_module, lambda: self._windows.where)
         self._forensics = Forensics(c.out_dir, global_rank(), host, device, oom_history=c.oom_history,
-                                    near_oom_watch=c.near_oom_watch, flush=lambda: self._publisher.flush(2.0))
+                                    near_oom_watch=c.near_oom_watch, flush=lambda: self._publisher.flush(2.0),
+                                    attribution=self._attribution)
         self._windows = Windows(host, device, self._guard, listener=self._forensics)
         self._exchange = Exchange(group, device.name if device else None, device.module if device else None,
                                   detail_rank=c.log_rank)
@@ -160,6 +204,13 @@ class Monitor:
         self._closed = False
         self._pid = os.getpid()
         self._collecting = threading.Lock()
+
+    @property
+    def device_attribution(self) -> str:
+        """What the split of device used by owner does here, or why it is off (``rankmem doctor``)."""
+        if self._attribution is None:
+            return "off (needs CUDA and nvml_refresh_s; a fake torch.cuda needs a fake NVML)"
+        return self._attribution.status
 
     @property
     def rank(self) -> int:
@@ -225,6 +276,8 @@ class Monitor:
         Consumes the window: the next call starts a new one. :meth:`collect` calls this first."""
         self._check_open()
         window, phases = self._windows.take()
+        if self._attribution is not None:
+            attribute(window, phases, self._attribution)
         out: dict[str, float] = {}
         window_metrics(window, out)
         for name, p in phases.items():
@@ -318,6 +371,8 @@ class Monitor:
         # Closed while an exception propagates (a finally block): the heartbeat says the exit was not clean.
         clean = sys.exc_info()[0] is None
         self._guard.call("forensics", "closing the event files failed", self._forensics.close, clean, default=None)
+        if self._attribution is not None:
+            self._attribution.close()
         self._windows.host.close()
 
     def __enter__(self) -> Monitor:

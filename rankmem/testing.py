@@ -40,6 +40,9 @@ rankmem's backend looks for on a module that is not ``torch.cuda``:
 
 Observers and history settings given before initialisation are lost, as in torch (the allocator has
 no per-device state to keep them yet).
+
+:class:`FakeNvml` (from :mod:`rankmem._fake_nvml`) is the matching fake of ``pynvml`` over a FakeCuda:
+``Monitor(device_module=cuda, nvml_module=FakeNvml(cuda))``.
 """
 
 from __future__ import annotations
@@ -48,9 +51,13 @@ import collections
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+from rankmem._fake_nvml import FakeNvml, NVMLError
 from rankmem.core.units import GIB, MIB
+
+__all__ = ["FakeCuda", "FakeNvml", "FakeOutOfMemoryError", "NVMLError", "format_size"]
 
 _SMALL_REQUEST = 1 * MIB  # torch's kSmallSize: requests up to this go to the small pool
 _SMALL_SEGMENT = 2 * MIB  # kSmallBuffer
@@ -90,6 +97,13 @@ def format_size(n: int) -> str:
     if n <= GIB:
         return f"{n / MIB:.2f} MiB"
     return f"{n / GIB:.2f} GiB"
+
+
+@dataclass(frozen=True)
+class _Properties:
+    name: str
+    total_memory: int
+    uuid: str
 
 
 class FakeOutOfMemoryError(RuntimeError):
@@ -358,6 +372,14 @@ class FakeCuda:
             self._lazy_init()
             self._ensure_context(index)
             self._current = index
+
+    def get_device_properties(self, device: Any = None) -> _Properties:
+        """torch's ``_CudaDeviceProperties``, the fields rankmem reads: ``name``, ``total_memory``, ``uuid``
+        (CUDA's UUID; ``str()`` of it has no ``GPU-`` prefix, as torch's ``_CUuuid``)."""
+        index = _device_index(device, self.current_device)
+        self._lazy_init()
+        _check_index(index, len(self._devices))
+        return _Properties(self.name, self.total, f"{index:08x}-fa4e-4c0d-8a11-00000000cafe")
 
     def get_device_name(self, device: Any = None) -> str:
         _device_index(device, self.current_device)
