@@ -33,7 +33,7 @@ from rankmem.core.records import RunHeader, StepRecord
 from rankmem.core.scalars import scalar_items
 from rankmem.errors import RankmemError
 from rankmem.exchange.aggregate import Gathered
-from rankmem.exchange.dist import dist_active, global_rank, rank_and_world
+from rankmem.exchange.dist import dist_active, global_rank, launcher_world, rank_and_world
 from rankmem.exchange.exchange import Exchange, run_header
 from rankmem.forensics.forensics import Forensics
 from rankmem.probe.device import select_backend
@@ -118,6 +118,17 @@ class MonitorConfig:
         return config
 
 
+def _check_launcher(group: Any) -> None:
+    """Several ranks launched and no process group: every process would call itself rank 0 of 1, one run
+    log would win and the report would say ``1 ranks``, exit 0. Refused here, where it can be fixed."""
+    world = launcher_world() if group is None else None
+    if world is not None:
+        raise RankmemError(
+            f"WORLD_SIZE={world} says this job has {world} ranks, but no process group is initialised: call "
+            "torch.distributed.init_process_group() before building the Monitor (on every rank), or it would "
+            "measure each process as a world of one (to measure this process alone, unset WORLD_SIZE)")
+
+
 def _whole(value: Any) -> bool:
     """An integer, numpy's included; not a bool, a float or a string."""
     if isinstance(value, bool):
@@ -143,6 +154,7 @@ class Monitor:
         if config is not None and options:
             raise RankmemError("pass either a MonitorConfig or keyword options, not both")
         self.config = config if config is not None else MonitorConfig.from_options(options)
+        _check_launcher(group)
         self.group = group
         self._guard = Guard()
         device = select_backend(self.config.device, device_module)
