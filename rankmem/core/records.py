@@ -153,6 +153,11 @@ class PhaseBytes:
     peak_reserved: int | None = None
     rss_delta: int | None = None
     allocated_delta: int | None = None
+    peak_rss_rise: int | None = None
+    """``peak_rss`` minus RSS at the start of the run of the phase that holds that peak: what the phase
+    itself raised (0 where it only held memory from before)."""
+    peak_allocated_rise: int | None = None
+    peak_reserved_rise: int | None = None
 
 
 @dataclass(slots=True)

@@ -23,12 +23,12 @@ import numpy as np
 
 from rankmem.core.catalogue import (
     HEADLINE,
-    OUTSIDE_PHASES,
     PHASE_PREFIX,
     PHASE_SUFFIX,
+    PeakPhase,
     is_memory_key,
     key_of,
-    phase_of_peak,
+    peak_phase,
     worst_stat,
 )
 from rankmem.core.scalars import json_safe
@@ -50,9 +50,20 @@ class KeyReport:
     step: int
     rank: int
     phase: str | None
-    """The phase whose own peak equals this step's peak on this rank; ``None`` when not applicable."""
+    """The phase in which memory rose to this step's peak on this rank; where none did (the peak was held
+    from before) or several did, a parenthesised verdict that names no single phase
+    (:attr:`rankmem.core.catalogue.PeakPhase.label`); ``None`` when not applicable."""
     imbalance: float | None
     """max over mean, across ranks, of each rank's peak over the run (1.0 = balanced)."""
+    phase_verdict: str | None = None
+    """``rose`` (``phase`` raised it), ``tie``, ``held`` or ``outside``; ``None`` when not applicable."""
+    phases: list[str] = field(default_factory=list)
+    """The phases the verdict is about: the one that rose, those tied, or those that only held it."""
+
+    def attribute(self, found: PeakPhase | None) -> None:
+        self.phase = None if found is None else found.label
+        self.phase_verdict = None if found is None else found.verdict
+        self.phases = [] if found is None else list(found.phases)
 
 
 @dataclass
@@ -141,11 +152,11 @@ def memory_keys(run: Run) -> list[str]:
     return sorted(k for k in keys if is_memory_key(k))
 
 
-def _phase_of(run: Run, key: str, row: int, rank: int, value: float) -> str | None:
+def _phase_of(run: Run, key: str, row: int, rank: int, value: float) -> PeakPhase | None:
     if key not in PHASE_SUFFIX:
         return None
     rank_values = {k: float(m[row, rank]) for k, m in run.series.items() if k.startswith(PHASE_PREFIX)}
-    return phase_of_peak(key, value, rank_values)
+    return peak_phase(key, value, rank_values)
 
 
 def _worst_logged(run: Run, key: str, low: bool) -> tuple[float, int, int] | None:
@@ -178,7 +189,8 @@ def key_report(run: Run, key: str) -> KeyReport | None:
                          imbalance=None)
     report = _key_report_detail(run, key, matrix, worst)
     if logged is not None and (logged[0] < report.value if worst == "min" else logged[0] > report.value):
-        report.value, report.step, report.rank, report.phase = logged[0], logged[1], logged[2], None
+        report.value, report.step, report.rank = logged[0], logged[1], logged[2]
+        report.attribute(None)
     return report
 
 
@@ -195,15 +207,10 @@ def _key_report_detail(run: Run, key: str, matrix: np.ndarray, worst: str) -> Ke
         per_rank = per_rank[np.isfinite(per_rank)]
         mean = float(per_rank.mean()) if per_rank.size else math.nan
         imbalance = float(per_rank.max()) / mean if per_rank.size and mean > 0 else None
-    return KeyReport(
-        key=key,
-        worst=worst,
-        value=value,
-        step=int(run.steps[row]),
-        rank=rank,
-        phase=_phase_of(run, key, row, rank, value),
-        imbalance=imbalance,
-    )
+    report = KeyReport(key=key, worst=worst, value=value, step=int(run.steps[row]), rank=rank, phase=None,
+                       imbalance=imbalance)
+    report.attribute(_phase_of(run, key, row, rank, value))
+    return report
 
 
 def growth(run: Run, key: str) -> Growth | None:
@@ -413,7 +420,7 @@ def worst_lines(report: Report) -> list[str]:
     lines = []
     for label, k in report.worst():
         unit = " GiB" if k.key.endswith("_gib") else ""
-        phase = "" if not k.phase else f" ({k.phase})" if k.phase == OUTSIDE_PHASES else f" (phase {k.phase})"
+        phase = "" if not k.phase else f" (phase {k.phase})" if k.phase_verdict == "rose" else f" {k.phase}"
         lines.append(f"worst {label}: rank {k.rank}, {k.worst} {_fmt(k.value, k.key)}{unit} at step {k.step}{phase}")
     return lines
 
