@@ -37,7 +37,7 @@ from rankmem.exchange.dist import dist_active, global_rank, launcher_world, rank
 from rankmem.exchange.exchange import Exchange, run_header
 from rankmem.forensics.forensics import Forensics
 from rankmem.probe.device import select_backend
-from rankmem.probe.host import HostProbe, make_host_probe
+from rankmem.probe.host import PEAK_SOURCES, HostProbe, make_host_probe, peak_source_default
 from rankmem.publish.publisher import Publisher
 from rankmem.sinks import Sink, check_sink_specs, make_sink
 from rankmem.windows import Windows
@@ -73,6 +73,13 @@ class MonitorConfig:
     near_oom_watch: bool = True
     """With ``out_dir`` set, the lowest local rank of each node polls cgroup / node headroom and memory
     pressure every 0.2 s on a thread and writes a ``near_oom`` event (once per episode)."""
+    peak_source: str = field(default_factory=peak_source_default)
+    """Where the per-window host peak comes from (docs/peak-source.md). ``window``: ``VmHWM`` reset at every
+    window edge through ``/proc/self/clear_refs``, exact per window, but ``getrusage``, a parent's ``wait4``,
+    ``/usr/bin/time -v`` and ``VmHWM`` pollers then see the last window's peak, not the process's.
+    ``edges``: never reset; a window's peak is exact where it set a new lifetime high and otherwise the
+    max RSS at its edges (a floor), flagged in the header, ``rankmem doctor`` and the report. Both keep
+    ``mem/host/lifetime_peak_rss_gib`` true. Default ``window``, or ``$RANKMEM_PEAK_SOURCE``."""
     sink_thread: bool = True
     """Write sinks and run the leak watch on a background thread (the caller's thread only hands the
     collect over); False does it inside :meth:`Monitor.collect`."""
@@ -98,6 +105,9 @@ class MonitorConfig:
         # numpy's numbers as Python's: the config goes into the run log header as JSON.
         object.__setattr__(self, "log_rank", operator.index(self.log_rank))
         object.__setattr__(self, "oom_history", operator.index(self.oom_history))
+        if self.peak_source not in PEAK_SOURCES:
+            raise RankmemError(f"peak_source must be one of {list(PEAK_SOURCES)} (docs/peak-source.md), "
+                               f"got {self.peak_source!r}")
         refresh = self.children_refresh_s
         if isinstance(refresh, bool) or not isinstance(refresh, numbers.Real) or not 0 < refresh < math.inf:
             raise RankmemError(f"children_refresh_s must be a finite number of seconds > 0, got {refresh!r}")
@@ -158,8 +168,8 @@ class Monitor:
         self.group = group
         self._guard = Guard()
         device = select_backend(self.config.device, device_module)
-        host = host_probe if host_probe is not None else make_host_probe(self.config.children,
-                                                                         self.config.children_refresh_s)
+        host = host_probe if host_probe is not None else make_host_probe(
+            self.config.children, self.config.children_refresh_s, reset_peaks=self.config.peak_source == "window")
         self._windows = Windows(host, device, self._guard)
         self._forensics = Forensics(self.config.out_dir, global_rank(), host, device,
                                     oom_history=self.config.oom_history, near_oom_watch=self.config.near_oom_watch,
@@ -198,7 +208,8 @@ class Monitor:
 
     @property
     def peak_rss_scope(self) -> str:
-        """``window`` (reset per window), ``lifetime`` (the kernel cannot reset it) or ``sampled``."""
+        """``window`` (reset per window), ``edges`` (never reset: ``peak_source="edges"``), ``lifetime``
+        (the kernel cannot reset it) or ``sampled`` (off Linux)."""
         return str(self._windows.host.peak_scope)
 
     @property

@@ -171,8 +171,9 @@ class RankInfo:
     device: str
     """The backend (``cuda``/``npu``/``xpu``/``none``) and the device's name where known."""
     peak_rss_scope: str
-    """``"window"`` where the host peak resets per window, ``"lifetime"`` where it cannot, ``"sampled"``
-    off Linux (the max of the RSS read at window edges)."""
+    """``"window"`` where the host peak resets per window, ``"edges"`` where rankmem leaves it alone
+    (``peak_source="edges"``: exact where a window set a new lifetime high, else its edges' max),
+    ``"lifetime"`` where it cannot reset, ``"sampled"`` off Linux (the max of the RSS read at window edges)."""
 
 
 @dataclass(slots=True)

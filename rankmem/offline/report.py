@@ -121,6 +121,10 @@ class Report:
     """Why per-rank values are missing beyond that (a damaged or missing side file)."""
     limits: list[Limit] = field(default_factory=list)
     """Device total, node total, cgroup limit, where measured, with the least headroom under each."""
+    peak_rss_scope: str | None = None
+    """How the ranks' per-window host peaks were taken (the header's ``peak_rss_scope``): ``window``
+    (reset per window), ``edges`` (``peak_source="edges"``: never reset), ``lifetime``, ``sampled``;
+    several joined by ``/`` where ranks differ; None for a log that does not say."""
 
     def worst(self) -> list[tuple[str, KeyReport]]:
         """(headline label, report) of the catalogue's headline keys present: who is closest to trouble."""
@@ -260,6 +264,8 @@ def _tables(run: Run) -> Report:
         corrupt_events=events.corrupt,
         detail_steps=int(run.steps.size) if run.logged is not None else None,
         detail_note=run.detail_note,
+        peak_rss_scope="/".join(sorted({str(r["peak_rss_scope"]) for r in run.header.get("ranks", [])
+                                        if isinstance(r, dict) and r.get("peak_rss_scope")})) or None,
     )
     for key in memory_keys(run):
         kr = key_report(run, key)
@@ -442,12 +448,24 @@ def summary_lines(report: Report) -> list[str]:
                      "their aggregates: max, min, mean and the ranks holding them); worst values from all steps")
     if report.detail_note:
         lines.append(f"note: {report.detail_note}")
+    note = PEAK_SCOPE_NOTES.get(report.peak_rss_scope or "window")
+    if note:
+        lines.append(f"peak RSS per window: {note}")
     if report.corrupt or report.truncated:
         lines.append(
             f"skipped: {report.corrupt} corrupt line{'s' if report.corrupt != 1 else ''}, "
             f"{'a truncated last line' if report.truncated else 'no truncated last line'}"
         )
     return lines + limit_lines(report)
+
+
+PEAK_SCOPE_NOTES = {
+    "edges": "sampled at window edges (peak_source='edges', VmHWM never reset): exact where a window set a new "
+             "lifetime high, else the max RSS at its edges; lifetime peaks are exact",
+    "lifetime": "lifetime peaks (the kernel could not reset VmHWM): a window's peak is the process's so far",
+    "sampled": "sampled at window edges (no resettable high-water mark on this platform)",
+}
+"""The line the report prints where per-window host peaks are not exact (``window`` needs none)."""
 
 
 HEADROOM_LABELS = {"node total": "node available", "cgroup limit": "cgroup headroom (limit - used)"}
