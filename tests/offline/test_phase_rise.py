@@ -37,7 +37,8 @@ def _report(out: Path, capsys: pytest.CaptureFixture[str]) -> tuple[dict[str, An
 
 def test_phases_that_all_hold_the_step_peak_are_not_blamed(tmp_path_factory: pytest.TempPathFactory,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
-    report, text = _report(_job(tmp_path_factory, "held"), capsys)
+    out = _job(tmp_path_factory, "held")
+    report, text = _report(out, capsys)
     keys = {k["key"]: k for k in report["keys"]}
     for key in PEAKS:
         k = keys[key]
@@ -48,6 +49,25 @@ def test_phases_that_all_hold_the_step_peak_are_not_blamed(tmp_path_factory: pyt
     line = next(x for x in text.splitlines() if x.startswith("worst peak_rss:"))
     assert line.endswith(f"at step {worst['peak_rss']['step']} {HELD}"), line
     assert "(phase " not in line
+    # The HTML page's per-key table says the same.
+    page = out / "report.html"
+    assert main(["report", str(out), "--html", str(page)]) == 0
+    capsys.readouterr()
+    html = page.read_text()
+    assert html.count(HELD) >= len(PEAKS)
+    # The plot's markers: grey "held" markers, no phase marker.
+    import matplotlib.pyplot as plt
+
+    from rankmem.offline import read_run
+    from rankmem.offline.plot import draw_run
+
+    fig = draw_run(read_run(str(out)), ["mem/host/peak_rss_gib"])
+    try:
+        legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    finally:
+        plt.close(fig)
+    assert "no phase raised the step peak (held from before)" in legend
+    assert not any(entry.startswith("phase ") for entry in legend)
 
 
 def test_the_phase_that_allocates_and_frees_256_mib_on_rank_1_is_named(
