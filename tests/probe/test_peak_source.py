@@ -45,17 +45,33 @@ CHILD = textwrap.dedent(f"""
 """)
 
 
+# The parent is a bare interpreter: at exec the kernel folds the pre-exec image's high-water mark into the
+# child's ru_maxrss, and a fork of pytest (hundreds of MiB) would mask what the child itself reached.
+PARENT = textwrap.dedent("""
+    import json, os, sys
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.dup2(w, 1)
+        os.execv(sys.executable, [sys.executable, "-c", sys.argv[1], sys.argv[2]])
+    os.close(w)
+    out = b""
+    while chunk := os.read(r, 65536):
+        out += chunk
+    _, status, usage = os.wait4(pid, 0)
+    print(json.dumps({"child": out.decode(), "code": os.waitstatus_to_exitcode(status),
+                      "maxrss": usage.ru_maxrss * 1024}))  # Linux gives KiB
+""")
+
+
 def _run_child(source: str) -> tuple[dict[str, object], int]:
     """The child's own figures and its ``ru_maxrss`` as its parent's ``wait4`` reports it (bytes)."""
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, source], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
-    assert proc.stdout is not None
-    out = proc.stdout.read()
-    proc.stdout.close()
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    assert proc.returncode == 0, out
-    return json.loads(out), usage.ru_maxrss * 1024  # Linux gives KiB
+    done = subprocess.run([sys.executable, "-c", PARENT, CHILD, source], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    parent = json.loads(done.stdout)
+    assert parent["code"] == 0, done.stderr[-3000:]
+    return json.loads(parent["child"]), int(parent["maxrss"])
 
 
 def test_reset_free_mode_leaves_wait4_the_childs_true_peak() -> None:
