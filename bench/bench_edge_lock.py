@@ -19,7 +19,6 @@ import statistics
 import subprocess
 import sys
 import threading
-import time
 
 CHILD = """
 import json, os, sys, time
