@@ -33,12 +33,12 @@ from rankmem.core.records import PhaseBytes, RunHeader, StepRecord, WindowBytes
 from rankmem.core.scalars import scalar_items
 from rankmem.errors import RankmemError
 from rankmem.exchange.aggregate import Gathered
-from rankmem.exchange.dist import dist_active, global_rank, rank_and_world
+from rankmem.exchange.dist import dist_active, global_rank, launcher_world, rank_and_world
 from rankmem.exchange.exchange import Exchange, run_header
 from rankmem.forensics.forensics import Forensics
 from rankmem.forensics.heartbeat import heartbeat_dir, node_siblings
 from rankmem.probe.device import DeviceBackend, select_backend
-from rankmem.probe.host import HostProbe, make_host_probe
+from rankmem.probe.host import PEAK_SOURCES, HostProbe, make_host_probe, peak_source_default
 from rankmem.probe.nvmlwatch import DeviceAttribution
 from rankmem.publish.publisher import Publisher
 from rankmem.sinks import Sink, check_sink_specs, make_sink
@@ -78,6 +78,13 @@ class MonitorConfig:
     nvml_refresh_s: float | None = 10.0
     """On CUDA with ``rankmem[nvml]``, seconds between splits of device used by owner (NVML's process
     list, on a thread of its own: docs/device-attribution.md); None turns attribution off."""
+    peak_source: str = field(default_factory=peak_source_default)
+    """Where the per-window host peak comes from (docs/peak-source.md). ``window``: ``VmHWM`` reset at every
+    window edge through ``/proc/self/clear_refs``, exact per window, but ``getrusage``, a parent's ``wait4``,
+    ``/usr/bin/time -v`` and ``VmHWM`` pollers then see the last window's peak, not the process's.
+    ``edges``: never reset; a window's peak is exact where it set a new lifetime high and otherwise the
+    max RSS at its edges (a floor), flagged in the header, ``rankmem doctor`` and the report. Both keep
+    ``mem/host/lifetime_peak_rss_gib`` true. Default ``window``, or ``$RANKMEM_PEAK_SOURCE``."""
     sink_thread: bool = True
     """Write sinks and run the leak watch on a background thread (the caller's thread only hands the
     collect over); False does it inside :meth:`Monitor.collect`."""
@@ -103,6 +110,9 @@ class MonitorConfig:
         # numpy's numbers as Python's: the config goes into the run log header as JSON.
         object.__setattr__(self, "log_rank", operator.index(self.log_rank))
         object.__setattr__(self, "oom_history", operator.index(self.oom_history))
+        if self.peak_source not in PEAK_SOURCES:
+            raise RankmemError(f"peak_source must be one of {list(PEAK_SOURCES)} (docs/peak-source.md), "
+                               f"got {self.peak_source!r}")
         refresh = self.children_refresh_s
         if isinstance(refresh, bool) or not isinstance(refresh, numbers.Real) or not 0 < refresh < math.inf:
             raise RankmemError(f"children_refresh_s must be a finite number of seconds > 0, got {refresh!r}")
@@ -157,6 +167,15 @@ def attribute(window: WindowBytes, phases: Mapping[str, PhaseBytes], attribution
             setattr(window, name, getattr(split, part))
     for name, p in phases.items():
         p.device_descendants = attribution.phase_descendants.get(name)
+def _check_launcher(group: Any) -> None:
+    """Several ranks launched and no process group: every process would call itself rank 0 of 1, one run
+    log would win and the report would say ``1 ranks``, exit 0. Refused here, where it can be fixed."""
+    world = launcher_world() if group is None else None
+    if world is not None:
+        raise RankmemError(
+            f"WORLD_SIZE={world} says this job has {world} ranks, but no process group is initialised: call "
+            "torch.distributed.init_process_group() before building the Monitor (on every rank), or it would "
+            "measure each process as a world of one (to measure this process alone, unset WORLD_SIZE)")
 
 
 def _whole(value: Any) -> bool:
@@ -185,10 +204,12 @@ class Monitor:
         if config is not None and options:
             raise RankmemError("pass either a MonitorConfig or keyword options, not both")
         self.config = c = config if config is not None else MonitorConfig.from_options(options)
+        _check_launcher(group)
         self.group = group
         self._guard = Guard()
         device = select_backend(c.device, device_module)
-        host = host_probe if host_probe is not None else make_host_probe(c.children, c.children_refresh_s)
+        host = host_probe if host_probe is not None else make_host_probe(
+            c.children, c.children_refresh_s, reset_peaks=c.peak_source == "window")
         sinks = [make_sink(spec, c.out_dir) for spec in c.sinks or ()]
         self._publisher = Publisher(sinks, c.leak_check, self._guard, background=c.sink_thread)
         self._attribution = make_attribution(c, device, nvml_module, lambda: self._windows.where)
@@ -231,7 +252,8 @@ class Monitor:
 
     @property
     def peak_rss_scope(self) -> str:
-        """``window`` (reset per window), ``lifetime`` (the kernel cannot reset it) or ``sampled``."""
+        """``window`` (reset per window), ``edges`` (never reset: ``peak_source="edges"``), ``lifetime``
+        (the kernel cannot reset it) or ``sampled`` (off Linux)."""
         return str(self._windows.host.peak_scope)
 
     @property

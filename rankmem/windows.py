@@ -46,18 +46,19 @@ class WindowListener(Protocol):
 class _Open:
     """An open window: its start values and its running max of the peaks seen between edges."""
 
-    __slots__ = ("start_rss", "start_allocated", "start_retries", "start_ooms", "peak_rss", "peak_allocated",
-                 "peak_reserved")
+    __slots__ = ("start_rss", "start_allocated", "start_reserved", "start_retries", "start_ooms", "peak_rss",
+                 "peak_allocated", "peak_reserved")
 
     def __init__(self, rss: int | None, dev: DeviceReading | None) -> None:
         self.start_rss = rss
         self.start_allocated = dev.allocated if dev else None
+        self.start_reserved = dev.reserved if dev else None
         self.start_retries = dev.alloc_retries if dev else None
         self.start_ooms = dev.ooms if dev else None
         if dev is not None and dev.before_init:
             # A device without a context has allocated nothing and counted nothing: a window opened
             # before the first CUDA call still reports what happened in it (an OOM in step 0).
-            self.start_allocated = self.start_retries = self.start_ooms = 0
+            self.start_allocated = self.start_reserved = self.start_retries = self.start_ooms = 0
         self.peak_rss: int | None = None
         self.peak_allocated: int | None = None
         self.peak_reserved: int | None = None
@@ -221,11 +222,15 @@ class Windows:
 
     def _close_phase(self, name: str, window: _Open, rss: int | None, dev: DeviceReading | None) -> None:
         p = self._phases.setdefault(name, PhaseBytes())
-        p.peak_rss = _max(p.peak_rss, window.peak_rss)
+        # A phase run twice in a step: the peak, and the rise of the run that reached it (a run that only
+        # held a peak an earlier run raised must not hide that rise, nor lend its own to a lower peak).
+        p.peak_rss, p.peak_rss_rise = _peak_and_rise(p.peak_rss, p.peak_rss_rise, window.peak_rss, window.start_rss)
         p.rss_delta = _sum(p.rss_delta, _delta(rss, window.start_rss))
         if dev is not None:
-            p.peak_allocated = _max(p.peak_allocated, window.peak_allocated)
-            p.peak_reserved = _max(p.peak_reserved, window.peak_reserved)
+            p.peak_allocated, p.peak_allocated_rise = _peak_and_rise(
+                p.peak_allocated, p.peak_allocated_rise, window.peak_allocated, window.start_allocated)
+            p.peak_reserved, p.peak_reserved_rise = _peak_and_rise(
+                p.peak_reserved, p.peak_reserved_rise, window.peak_reserved, window.start_reserved)
             p.allocated_delta = _sum(p.allocated_delta, _delta(dev.allocated, window.start_allocated))
 
     def take(self) -> tuple[WindowBytes, dict[str, PhaseBytes]]:
@@ -310,6 +315,19 @@ def _max(a: int | None, b: int | None) -> int | None:
     if a is None:
         return b
     return a if b is None or a >= b else b
+
+
+def _peak_and_rise(peak: int | None, rise: int | None, run_peak: int | None,
+                   run_start: int | None) -> tuple[int | None, int | None]:
+    """A phase's (peak, rise to it) after one more run of it with ``run_peak`` from ``run_start``."""
+    run_rise = _delta(run_peak, run_start)
+    if run_peak is None:
+        return peak, rise
+    if peak is None or run_peak > peak:
+        return run_peak, run_rise
+    if run_peak == peak:
+        return peak, _max(rise, run_rise)
+    return peak, rise
 
 
 def _sum(a: int | None, b: int | None) -> int | None:

@@ -41,6 +41,8 @@ EXTRAS = (
 SCOPES = {
     "window": "window (VmHWM reset at each window edge through /proc/self/clear_refs)",
     "lifetime": "lifetime (this kernel cannot reset VmHWM: peak RSS is the process's lifetime peak)",
+    "edges": "edges (peak_source='edges': VmHWM never reset; a window's peak is exact where it set a new "
+             "lifetime high, else sampled at its edges)",
     "sampled": "sampled (no /proc: peak RSS is the max of the RSS read at window edges)",
 }
 DEVICE_READS = ("allocated, reserved and their window peaks (the allocator), device used and total "
@@ -158,9 +160,20 @@ def host_lines() -> list[str]:
     host = sample(device="cpu", children=False).host
     node = (f"node available {_gib(host.node_available)} of {_gib(host.node_total)}"
             if host.node_total is not None else "node memory unknown")
-    return [f"host peak RSS scope: {SCOPES.get(scope, scope)}",
+    return [f"host peak RSS scope: {SCOPES.get(scope, scope)}", peak_source_line(scope),
             f"host now: this process's RSS {_gib(host.rss)}, {node}",
             cgroup_line(host.cgroup_limit, host.cgroup_used)]
+
+
+def peak_source_line(scope: str) -> str:
+    """What the choice of peak source does to other tools (docs/peak-source.md)."""
+    if scope == "window":
+        return ("peak source: window (the default): the reset makes getrusage, a parent's wait4, /usr/bin/time -v "
+                "and VmHWM pollers report a window's peak, not the job's (cgroup peaks and Slurm's accounting "
+                "are unaffected); peak_source='edges' or RANKMEM_PEAK_SOURCE=edges leaves them true")
+    if scope == "edges":
+        return "peak source: edges: VmHWM is left alone, so getrusage, wait4, time -v and VmHWM pollers stay true"
+    return f"peak source: {scope}: rankmem writes no clear_refs here"
 
 
 def cgroup_line(limit: int | None, used: int | None) -> str:

@@ -161,6 +161,11 @@ class PhaseBytes:
     allocated_delta: int | None = None
     device_descendants: int | None = None
     """The descendants' device memory when last seen inside this phase (an engine asleep or not)."""
+    peak_rss_rise: int | None = None
+    """``peak_rss`` minus RSS at the start of the run of the phase that holds that peak: what the phase
+    itself raised (0 where it only held memory from before)."""
+    peak_allocated_rise: int | None = None
+    peak_reserved_rise: int | None = None
 
 
 @dataclass(slots=True)
@@ -174,8 +179,9 @@ class RankInfo:
     device: str
     """The backend (``cuda``/``npu``/``xpu``/``none``) and the device's name where known."""
     peak_rss_scope: str
-    """``"window"`` where the host peak resets per window, ``"lifetime"`` where it cannot, ``"sampled"``
-    off Linux (the max of the RSS read at window edges)."""
+    """``"window"`` where the host peak resets per window, ``"edges"`` where rankmem leaves it alone
+    (``peak_source="edges"``: exact where a window set a new lifetime high, else its edges' max),
+    ``"lifetime"`` where it cannot reset, ``"sampled"`` off Linux (the max of the RSS read at window edges)."""
 
 
 @dataclass(slots=True)

@@ -68,7 +68,7 @@ def run_task(worker: TrainingWorker, args: argparse.Namespace, on_step: StepCall
 # ---- the logging rank's view: progress and summary ----------------------------------------------------
 # The summary names the run's worst value of the catalogue's SUMMARY_KEYS at the catalogue's worse end
 # (the max, or the min where low is bad); the phase comes from the rule `rankmem report` uses
-# (_catalogue.phase_of_peak).
+# (catalogue.peak_phase: the phase memory rose in, or a verdict naming none).
 
 
 @dataclass
@@ -108,7 +108,9 @@ class PeakTracker:
         for key, p in self.peaks.items():
             if p.stat == "max" and p.value < NOTHING_GIB:  # e.g. no dataloader workers: zeros say nothing
                 continue
-            out.append(f"  {key:<32} {p.stat} {p.value:8.3f} GiB  rank {p.rank}  step {p.step}  phase {p.phase}")
+            # A verdict that names no single phase ("(held from before: ...)", "(tie: ...)") stands alone.
+            phase = p.phase if p.phase.startswith("(") else f"phase {p.phase}"
+            out.append(f"  {key:<32} {p.stat} {p.value:8.3f} GiB  rank {p.rank}  step {p.step}  {phase}")
         return out
 
 

@@ -31,8 +31,11 @@ class LinuxHostProbe:
     private memory (USS) is summed at the same cadence on a daemon thread (:class:`ChildrenUss`).
     """
 
-    def __init__(self, children: bool = True, children_refresh_s: float = 5.0, proc: str = "/proc") -> None:
+    def __init__(self, children: bool = True, children_refresh_s: float = 5.0, proc: str = "/proc",
+                 reset_peaks: bool = True) -> None:
         self._proc = proc
+        self._reset_peaks = reset_peaks
+        self._last_hwm = 0  # peak_source="edges": the VmHWM seen at the last edge
         self._pid = os.getpid()
         self._page = os.sysconf("SC_PAGE_SIZE")
         self._children_enabled = children
@@ -48,7 +51,21 @@ class LinuxHostProbe:
         self._statm = _procfs.open_ro(f"{me}/statm")
         self._status = _procfs.open_ro(f"{me}/status")
         self._meminfo = _procfs.open_ro(f"{self._proc}/meminfo")
-        self._clear_refs: int | None
+        self._clear_refs: int | None = None
+        if not self._reset_peaks:
+            # peak_source="edges": VmHWM stays the process's true lifetime peak, for getrusage, a parent's
+            # wait4, /usr/bin/time -v and anything polling VmHWM (docs/peak-source.md).
+            self.peak_is_lifetime = True
+        else:
+            self._open_clear_refs(me)
+        try:
+            with open(f"{me}/cgroup") as f:
+                files = _procfs.find_cgroup_files(f.read())
+        except OSError:
+            files = None
+        self._cgroup = _procfs.CgroupReader(files) if files is not None else None
+
+    def _open_clear_refs(self, me: str) -> None:
         try:
             # Writing "5" resets VmHWM to the current RSS (Linux >= 4.0). Opening does not reset; the
             # first reset_peak() that fails marks the peak as a lifetime peak.
@@ -58,12 +75,6 @@ class LinuxHostProbe:
         self.peak_is_lifetime = self._clear_refs is None
         if self.peak_is_lifetime:
             self._lifetime_warning()
-        try:
-            with open(f"{me}/cgroup") as f:
-                files = _procfs.find_cgroup_files(f.read())
-        except OSError:
-            files = None
-        self._cgroup = _procfs.CgroupReader(files) if files is not None else None
 
     def check_fork(self) -> None:
         # Descriptors opened on /proc/PID follow the PID, not the caller: a forked child must reopen.
@@ -83,7 +94,10 @@ class LinuxHostProbe:
 
     @property
     def peak_scope(self) -> str:
-        """``window`` when VmHWM resets at each window edge, ``lifetime`` where it cannot."""
+        """``window`` when VmHWM resets at each window edge, ``lifetime`` where it cannot, ``edges`` where
+        rankmem leaves it alone (``peak_source="edges"``)."""
+        if not self._reset_peaks:
+            return "edges"
         return "lifetime" if self.peak_is_lifetime else "window"
 
     def rss_and_peak(self) -> tuple[int | None, int | None]:
@@ -99,6 +113,13 @@ class LinuxHostProbe:
         """The window-edge read: current RSS and the peak since the last edge, then the peak reset."""
         self.check_fork()
         rss, peak = self.rss_and_peak()
+        if not self._reset_peaks:
+            # Never reset, VmHWM only says something of this window where it rose since the last edge:
+            # then the window reached exactly it. Otherwise the window's peak is its edges' RSS (a floor).
+            if peak is None or peak <= self._last_hwm:
+                return rss, None
+            self._last_hwm = peak
+            return rss, peak
         self.reset_peak()
         return rss, peak
 
@@ -315,8 +336,19 @@ def read_host(probe: _Figures, process: bool = True) -> HostReading:
     )
 
 
-def make_host_probe(children: bool = True, children_refresh_s: float = 5.0) -> HostProbe:
-    """The host probe for this platform, chosen once."""
+PEAK_SOURCES = ("window", "edges")
+PEAK_SOURCE_ENV = "RANKMEM_PEAK_SOURCE"
+
+
+def peak_source_default() -> str:
+    """``$RANKMEM_PEAK_SOURCE`` where set (a job's environment can choose without a code change), else
+    ``window``."""
+    return os.environ.get(PEAK_SOURCE_ENV, "").strip() or "window"
+
+
+def make_host_probe(children: bool = True, children_refresh_s: float = 5.0, reset_peaks: bool = True) -> HostProbe:
+    """The host probe for this platform, chosen once. ``reset_peaks=False``: never write
+    ``/proc/self/clear_refs`` (``peak_source="edges"``)."""
     if sys.platform.startswith("linux") and os.path.exists(f"/proc/{os.getpid()}/statm"):
-        return LinuxHostProbe(children=children, children_refresh_s=children_refresh_s)
+        return LinuxHostProbe(children=children, children_refresh_s=children_refresh_s, reset_peaks=reset_peaks)
     return PsutilHostProbe(children=children, children_refresh_s=children_refresh_s)
