@@ -15,6 +15,7 @@ Build one on every rank after ``init_process_group``::
 
 from __future__ import annotations
 
+import copy
 import math
 import numbers
 import operator
@@ -52,6 +53,8 @@ class MonitorConfig:
     sinks: Sequence[str | Sink] | None = None
     """Sink names (``console``, ``jsonl``/``file``, ``tensorboard``, ``wandb``, ``mlflow``) or sink objects.
     Default: the run log (``jsonl``) when ``out_dir`` is set, nothing otherwise."""
+    sink_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    """Keyword options of named sinks, by name: ``{"prometheus": {"port": 9465, "top_k": 3}}``."""
     out_dir: str | None = None
     """Run directory for file-backed sinks (the run log is ``<out_dir>/rankmem.jsonl``)."""
     log_rank: int = 0
@@ -90,7 +93,10 @@ class MonitorConfig:
         elif not isinstance(sinks, Iterable):
             raise RankmemError(f"sinks must be a list of sink names or objects, got {sinks!r}")
         object.__setattr__(self, "sinks", tuple(sinks))
-        check_sink_specs(self.sinks or (), self.out_dir)
+        if not isinstance(self.sink_options, Mapping):
+            raise RankmemError(f"sink_options must be a dict of sink name -> dict of options, got {self.sink_options!r}")
+        check_sink_specs(self.sinks or (), self.out_dir, self.sink_options)
+        object.__setattr__(self, "sink_options", {k: dict(v) for k, v in self.sink_options.items()})
         if not _whole(self.log_rank) or self.log_rank < 0:
             raise RankmemError(f"log_rank must be a rank: a whole number >= 0, got {self.log_rank!r}")
         if not _whole(self.oom_history) or self.oom_history < 0:
@@ -112,7 +118,9 @@ class MonitorConfig:
         return cls(**options)
 
     def to_header(self) -> dict[str, Any]:
-        config = {k: v for k, v in asdict(self).items() if k not in ("sinks", "run_config")}
+        # Field by field, not asdict(self): that deep-copies the sink objects (threads, locks, sockets).
+        config = {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self)
+                  if f.name not in ("sinks", "run_config")}
         config["sinks"] = [s if isinstance(s, str) else type(s).__name__ for s in self.sinks or ()]
         config["run"] = self.run_config
         return config
@@ -155,7 +163,8 @@ class Monitor:
         self._windows.listener = self._forensics
         self._exchange = Exchange(group, device.name if device else None, device.module if device else None,
                                               detail_rank=self.config.log_rank)
-        sinks = [make_sink(spec, self.config.out_dir) for spec in self.config.sinks or ()]
+        sinks = [make_sink(spec, self.config.out_dir, **(self.config.sink_options.get(spec, {}) if isinstance(spec, str)
+                                                         else {})) for spec in self.config.sinks or ()]
         self._publisher = Publisher(sinks, self.config.leak_check, self._guard, background=self.config.sink_thread)
         self._header: RunHeader | None = None
         self._last: tuple[int, float, Gathered] | None = None
@@ -286,7 +295,8 @@ class Monitor:
         """The first collect: every rank learns who every rank is; the logging rank opens the sinks."""
         device = self._windows.device
         self._header = run_header(self.group, self.config.log_rank, self.config.to_header(),
-                                              device.device_name() if device else "none", self.peak_rss_scope)
+                                  device.device_name() if device else "none", self.peak_rss_scope,
+                                  device.device_uuid() if device else None)
         if self.rank == self.config.log_rank:
             self._publisher.open(self._header)
 

@@ -168,6 +168,9 @@ class RankInfo:
     peak_rss_scope: str
     """``"window"`` where the host peak resets per window, ``"lifetime"`` where it cannot, ``"sampled"``
     off Linux (the max of the RSS read at window edges)."""
+    device_uuid: str | None = None
+    """The device's UUID as NVIDIA's tools spell it (``GPU-...``, the DCGM exporter's ``UUID`` label),
+    where the backend gives one."""
 
 
 @dataclass(slots=True)
