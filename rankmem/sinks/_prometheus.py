@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import os
 import socket
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -93,8 +94,19 @@ class PrometheusSink:
             def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's name
                 pass  # one line per scrape on the job's stderr would drown its own output
 
-        family = socket.AF_INET6 if ":" in self.bind else socket.AF_INET
-        server = type("Server", (ThreadingWSGIServer,), {"address_family": family})
+        class Server(ThreadingWSGIServer):
+            address_family = socket.AF_INET6 if ":" in self.bind else socket.AF_INET
+
+            def handle_error(self, request: Any, client_address: Any) -> None:
+                # A scraper that timed out, reset or left is its own business: no traceback on the job's
+                # stderr (socketserver prints one per connection). Anything else is a bug: shown once.
+                if not isinstance(sys.exc_info()[1], OSError) and not self._shown:
+                    self._shown = True
+                    super().handle_error(request, client_address)
+
+            _shown = False
+
+        server = Server
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_Collector(self))  # type: ignore[arg-type]
         try:
