@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from rankmem.core.catalogue import phase_metrics, verl_metrics, window_metrics

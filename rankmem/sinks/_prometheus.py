@@ -83,13 +83,9 @@ class PrometheusSink:
         from prometheus_client import CollectorRegistry, make_wsgi_app
         from prometheus_client.exposition import ThreadingWSGIServer
 
-        timeout = self.timeout_s
-
         class Handler(WSGIRequestHandler):
             # A socket timeout ends a connection that sends or reads nothing (a stuck scraper).
-            def setup(self) -> None:
-                self.timeout = timeout
-                super().setup()
+            timeout = self.timeout_s
 
             def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's name
                 pass  # one line per scrape on the job's stderr would drown its own output

@@ -8,13 +8,14 @@ The naming scheme (docs/prometheus.md): a per-rank key ``mem/<area>/<name>_gib``
 ``rankmem_phase_<name>_bytes{phase="<P>"}``; a count keeps its name without a unit; a caller's scalar
 ``K`` becomes ``rankmem_scalar_<K>`` (characters outside ``[a-zA-Z0-9_]`` as ``_``). Per key:
 
-- ``<name>{stat="max"|"min"|"mean"}``: the cross-rank aggregates of the last collect;
+- ``<name>{stat="max"|"min"|"mean"}``: the cross-rank aggregates of the last collect (and ``p50``,
+  ``p90``, ``p99`` across ranks where the collect has them: above 128 ranks);
 - ``rankmem_worst_rank{metric="<name>"}``: the rank holding the worst value (max, or min where low is
   bad: headroom, available memory), as the run log's ``max_rank`` / ``min_rank``;
 - ``rankmem_rank_<name-without-rankmem_>{rank, local_rank, node, UUID}``: the values of at most
   ``top_k`` worst ranks, from the last collect that carried per-rank detail.
 
-So the series count is ``keys x (3 + 1 + top_k) + 5 + kinds``, whatever the world size.
+So the series count is at most ``keys x (6 + 1 + top_k) + 8``, whatever the world size.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from rankmem.core.records import RankInfo, StepRecord
 from rankmem.forensics.events import KINDS
 
 GIB = 2**30
-STATS = ("max", "min", "mean")
+STATS = ("max", "min", "mean", "p50", "p90", "p99")
+"""The quantiles across ranks are there above 128 ranks (the all-reduce path: rankmem.exchange.reduce)."""
 RANK_LABELS = ("rank", "local_rank", "node", "UUID")
 """``UUID`` is spelled as NVIDIA's DCGM exporter spells it, so PromQL joins ``on(UUID)``."""
 _BAD = re.compile(r"[^a-zA-Z0-9_]")
@@ -106,18 +108,26 @@ def worst_ranks(keys: Sequence[str], matrix: Any, k: int) -> list[list[int]]:
     m = np.asarray(matrix, dtype=np.float64)
     if m.ndim != 2 or m.shape[0] == 0 or k <= 0:
         return [[] for _ in keys]
-    sign = np.array([-1.0 if worse(key) == "low" else 1.0 for key in keys])
-    badness = np.where(np.isnan(m), -np.inf, m * sign)
+    # keys x ranks, contiguous, "worse" as larger: every pass below reads memory in order.
+    badness = np.array(m.T, dtype=np.float64, order="C")
+    low = [j for j, key in enumerate(keys) if worse(key) == "low"]
+    badness[low] *= -1.0
+    np.nan_to_num(badness, copy=False, nan=-np.inf)
     kk = min(k, m.shape[0])
-    # argpartition is O(ranks) per column: a full sort of 16,384 ranks x 30 keys would cost ~20 ms.
-    top = np.argpartition(-badness, kk - 1, axis=0)[:kk] if kk < m.shape[0] else np.tile(
-        np.arange(m.shape[0])[:, None], (1, m.shape[1]))
-    out: list[list[int]] = []
-    for j in range(len(keys)):
-        rows = top[:, j]
-        rows = rows[np.argsort(-badness[rows, j], kind="stable")]
-        out.append([int(r) for r in rows if not np.isnan(m[r, j])])
-    return out
+    if kk <= 8:
+        # k passes of argmax beat a partition of every row (16,384 ranks x 20 keys: ~7 ms against ~18 ms
+        # on a loaded 2-core machine, bench/RESULTS.md): a scrape stays well under its target.
+        cols, found = np.arange(len(keys)), []
+        for _ in range(kk):
+            at = badness.argmax(axis=1)
+            found.append(at)
+            badness[cols, at] = -np.inf
+        top = np.stack(found, axis=1)
+    else:
+        part = np.argpartition(badness, -kk, axis=1)[:, -kk:]
+        order = np.argsort(-np.take_along_axis(badness, part, axis=1), axis=1, kind="stable")
+        top = np.take_along_axis(part, order, axis=1)
+    return [[int(r) for r in top[j] if not np.isnan(m[r, j])] for j in range(len(keys))]
 
 
 class Figures:
@@ -127,6 +137,7 @@ class Figures:
         self.job = job
         self.top_k = top_k
         self._namer = Namer()
+        self._rows: tuple[Any, list[list[int]]] | None = None  # the last detail matrix and its worst rows
 
     def families(self, record: StepRecord | None, detail: StepRecord | None, ranks: Sequence[RankInfo],
                  world_size: int, events: Mapping[str, int]) -> list[Family]:
@@ -163,7 +174,7 @@ class Figures:
             kn = self._namer(key)
             phase = () if kn.phase is None else (kn.phase,)
             labels = ("job", "stat") + (("phase",) if kn.phase is not None else ())
-            fam = self._family(out, kn.name, f"rankmem {key} across ranks (stat: max, min, mean)", labels)
+            fam = self._family(out, kn.name, f"rankmem {key} across ranks (stat: max, min, mean; p50, p90, p99 above 128 ranks)", labels)
             for stat in STATS:
                 value = metrics.get(f"{key}/{stat}")
                 if value is not None and value == value:
@@ -175,7 +186,10 @@ class Figures:
     def _per_rank(self, detail: StepRecord, ranks: Sequence[RankInfo], out: dict[str, Family]) -> None:
         keys = list(detail.keys)
         matrix = np.asarray(detail.matrix, dtype=np.float64)
-        for col, (key, rows) in enumerate(zip(keys, worst_ranks(keys, matrix, self.top_k), strict=True)):
+        cached = self._rows
+        if cached is None or cached[0] is not detail.matrix:  # two scrapers (an HA pair) share the work
+            cached = self._rows = (detail.matrix, worst_ranks(keys, matrix, self.top_k))
+        for col, (key, rows) in enumerate(zip(keys, cached[1], strict=True)):
             kn = self._namer(key)
             labels = ("job", *RANK_LABELS) + (("phase",) if kn.phase is not None else ())
             name = "rankmem_rank_" + kn.name[len("rankmem_"):]
