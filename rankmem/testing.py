@@ -377,6 +377,18 @@ class FakeCuda:
         self._lazy_init()  # device properties come after initialisation
         return self.name
 
+    def get_device_properties(self, device: Any = None) -> Any:
+        """Name, capacity and UUID, as ``torch.cuda.get_device_properties``; its ``uuid`` prints as NVML's
+        UUID without the ``GPU-`` that ``nvidia-smi -L`` and DCGM put before it."""
+        import types
+        import uuid
+
+        index = self._index(device)
+        self._check_index(index)
+        self._lazy_init()
+        return types.SimpleNamespace(name=self.name, total_memory=self.total,
+                                     uuid=uuid.UUID(int=(0xFA4E << 112) + index))
+
     def memory_stats_as_nested_dict(self, device: Any = None) -> dict[str, Any]:
         if not self._initialized:  # checked before the device index is resolved: initialises nothing
             return {}

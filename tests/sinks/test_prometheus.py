@@ -74,6 +74,28 @@ def test_a_monitor_run_reads_back_in_bytes_through_prometheus_clients_parser() -
     assert one(got["rankmem_events_total"], kind="oom") == 0.0
 
 
+def test_the_gpus_uuid_labels_the_per_rank_series_as_dcgm_spells_it() -> None:
+    from rankmem.testing import FakeCuda
+
+    cuda = FakeCuda()
+    sink = PrometheusSink(port=0)
+    monitor = rankmem.Monitor(sinks=[sink], device="cuda", device_module=cuda, children=False, leak_check=False)
+    try:
+        with monitor.step(0):
+            handle = cuda.malloc(512 * MIB)
+        monitor.collect()
+        assert monitor.flush(10)
+        got = scrape(sink)
+        cuda.free(handle)
+    finally:
+        monitor.close()
+    expect = "GPU-" + str(cuda.get_device_properties(0).uuid)
+    assert monitor.header is not None and monitor.header.ranks[0].device_uuid == expect
+    (labels, value), = got["rankmem_rank_device_peak_allocated_bytes"]
+    assert labels["UUID"] == expect and labels["rank"] == "0"
+    assert value == pytest.approx(512 * MIB, abs=MIB)
+
+
 def _world(world: int, keys: list[str]) -> tuple[RunHeader, StepRecord, np.ndarray]:
     rng = np.random.default_rng(0)
     matrix = rng.uniform(1.0, 2.0, size=(world, len(keys)))
