@@ -51,7 +51,7 @@ class MonitorConfig:
     device: str = "auto"
     """Device backend: ``auto`` (cuda, npu, xpu, in that order, if available), a backend name, or ``cpu``."""
     sinks: Sequence[str | Sink] | None = None
-    """Sink names (``console``, ``jsonl``/``file``, ``tensorboard``, ``wandb``, ``mlflow``) or sink objects.
+    """Sink names (``console``, ``jsonl``/``file``, ``tensorboard``, ``wandb``, ``mlflow``, ``prometheus``) or sink objects.
     Default: the run log (``jsonl``) when ``out_dir`` is set, nothing otherwise."""
     sink_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     """Keyword options of named sinks, by name: ``{"prometheus": {"port": 9465, "top_k": 3}}``."""

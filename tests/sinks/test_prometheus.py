@@ -196,3 +196,23 @@ def test_a_port_in_use_is_one_line_and_training_goes_on() -> None:
     assert len(lines) == 1, done.stderr
     assert f"port {port} on 127.0.0.1 is in use" in lines[0]
     assert "Traceback" not in done.stderr
+
+
+def test_ray_outside_a_ray_actor_is_a_configuration_error() -> None:
+    header, _, _ = _world(2, KEYS_20[:2])
+    with pytest.raises(RankmemError, match="ray=True needs the Monitor inside a Ray actor"):
+        PrometheusSink(ray=True).open(header)
+
+
+@pytest.mark.parametrize(("args", "line"), [
+    (["--sink-option", "prometheus.port=9465"], "sink_options names the sink 'prometheus', which is not among sinks"),
+    (["--sink", "prometheus", "--sink-option", "prometheus.port=x"],
+     "the prometheus sink's port must be a whole number in 0..65535, got 'x'"),
+    (["--sink", "prometheus", "--sink-option", "port=1"], "write NAME.KEY=VALUE"),
+])
+def test_bad_sink_flags_of_rankmem_train_are_one_line_exit_2(tmp_path: object, args: list[str], line: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "rankmem", "train", "--out", f"{tmp_path}/run", "--steps", "1",
+                           *args], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and line in lines[0], done.stderr
