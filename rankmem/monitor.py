@@ -15,6 +15,7 @@ Build one on every rank after ``init_process_group``::
 
 from __future__ import annotations
 
+import copy
 import math
 import numbers
 import operator
@@ -24,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from rankmem.core.catalogue import ATTRIBUTION_FIELDS, phase_metrics, verl_metrics, window_metrics
@@ -52,8 +53,10 @@ class MonitorConfig:
     device: str = "auto"
     """Device backend: ``auto`` (cuda, npu, xpu, in that order, if available), a backend name, or ``cpu``."""
     sinks: Sequence[str | Sink] | None = None
-    """Sink names (``console``, ``jsonl``/``file``, ``tensorboard``, ``wandb``, ``mlflow``) or sink objects.
+    """Sink names (``console``, ``jsonl``/``file``, ``tensorboard``, ``wandb``, ``mlflow``, ``prometheus``) or sink objects.
     Default: the run log (``jsonl``) when ``out_dir`` is set, nothing otherwise."""
+    sink_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    """Keyword options of named sinks, by name: ``{"prometheus": {"port": 9465, "top_k": 3}}``."""
     out_dir: str | None = None
     """Run directory for file-backed sinks (the run log is ``<out_dir>/rankmem.jsonl``)."""
     log_rank: int = 0
@@ -102,7 +105,10 @@ class MonitorConfig:
         elif not isinstance(sinks, Iterable):
             raise RankmemError(f"sinks must be a list of sink names or objects, got {sinks!r}")
         object.__setattr__(self, "sinks", tuple(sinks))
-        check_sink_specs(self.sinks or (), self.out_dir)
+        if not isinstance(self.sink_options, Mapping):
+            raise RankmemError(f"sink_options must be a dict of sink name -> dict of options, got {self.sink_options!r}")
+        check_sink_specs(self.sinks or (), self.out_dir, self.sink_options)
+        object.__setattr__(self, "sink_options", {k: dict(v) for k, v in self.sink_options.items()})
         if not _whole(self.log_rank) or self.log_rank < 0:
             raise RankmemError(f"log_rank must be a rank: a whole number >= 0, got {self.log_rank!r}")
         if not _whole(self.oom_history) or self.oom_history < 0:
@@ -132,7 +138,9 @@ class MonitorConfig:
         return cls(**options)
 
     def to_header(self) -> dict[str, Any]:
-        config = {k: v for k, v in asdict(self).items() if k not in ("sinks", "run_config")}
+        # Field by field, not asdict(self): that deep-copies the sink objects (threads, locks, sockets).
+        config = {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self)
+                  if f.name not in ("sinks", "run_config")}
         config["sinks"] = [s if isinstance(s, str) else type(s).__name__ for s in self.sinks or ()]
         config["run"] = self.run_config
         return config
@@ -210,7 +218,8 @@ class Monitor:
         device = select_backend(c.device, device_module)
         host = host_probe if host_probe is not None else make_host_probe(
             c.children, c.children_refresh_s, reset_peaks=c.peak_source == "window")
-        sinks = [make_sink(spec, c.out_dir) for spec in c.sinks or ()]
+        sinks = [make_sink(spec, c.out_dir, **(c.sink_options.get(spec, {}) if isinstance(spec, str) else {}))
+                 for spec in c.sinks or ()]
         self._publisher = Publisher(sinks, c.leak_check, self._guard, background=c.sink_thread)
         self._attribution = make_attribution(c, device, nvml_module, lambda: self._windows.where)
         self._forensics = Forensics(c.out_dir, global_rank(), host, device, oom_history=c.oom_history,
@@ -348,7 +357,8 @@ class Monitor:
         """The first collect: every rank learns who every rank is; the logging rank opens the sinks."""
         device = self._windows.device
         header = run_header(self.group, self.config.log_rank, self.config.to_header(),
-                            device.device_name() if device else "none", self.peak_rss_scope)
+                            device.device_name() if device else "none", self.peak_rss_scope,
+                            device.device_uuid() if device else None)
         self._publisher.start(header, logging=self.rank == self.config.log_rank)
 
     def _check_call(self) -> None:

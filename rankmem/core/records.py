@@ -182,6 +182,9 @@ class RankInfo:
     """``"window"`` where the host peak resets per window, ``"edges"`` where rankmem leaves it alone
     (``peak_source="edges"``: exact where a window set a new lifetime high, else its edges' max),
     ``"lifetime"`` where it cannot reset, ``"sampled"`` off Linux (the max of the RSS read at window edges)."""
+    device_uuid: str | None = None
+    """The device's UUID as NVIDIA's tools spell it (``GPU-...``, the DCGM exporter's ``UUID`` label),
+    where the backend gives one."""
 
 
 @dataclass(slots=True)

@@ -30,7 +30,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from rankmem.core.catalogue import SUMMARY_KEYS, key_of, phase_of_peak, worst_stat
 from rankmem.engine.model import GPT, GPTConfig
-from rankmem.engine.options import add_job_arguments, resolve_job_options
+from rankmem.engine.options import add_job_arguments, resolve_job_options, sink_options
 from rankmem.engine.output import say
 from rankmem.engine.tasks import task_steps, vocab_size
 from rankmem.engine.worker import TrainingWorker, WorkerConfig
@@ -197,7 +197,8 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     config = WorkerConfig(engine=args.engine, lr=args.lr, total_steps=args.steps,
                           micro_batch_size=args.micro_batch_size, peak_tflops=args.peak_tflops)
     run_config = {**vars(args), "params": model.num_params(), "worker": asdict(config)}
-    monitor = Monitor(out_dir=args.out, sinks=("jsonl",), run_config=run_config)
+    monitor = Monitor(out_dir=args.out, sinks=("jsonl", *(args.sink or ())), sink_options=sink_options(args),
+                      run_config=run_config)
     try:
         worker = TrainingWorker(model, config, device=device, monitor=monitor)
         torch.manual_seed(args.seed * 1000 + worker.rank + 1)  # different sampling per rank, same init

@@ -189,14 +189,15 @@ class Exchange:
                         f"ranks reported different keys {list(differing)}; each is aggregated over the ranks that have it")
 
 
-def run_header(group: Any, log_rank: int, config: dict[str, Any], device: str, peak_scope: str) -> RunHeader:
+def run_header(group: Any, log_rank: int, config: dict[str, Any], device: str, peak_scope: str,
+               device_uuid: str | None = None) -> RunHeader:
     """Who every rank is, once per run, at the first collect (pickled: two collectives, not worth a
     packed layout). A collective; a ``log_rank`` outside the group raises on every rank alike."""
     rank, world = rank_and_world(group)
     if log_rank >= world:  # every rank knows the world size: all raise together
         raise RankmemError(f"log_rank={log_rank} but the group has {world} rank(s): use 0..{world - 1}")
     me = RankInfo(rank=rank, local_rank=int(os.environ.get("LOCAL_RANK", "0")), host=socket.gethostname(),
-                  pid=os.getpid(), device=device, peak_rss_scope=peak_scope)
+                  pid=os.getpid(), device=device, peak_rss_scope=peak_scope, device_uuid=device_uuid)
     ranks = [RankInfo(**info) for info in all_gather_objects(asdict(me), group)]
     return RunHeader(world_size=world, ranks=ranks, config=config, started=time.time())
 

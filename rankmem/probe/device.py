@@ -158,6 +158,20 @@ class DeviceBackend:
         model = attempt(self.module.get_device_name, index, default=None)
         return f"{self.name}:{index}" if model is None else f"{self.name}:{index} {model}"
 
+    def device_uuid(self) -> str | None:
+        """The device's UUID as ``nvidia-smi -L`` and DCGM spell it (``GPU-...``); None where the backend has
+        none, or before it is initialised (``get_device_properties`` needs no context, but an index)."""
+        if not self.initialised():
+            return None
+        index = self._index if self._index is not None else attempt(self.module.current_device, default=None)
+        get = getattr(self.module, "get_device_properties", None)
+        props = None if index is None or get is None else attempt(get, index, default=None)
+        uuid = getattr(props, "uuid", None)
+        if uuid is None:
+            return None
+        text = str(uuid)
+        return text if text.startswith(("GPU-", "MIG-")) else "GPU-" + text
+
     # ---- window edges ------------------------------------------------------------------------------
     def reset_peaks(self) -> None:
         if not self.peaks_resettable:
