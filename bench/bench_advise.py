@@ -8,7 +8,7 @@ itself, with glibc's mmap threshold fixed as ``rankmem train`` does for token-bu
 Per seed (the seed draws the heavy-tailed sequence lengths and the model's init), every step is the
 update phase of packed micro-batches (``TrainingWorker.train_batch``):
 
-1. probe: 2 warm-up steps, then one step at each of 9 token budgets from 512 to 2048 (one run log);
+1. probe: 2 warm-up steps at the largest budget, then one step at each of 9 token budgets from 512 to 2048 (one run log);
 2. capacity: the bench picks the usable memory as the highest rank's baseline plus 1.25x the largest
    rise seen in the probe (so that the answer lies inside the 1.5x range the model is trusted over);
 3. bisection: the largest budget whose real step (fixed data) stays within it, 7 halvings between 2048
@@ -34,7 +34,7 @@ import sys
 import tempfile
 
 PROBE_BUDGETS = (512, 704, 896, 1088, 1280, 1472, 1664, 1856, 2048)
-WARMUP_BUDGET = 1024
+WARMUP_BUDGET = 2048  # the largest probe budget first: what the allocators keep from it is kept from then on
 BISECT = (2048, 4096, 7)
 SEQUENCES = 160  # per rank per step: enough tokens for several micro-batches at the largest budget
 LONGEST = 256
@@ -85,10 +85,10 @@ def worker(args: argparse.Namespace) -> None:
         plan = [(WARMUP_BUDGET, 0), (WARMUP_BUDGET, 1)] + [(b, 2 + i) for i, b in enumerate(PROBE_BUDGETS)]
         rows = steps(probe, plan)
         probe.close()
-        rise = max(r["mem/phase/update/peak_rss_gib"][k] - r["mem/host/rss_gib"][k]  # type: ignore[operator]
-                   for r in rows[2:] for k in range(2))
-        base = max(statistics.median(r["mem/host/rss_gib"][k] for r in rows[2:]) for k in range(2))  # type: ignore[type-var]
-        usable = base + 1.25 * rise
+        # Per rank: its lowest between-step RSS after warm-up plus 1.25x its largest rise; the tightest binds.
+        usable = max(min(r["mem/host/rss_gib"][k] for r in rows[2:])  # type: ignore[type-var]
+                     + 1.25 * max(r["mem/phase/update/peak_rss_gib"][k] - min(q["mem/host/rss_gib"][k] for q in rows[2:])  # type: ignore
+                                  for r in rows[2:]) for k in range(2))
         held = Monitor(out_dir=os.path.join(out, "held"), device="cpu", children=False, near_oom_watch=False,
                        leak_check=False)
         w.monitor = held
@@ -110,7 +110,7 @@ def evaluate(out: str) -> dict[str, float]:
     """One seed's figures from its run logs."""
     import numpy as np
 
-    from rankmem.core.catalogue import key_of, phase_key, work_key
+    from rankmem.core.catalogue import phase_key, work_key
     from rankmem.fit import Fit
     from rankmem.offline import read_run
     from rankmem.offline.advice import EXTRAPOLATION, Limit, advise_rank, fit_phase
@@ -128,14 +128,13 @@ def evaluate(out: str) -> dict[str, float]:
             raise SystemExit(f"{out}: rank {rank}: no fit: {pf.model.reason}")
         quadratic += pf.model.quadratic
         t_p = probe.series[work_key("update", "mb_tokens")][2:, rank]
-        r_p = (probe.series[phase_key("update", "peak_rss_gib")] - probe.series[key_of("rss")])[2:, rank]
+        r_p = probe.series[phase_key("update", "peak_rss_gib")][2:, rank] - pf.baseline
         per_token = r_p[int(np.argmax(t_p))] / t_p.max()
         t = held.series[work_key("update", "mb_tokens")][:, rank]
         q = held.series[work_key("update", "mb_sq_tokens")][:, rank]
         peak = held.series[phase_key("update", "peak_rss_gib")][:, rank]
-        base = held.series[key_of("rss")][:, rank]
         for i in np.nonzero(t <= EXTRAPOLATION * pf.model.t_max)[0]:
-            rise_true = peak[i] - base[i]
+            rise_true = peak[i] - pf.baseline  # over the phase's baseline, as the model sees it
             pred, low, high = pf.model.predict(float(t[i]), float(q[i]))
             errors.append(abs(pred - rise_true) / rise_true)
             naive.append(abs(per_token * t[i] - rise_true) / rise_true)
@@ -164,7 +163,7 @@ def main() -> None:
 
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     out = args.out or tempfile.mkdtemp(prefix="bench_advise_")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "131072"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": os.environ.get("BENCH_MMAP", "65536"), "MALLOC_TRIM_THRESHOLD_": "131072"}
     for attention in (("sdpa", "materialized") if args.attention == "both" else (args.attention,)):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
                "--rdzv-endpoint", f"127.0.0.1:{free_port()}", os.path.abspath(__file__), "--worker",

@@ -4,7 +4,12 @@ For each phase told its micro-batches (``Monitor.micro_batch``) and each rank, t
 warm-up give ``rise = peak - baseline`` against the heaviest micro-batch's tokens T (and sum of squared
 lengths Q), fitted by :func:`rankmem.fit.fit_memory`:
 
-- **host** (no device keys): peak = the phase's peak RSS, baseline = the step's RSS at its end;
+- **host** (no device keys): peak = the phase's peak RSS, baseline = the lowest RSS between steps after
+  warm-up, one figure for the run. Not each step's own: glibc keeps freed heap blocks, so the memory
+  between steps creeps up with the largest micro-batch seen while the peak, which held those blocks in
+  use, does not (measured in bench/bench_advise.py: +27 MiB of between-step RSS, peak unchanged);
+  with the mmap threshold fixed (``MALLOC_MMAP_THRESHOLD_``, as ``rankmem train`` sets it for
+  token-budget jobs) the large blocks go back at once and each window's peak is its own;
 - **device**: peak = the phase's peak allocated, baseline = the step's allocated at its end; set
   against capacity, the allocator's overhead (the phase's peak reserved over peak allocated) and the
   memory outside torch (``other``) are added, each the largest seen after warm-up.
@@ -39,7 +44,7 @@ class PhaseFit:
     rank: int
     model: Fit | NoFit
     baseline: float
-    """GiB: the latest resident (host) or allocated (device) memory between steps."""
+    """GiB: the lowest resident memory between steps (host), or the latest allocated (device)."""
     extra: float
     """GiB added before comparing with capacity: allocator overhead and memory outside torch (device)."""
     sq_max: float
@@ -77,13 +82,15 @@ def fit_phase(run: Run, phase: str, rank: int, warmup: int, config: FitConfig | 
         overhead = _col(run, phase_key(phase, "peak_reserved_gib"), rank, rows) - peak
         other = _col(run, key_of("other"), rank, rows) if key_of("other") in run.series else np.zeros_like(peak)
         extra = _nanmax(overhead) + _nanmax(other)
+        finite = base[np.isfinite(base)]
+        baseline = float(np.median(finite[-BASELINE_STEPS:])) if finite.size else math.nan
+        model = fit_memory(col, peak - base, q, config)
     else:
         peak = _col(run, phase_key(phase, "peak_rss_gib"), rank, rows)
         base = _col(run, key_of("rss"), rank, rows)
         extra = 0.0
-    model = fit_memory(col, peak - base, q, config)
-    finite = base[np.isfinite(base)]
-    baseline = float(np.median(finite[-BASELINE_STEPS:])) if finite.size else math.nan
+        baseline = float(np.nanmin(base)) if np.isfinite(base).any() else math.nan
+        model = fit_memory(col, peak - baseline, q, config)
     sq_max = float(np.nanmax(q)) if q is not None and np.isfinite(q).any() else 0.0
     return PhaseFit(phase, rank, model, baseline, extra, sq_max, col[np.isfinite(col)])
 

@@ -82,11 +82,13 @@ def overshoot(run: Run, phase: str, budget: int, warmup: int) -> float:
     return max(1.0, float(finite.max()) / budget) if finite.size else 1.0
 
 
-def over_budget(run: Run, phase: str, budget: int) -> list[tuple[int, int, float]]:
-    """(step, rank, ratio) of every window whose heaviest micro-batch exceeded ``budget``, worst first."""
-    tokens = run.series[work_key(phase, "mb_tokens")]
+def over_budget(run: Run, phase: str, budget: int, warmup: int = 0) -> list[tuple[int, int, float]]:
+    """(step, rank, ratio) of every window after warm-up whose heaviest micro-batch exceeded ``budget``,
+    worst first."""
+    first = min(warmup, run.steps.size)
+    tokens = run.series[work_key(phase, "mb_tokens")][first:]
     rows, ranks = np.nonzero(np.where(np.isfinite(tokens), tokens, 0) > budget)
-    out = [(int(run.steps[r]), int(k), float(tokens[r, k]) / budget) for r, k in zip(rows, ranks, strict=True)]
+    out = [(int(run.steps[first + r]), int(k), float(tokens[r, k]) / budget) for r, k in zip(rows, ranks, strict=True)]
     return sorted(out, key=lambda t: -t[2])
 
 

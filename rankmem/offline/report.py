@@ -35,6 +35,7 @@ from rankmem.core.scalars import json_safe
 from rankmem.offline import Run
 from rankmem.offline.capacity import capacities
 from rankmem.offline.events import read_events
+from rankmem.offline.imbalance import OverBudget, RankExcess, budget_overruns, imbalance_lines, rank_excess
 from rankmem.offline.leaks import LeakConfig, Trend, detect_leaks, worst_first
 from rankmem.offline.phases import PhaseRow, phase_rows
 
@@ -110,6 +111,10 @@ class Report:
     """Why per-rank values are missing beyond that (a damaged or missing side file)."""
     limits: list[Limit] = field(default_factory=list)
     """Device total, node total, cgroup limit, where measured, with the least headroom under each."""
+    imbalance: list[RankExcess] = field(default_factory=list)
+    """Per phase told its micro-batches and rank: the excess peak, what its tokens explain, the rest."""
+    overruns: list[OverBudget] = field(default_factory=list)
+    """Per phase with a configured token budget: the windows whose heaviest micro-batch went over it."""
 
     def worst(self) -> list[tuple[str, KeyReport]]:
         """(headline label, report) of the catalogue's headline keys present: who is closest to trouble."""
@@ -263,6 +268,9 @@ def _tables(run: Run) -> Report:
     report.host_growth = growth(run, key_of("rss"))
     report.phases = phase_rows(run)
     report.limits = limits(run, report)
+    if run.logged is None:  # the split needs every step's per-rank values
+        report.imbalance = rank_excess(run)
+        report.overruns = budget_overruns(run)
     return report
 
 
@@ -462,7 +470,7 @@ def verdict_lines(report: Report) -> list[str]:
             f"host RSS growth (first to last step): {g.growth * 1024:+.1f} MiB on rank {g.rank} "
             f"(mean over ranks {g.mean_growth * 1024:+.1f} MiB)"
         )
-    return lines
+    return lines + imbalance_lines(report.imbalance, report.overruns)
 
 
 def leak_lines(report: Report) -> list[str]:
