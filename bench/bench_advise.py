@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+from typing import Any
 
 PROBE_BUDGETS = (512, 704, 896, 1088, 1280, 1472, 1664, 1856, 2048)
 WARMUP_BUDGET = 2048  # the largest probe budget first: what the allocators keep from it is kept from then on
@@ -46,7 +48,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from rankmem.engine.data import heavy_tailed_lengths
     from rankmem.engine.model import GPT, GPTConfig
-    from rankmem.engine.worker import TrainingWorker, WorkerConfig, sft_loss
+    from rankmem.engine.worker import TrainingWorker, WorkerConfig
     from rankmem.monitor import Monitor
 
     torch.set_num_threads(1)
@@ -67,23 +69,11 @@ def worker(args: argparse.Namespace) -> None:
         cfg = WorkerConfig(total_steps=10**6, max_token_len=WARMUP_BUDGET)
         out = os.path.join(args.out, f"{args.attention}-{seed}")
 
-        def steps(monitor: Monitor, plan: list[tuple[int, int]]) -> list[dict[str, list[float | None]]]:
-            rows = []
-            for n, (budget, data_step) in enumerate(plan):
-                w.config.max_token_len = budget
-                with monitor.step(n), w.phase("update"):
-                    w.train_batch(batch(seed, data_step), sft_loss)
-                monitor.collect({"bench/budget": budget})
-                record = monitor.last_record
-                assert record is not None
-                rows.append(record.ranks)
-            return rows
-
         probe = Monitor(out_dir=os.path.join(out, "probe"), device="cpu", children=False, near_oom_watch=False,
                         leak_check=False)
         w = TrainingWorker(model, cfg, device=torch.device("cpu"), monitor=probe)
         plan = [(WARMUP_BUDGET, 0), (WARMUP_BUDGET, 1)] + [(b, 2 + i) for i, b in enumerate(PROBE_BUDGETS)]
-        rows = steps(probe, plan)
+        rows = run_steps(w, probe, functools.partial(batch, seed), plan)
         probe.close()
         # Per rank: its lowest between-step RSS after warm-up plus 1.25x its largest rise; the tightest binds.
         usable = max(min(r["mem/host/rss_gib"][k] for r in rows[2:])  # type: ignore[type-var]
@@ -96,7 +86,7 @@ def worker(args: argparse.Namespace) -> None:
         fixed_data = 10**6
         for _ in range(rounds):
             mid = (lo + hi) // 2
-            (r,) = steps(held, [(mid, fixed_data)])
+            (r,) = run_steps(w, held, functools.partial(batch, seed), [(mid, fixed_data)])
             peak = max(r["mem/phase/update/peak_rss_gib"][k] for k in range(2))  # type: ignore[type-var]
             lo, hi = (mid, hi) if peak <= usable else (lo, mid)
         held.close()
@@ -104,6 +94,22 @@ def worker(args: argparse.Namespace) -> None:
             with open(os.path.join(out, "bench.json"), "w") as f:
                 json.dump({"usable": usable, "bisected": lo}, f)
     dist.destroy_process_group()
+
+
+def run_steps(w: Any, monitor: Any, batch: Any, plan: list[tuple[int, int]]) -> list[dict[str, list[float | None]]]:
+    """One update step per (budget, data step) of ``plan``; each step's per-rank values."""
+    from rankmem.engine.worker import sft_loss
+
+    rows = []
+    for n, (budget, data_step) in enumerate(plan):
+        w.config.max_token_len = budget
+        with monitor.step(n), w.phase("update"):
+            w.train_batch(batch(data_step), sft_loss)
+        monitor.collect({"bench/budget": budget})
+        record = monitor.last_record
+        assert record is not None
+        rows.append(record.ranks)
+    return rows
 
 
 def evaluate(out: str) -> dict[str, float]:
