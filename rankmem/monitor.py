@@ -146,6 +146,17 @@ class MonitorConfig:
         return config
 
 
+def _work_number(name: str, value: Any) -> float:
+    """A count of work as a float: a number (numpy's, a 0-d tensor) that is finite and >= 0."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise RankmemError(f"micro_batch({name}=...) must be a number, got {value!r}") from None
+    if not 0 <= number < math.inf or isinstance(value, bool):
+        raise RankmemError(f"micro_batch({name}=...) must be a finite number >= 0, got {value!r}")
+    return number
+
+
 def make_attribution(config: MonitorConfig, device: DeviceBackend | None, nvml_module: Any,
                      where_now: Callable[[], Where]) -> DeviceAttribution | None:
     """NVML's split of device used, on CUDA: the real ``torch.cuda`` with pynvml, or a fake pair."""
@@ -301,6 +312,24 @@ class Monitor:
         allocated deltas across it, under ``mem/phase/<name>/...``. Local to this rank."""
         self._check_open()
         return self._windows.phase(name)
+
+    def micro_batch(self, tokens: float, sequences: float | None = None, sq_tokens: float | None = None) -> None:
+        """Tell the innermost open phase about one micro-batch: ``tokens`` it held (padding included if
+        the model computes on it), its ``sequences`` and the sum of its squared sequence lengths
+        ``sq_tokens`` (attention's quadratic term). Call it once per micro-batch inside a phase.
+
+        The phase keeps its heaviest micro-batch (by tokens) and the totals, under
+        ``mem/phase/<name>/heaviest_mb_tokens``, ``.../heaviest_mb_sequences``, ``.../heaviest_mb_sq_tokens``,
+        ``.../tokens`` and ``.../micro_batches``: what ``rankmem advise`` fits the phase's peak against.
+        Local; a few float compares. Outside a phase it is ignored, with one warning.
+        """
+        self._check_open()
+        t = _work_number("tokens", tokens)
+        n = None if sequences is None else _work_number("sequences", sequences)
+        q = None if sq_tokens is None else _work_number("sq_tokens", sq_tokens)
+        if not self._windows.micro_batch(t, n, q):
+            self._guard.warn_once("micro_batch", "micro_batch() outside a phase is ignored: call it inside "
+                                  "monitor.phase(...), where the phase's peak is measured", stacklevel=3)
 
     def local_metrics(self, metrics: Mapping[str, Any] | None = None) -> dict[str, float]:
         """This rank's per-rank keys for the window that just closed, plus the caller's scalars.

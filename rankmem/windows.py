@@ -47,7 +47,7 @@ class _Open:
     """An open window: its start values and its running max of the peaks seen between edges."""
 
     __slots__ = ("start_rss", "start_allocated", "start_reserved", "start_retries", "start_ooms", "peak_rss",
-                 "peak_allocated", "peak_reserved")
+                 "peak_allocated", "peak_reserved", "work")
 
     def __init__(self, rss: int | None, dev: DeviceReading | None) -> None:
         self.start_rss = rss
@@ -62,11 +62,38 @@ class _Open:
         self.peak_rss: int | None = None
         self.peak_allocated: int | None = None
         self.peak_reserved: int | None = None
+        self.work: Work | None = None
 
     def fold(self, rss: int | None, allocated: int | None, reserved: int | None) -> None:
         self.peak_rss = _max(self.peak_rss, rss)
         self.peak_allocated = _max(self.peak_allocated, allocated)
         self.peak_reserved = _max(self.peak_reserved, reserved)
+
+
+class Work:
+    """The micro-batches a window was told about: its heaviest (by tokens) and the totals."""
+
+    __slots__ = ("tokens", "sequences", "sq_tokens", "total_tokens", "count")
+
+    def __init__(self) -> None:
+        self.tokens = -1.0
+        self.sequences: float | None = None
+        self.sq_tokens: float | None = None
+        self.total_tokens = 0.0
+        self.count = 0
+
+    def add(self, tokens: float, sequences: float | None, sq_tokens: float | None) -> None:
+        self.total_tokens += tokens
+        self.count += 1
+        if tokens > self.tokens:  # the first of equals stays: a few compares, no allocation
+            self.tokens, self.sequences, self.sq_tokens = tokens, sequences, sq_tokens
+
+    def into(self, p: PhaseBytes) -> None:
+        """Fold into a phase's figures; a phase run twice in a step keeps the heavier micro-batch."""
+        if p.mb_tokens is None or self.tokens > p.mb_tokens:
+            p.mb_tokens, p.mb_sequences, p.mb_sq_tokens = self.tokens, self.sequences, self.sq_tokens
+        p.tokens = (p.tokens or 0.0) + self.total_tokens
+        p.micro_batches = (p.micro_batches or 0.0) + self.count
 
 
 class Windows:
@@ -164,6 +191,17 @@ class Windows:
             self._guard.call("failed", "recording the failure failed", self.listener.failed, exc, self.where,
                              figures, default=None)
 
+    def micro_batch(self, tokens: float, sequences: float | None, sq_tokens: float | None) -> bool:
+        """Tell the innermost open window about one micro-batch (numbers already checked). False when that
+        window is no phase: only phases carry work keys."""
+        if not self._phase_stack or not self._open:
+            return False
+        window = self._open[-1]
+        if window.work is None:
+            window.work = Work()
+        window.work.add(tokens, sequences, sq_tokens)
+        return True
+
     # ---- windows ------------------------------------------------------------------------------------
     def next_step(self, given: int | None) -> tuple[int, bool]:
         """The step number a collect logs, and whether it was stated (``given``, a numbered step or
@@ -232,6 +270,8 @@ class Windows:
             p.peak_reserved, p.peak_reserved_rise = _peak_and_rise(
                 p.peak_reserved, p.peak_reserved_rise, window.peak_reserved, window.start_reserved)
             p.allocated_delta = _sum(p.allocated_delta, _delta(dev.allocated, window.start_allocated))
+        if window.work is not None:
+            window.work.into(p)
 
     def take(self) -> tuple[WindowBytes, dict[str, PhaseBytes]]:
         """Close what ran since the last take: the merged steps, or (with no step closed) the implicit

@@ -24,6 +24,7 @@ def write_run(
     steps: np.ndarray | None = None,
     world: int | None = None,
     detail: str = "columnar",
+    config: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write ``series`` (key -> steps x ranks array, GiB; nan = absent) as a run log; returns its path.
     ``detail="inline"``: the per-rank values on the lines (schema 1's layout, the reader's line tests)."""
@@ -35,7 +36,7 @@ def write_run(
     header = RunHeader(
         world_size=world,
         ranks=[RankInfo(rank=r, local_rank=r, host="node0", pid=1000 + r, device="none", peak_rss_scope="window") for r in range(world)],
-        config={"test": True},
+        config=dict(config) if config is not None else {"test": True},
         started=1.7e9,
     )
     path = Path(out_dir) / RUN_LOG_NAME

@@ -36,11 +36,14 @@ FOLDER_RULES = {
                       "rankmem.monitor", "rankmem.sinks", "rankmem.runlog"),
     "rankmem.exchange": ("rankmem.publish", "rankmem.forensics", "rankmem.offline", "rankmem.monitor",
                          "rankmem.sinks", "rankmem.runlog", "rankmem.windows"),
+    "rankmem.fit": ("rankmem.probe", "rankmem.windows", "rankmem.exchange", "rankmem.publish", "rankmem.sinks",
+                    "rankmem.runlog", "rankmem.forensics", "rankmem.trend", "rankmem.offline", "rankmem.cli",
+                    "rankmem.engine", "rankmem.integrations", "rankmem.ray", "rankmem.monitor"),
     "rankmem.trend": ("rankmem.publish", "rankmem.forensics", "rankmem.offline", "rankmem.exchange",
                       "rankmem.monitor", "rankmem.probe", "rankmem.windows"),
 }
 """Per folder, the folders (and modules) it must never import: ``core/`` imports nothing above it; probe,
-exchange and trend reach no writer, no forensics and no reader."""
+exchange and trend reach no writer, no forensics and no reader; ``fit/`` (the memory model) is pure math."""
 
 
 def _under(module: str, prefix: str) -> bool:
@@ -105,7 +108,7 @@ GRAPH = _graph()
 
 def test_the_layers_are_folders() -> None:
     folders = sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists())
-    assert folders == ["cli", "core", "engine", "exchange", "forensics", "integrations", "offline", "probe",
+    assert folders == ["cli", "core", "engine", "exchange", "fit", "forensics", "integrations", "offline", "probe",
                        "publish", "ray", "runlog", "sinks", "trend"]
     assert _is_offline("rankmem.cli._report") and _is_offline("rankmem.offline.report")
     assert not _is_offline("rankmem.runlog.writer") and not _is_offline("rankmem.trend.trend")

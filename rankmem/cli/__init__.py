@@ -21,6 +21,7 @@ COMMANDS = {
     "train": ("rankmem.cli._train", "launch the reference engine worker under torchrun or Ray"),
     "report": ("rankmem.cli._report", "summarise a run log: events, leaks, the worst rank per key and per phase, capacity and headroom"),
     "plot": ("rankmem.cli._plot", "plot per-rank memory against step, capacity drawn, to a PNG (default RUN/rankmem.png)"),
+    "advise": ("rankmem.cli._advise", "per phase, the largest tokens per micro-batch that fit (verl's config names)"),
     "leaks": ("rankmem.cli._leaks", "detect steadily growing memory per rank (exit 1 when found)"),
     "watch": ("rankmem.cli._watch", "a live per-rank view of a running job: memory, step, phase, events"),
     "doctor": ("rankmem.cli._doctor", "check this install: versions, device backend, peak scope, cgroup, extras"),

@@ -42,7 +42,7 @@ from typing import IO
 
 from rankmem.cli import _diagnose
 from rankmem.cli._jobtree import JobTree, Signalled, SignalWatch
-from rankmem.engine.options import add_job_arguments, job_argv, resolve_job_options
+from rankmem.engine.options import PACKED_MALLOC_ENV, add_job_arguments, job_argv, resolve_job_options
 from rankmem.errors import MissingExtraError, RankmemError
 from rankmem.forensics import heartbeat as _heartbeat
 from rankmem.forensics import nearoom as _nearoom
@@ -296,6 +296,8 @@ def launch(args: argparse.Namespace, cmd: list[str], lock: RunDirLock) -> int:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), _heartbeat.ENV_DIR: heartbeat_dir}
     if lock.held:
         env[ENV_HELD] = lock.path
+    if getattr(args, "ppo_max_token_len_per_gpu", None) is not None:
+        env = {**PACKED_MALLOC_ENV, **env}  # the user's own settings win
     before = oom_kills()
     with SignalWatch() as signals:
         # Own session: a Ctrl-C at the terminal reaches this process alone, which forwards it to the job.

@@ -117,6 +117,12 @@ PHASE_CATALOGUE: tuple[KeySpec, ...] = (
     KeySpec("peak_allocated_gib", "peak_allocated", "GiB"),
     KeySpec("peak_reserved_gib", "peak_reserved", "GiB"),
     KeySpec("allocated_delta_gib", "allocated_delta", "GiB"),
+    # The work beside the memory (Monitor.micro_batch): what the advice's memory model is fitted against.
+    KeySpec("heaviest_mb_tokens", "mb_tokens", "count"),
+    KeySpec("heaviest_mb_sequences", "mb_sequences", "count"),
+    KeySpec("heaviest_mb_sq_tokens", "mb_sq_tokens", "count"),
+    KeySpec("tokens", "tokens", "count"),
+    KeySpec("micro_batches", "micro_batches", "count"),
     KeySpec("descendants_gib", "device_descendants", "GiB"),
 )
 """Per phase ``P``: the keys ``mem/phase/P/<key>`` (a :class:`~rankmem.core.records.PhaseBytes` field each)."""
@@ -129,6 +135,14 @@ PHASE_RISE_CATALOGUE: tuple[KeySpec, ...] = (
 """Per phase ``P``: how far P rose to its own peak (``mem/phase/P/peak_*_rise_gib``), what tells the phase
 that *raised* a step's peak from those that only held it (:func:`peak_phase`). Documented in
 docs/phase-attribution.md rather than README's key table: they serve the verdicts, not the reader."""
+
+WORK_FIELDS = ("mb_tokens", "mb_sequences", "mb_sq_tokens", "tokens", "micro_batches")
+"""The :class:`~rankmem.core.records.PhaseBytes` fields that count work, not bytes."""
+
+
+def work_key(phase: str, field: str) -> str:
+    """Phase ``phase``'s key of work field ``field`` (one of :data:`WORK_FIELDS`)."""
+    return phase_key(phase, next(s.key for s in PHASE_CATALOGUE if s.field == field))
 
 SPECS: dict[str, KeySpec] = {s.key: s for s in CATALOGUE}
 LEAK_KEYS = tuple(s.key for s in CATALOGUE if s.leak)
@@ -209,7 +223,7 @@ def phase_metrics(name: str, p: PhaseBytes, out: dict[str, float]) -> None:
     for s in _PHASE_KEYS:
         value = getattr(p, s.field)
         if value is not None:
-            out[prefix + s.key] = value / GIB
+            out[prefix + s.key] = value / GIB if s.unit == "GiB" else float(value)
 
 
 def verl_metrics(aggregated: Mapping[str, float]) -> dict[str, float]:

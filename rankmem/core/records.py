@@ -159,6 +159,16 @@ class PhaseBytes:
     peak_reserved: int | None = None
     rss_delta: int | None = None
     allocated_delta: int | None = None
+    mb_tokens: float | None = None
+    """Tokens of the phase's heaviest micro-batch (:meth:`rankmem.Monitor.micro_batch`); None: not told."""
+    mb_sequences: float | None = None
+    """Sequences in that heaviest micro-batch."""
+    mb_sq_tokens: float | None = None
+    """Sum over that micro-batch's sequences of the squared sequence length (tokens**2): attention's term."""
+    tokens: float | None = None
+    """Tokens over all the phase's micro-batches."""
+    micro_batches: float | None = None
+    """How many micro-batches the phase was told about."""
     device_descendants: int | None = None
     """The descendants' device memory when last seen inside this phase (an engine asleep or not)."""
     peak_rss_rise: int | None = None

@@ -60,6 +60,11 @@ class CountingTask:
         p = torch.randint(0, self.vocab_size, (self.prompts_per_rank, self.prompt_len), generator=g)
         return p.repeat_interleave(self.group_size, dim=0)
 
+    def lengths(self, rank: int, step: int, shortest: int, longest: int) -> torch.Tensor:
+        """Heavy-tailed sequence lengths of step ``step``'s rows (its own stream: the prompts stay as they are)."""
+        g = _generator(self.seed + 0x5EED, rank, step)
+        return heavy_tailed_lengths(g, self.prompts_per_rank * self.group_size, shortest, longest)
+
     def reward(self, prompts: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
         """Fraction of response tokens that are their predecessor + 1 (modulo the vocabulary), the
         first one continuing the prompt's last token; (B,). A sampled token scores even after a wrong
@@ -73,6 +78,29 @@ class CountingTask:
         mask = torch.zeros(batch_size, t - 1)
         mask[:, self.prompt_len - 1 :] = 1.0
         return mask
+
+
+def heavy_tailed_lengths(g: torch.Generator, n: int, shortest: int, longest: int, alpha: float = 1.3) -> torch.Tensor:
+    """``n`` sequence lengths in ``shortest..longest``: ``shortest`` times a Pareto(``alpha``) draw, capped,
+    as RL rollouts are long-tailed (most responses short, a few near the limit); (n,) int64."""
+    u = torch.rand(n, generator=g, dtype=torch.float64).clamp_min(1e-12)
+    lengths = (shortest * u.pow(-1.0 / alpha)).floor().clamp(shortest, longest)
+    return lengths.to(torch.int64)
+
+
+def extend_counting(seqs: torch.Tensor, lengths: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Rows of ``seqs`` continued to ``lengths`` (zero-padded to the longest) by the target pattern.
+
+    A stand-in for long rollouts: sampling hundreds of tokens per response without a KV cache would
+    dominate a CPU step, and the memory of log_prob and update depends on the lengths, not the tokens."""
+    longest = int(lengths.max())
+    out = torch.zeros(seqs.shape[0], longest, dtype=seqs.dtype)
+    out[:, : seqs.shape[1]] = seqs[:, :longest]
+    tail = longest - seqs.shape[1]
+    if tail > 0:
+        out[:, seqs.shape[1] :] = (seqs[:, -1:] + torch.arange(1, tail + 1)) % vocab_size
+    out[torch.arange(longest) >= lengths[:, None]] = 0
+    return out
 
 
 def group_normalised_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:

@@ -15,8 +15,15 @@ from rankmem.errors import RankmemError
 
 TASKS = ("sft", "grpo")
 ENGINES = ("ddp", "fsdp")
+ATTENTION = ("sdpa", "materialized")
 ENGINE_ALIASES = {"fsdp2": "fsdp"}
 """Other names users type for an engine: ``fsdp`` is FSDP2 (``fully_shard``), as README says."""
+
+PACKED_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "131072"}
+"""glibc settings ``rankmem train`` gives the ranks of a token-budget job (unless already set). glibc's mmap
+threshold grows after a large block is freed (up to 32 MiB on 64-bit), after which activations come
+from the heap and stay resident: a small micro-batch after a large one would show the large one's peak
+RSS. Fixed, every block over 64 KiB is mmap'd and returned on free, so each window's peak RSS is its own."""
 
 # Options whose default depends on the task (None in the parser until resolve_job_options). GRPO's
 # steps are ``make demo``'s: about two minutes on 2 CPU cores, well past the reward's plateau.
@@ -45,6 +52,17 @@ JOB_OPTIONS: list[tuple[str, dict[str, Any]]] = [
     ("--micro-batch-size", dict(type=int, default=16, help="rows per forward/backward (default 16)")),
     ("--prompts-per-rank", dict(type=int, default=8, help="grpo: prompts per rank per step (default 8)")),
     ("--group-size", dict(type=int, default=8, help="grpo: responses sampled per prompt, >= 2 (default 8)")),
+    ("--ppo-max-token-len-per-gpu", dict(type=int, default=None, metavar="TOKENS",
+                                         help="grpo: heavy-tailed response lengths packed into micro-batches of about "
+                                              "this many tokens per rank (verl's name and meaning: a target the "
+                                              "balanced packing may exceed); default: fixed-length rows, "
+                                              "--micro-batch-size per micro-batch")),
+    ("--log-prob-max-token-len-per-gpu", dict(type=int, default=None, metavar="TOKENS",
+                                              help="grpo: the same for the log_prob phase (default: the ppo one)")),
+    ("--max-seq-len", dict(type=int, default=256, help="grpo with a token budget: longest sequence (default 256)")),
+    ("--attention", dict(choices=ATTENTION, default="sdpa",
+                         help="sdpa (default: memory linear in tokens), or materialized (the T x T scores are "
+                              "tensors: memory grows with the sum of squared sequence lengths)")),
     ("--peak-tflops", dict(type=float, default=None, help="peak TFLOP/s per device for MFU (default 989 cuda, 0.1 cpu)")),
     ("--pg-timeout-s", dict(type=float, default=120.0, help="process-group collective timeout (default 120 s)")),
     ("--no-progress", dict(action="store_true", help="plain log lines instead of a progress bar")),
@@ -79,7 +97,8 @@ def job_argv(args: argparse.Namespace) -> list[str]:
 
 
 # Lower bounds of the integer options (by dest), and why where the bound is not plain.
-_AT_LEAST = {"steps": 1, "batch_size": 1, "micro_batch_size": 1, "prompts_per_rank": 1, "group_size": 2}
+_AT_LEAST = {"steps": 1, "batch_size": 1, "micro_batch_size": 1, "prompts_per_rank": 1, "group_size": 2,
+             "max_seq_len": 16}
 _ONLY_FOR = {"group_size": "grpo"}
 """Bounds that hold for one task only: SFT ignores the group size, so ``--group-size 1`` is no error there."""
 _WHY = {"group_size": ": GRPO's advantage is a response's reward against its group's mean and standard "
@@ -117,6 +136,15 @@ def resolve_job_options(args: argparse.Namespace) -> None:
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise RankmemError(f"--out {args.out} is a file: it names the run directory (the run log is OUT/rankmem.jsonl)")
     sink_options(args)
+    for dest in ("ppo_max_token_len_per_gpu", "log_prob_max_token_len_per_gpu"):
+        value = getattr(args, dest)
+        if value is not None and value < args.max_seq_len:
+            raise RankmemError(f"{_flag(dest)} must be >= --max-seq-len ({args.max_seq_len}): every micro-batch "
+                               f"must hold the longest sequence, got {value}")
+    if args.log_prob_max_token_len_per_gpu is not None and args.ppo_max_token_len_per_gpu is None:
+        raise RankmemError("--log-prob-max-token-len-per-gpu needs --ppo-max-token-len-per-gpu (the packed mode)")
+    if args.log_prob_max_token_len_per_gpu is None:
+        args.log_prob_max_token_len_per_gpu = args.ppo_max_token_len_per_gpu
     if args.fail_at_step is not None and args.fail_rank < 0:
         raise RankmemError(f"--fail-rank must be >= 0, got {args.fail_rank}")
 

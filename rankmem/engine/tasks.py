@@ -10,8 +10,11 @@ from __future__ import annotations
 import argparse
 from typing import Protocol
 
-from rankmem.engine.data import ArithmeticSFT, CountingTask, group_normalised_advantages
-from rankmem.engine.worker import TrainingWorker, make_pg_loss, sft_loss
+import torch
+
+from rankmem.engine.data import ArithmeticSFT, CountingTask, extend_counting, group_normalised_advantages
+from rankmem.engine.model import GPT, GPTConfig
+from rankmem.engine.worker import TrainingWorker, WorkerConfig, make_pg_loss, sft_loss
 
 # Sizes of the generated tasks: small vocabularies keep the tiny GPT's learning visible in a few steps.
 SFT_VOCAB, SFT_SEQ_LEN = 32, 24
@@ -27,6 +30,23 @@ class TaskSteps(Protocol):
 
 def vocab_size(task: str) -> int:
     return SFT_VOCAB if task == "sft" else GRPO_VOCAB
+
+
+def packed(args: argparse.Namespace) -> bool:
+    """GRPO with a token budget: heavy-tailed lengths packed into token-budget micro-batches."""
+    return args.task == "grpo" and args.ppo_max_token_len_per_gpu is not None
+
+
+def build_model(args: argparse.Namespace) -> GPT:
+    """The job's GPT: its position table covers ``--max-seq-len`` in the packed mode."""
+    block = args.max_seq_len if packed(args) else GPTConfig.block_size
+    return GPT(GPTConfig(vocab_size=vocab_size(args.task), block_size=block, attention=args.attention))
+
+
+def worker_config(args: argparse.Namespace) -> WorkerConfig:
+    return WorkerConfig(engine=args.engine, lr=args.lr, total_steps=args.steps, micro_batch_size=args.micro_batch_size,
+                        peak_tflops=args.peak_tflops, max_token_len=args.ppo_max_token_len_per_gpu,
+                        log_prob_max_token_len=args.log_prob_max_token_len_per_gpu)
 
 
 class SFTSteps:
@@ -63,13 +83,26 @@ class GRPOSteps:
                 seqs = worker.generate(prompts, RESPONSE_LEN)
                 rewards = task.reward(prompts, seqs[:, PROMPT_LEN:])
                 advantages = group_normalised_advantages(rewards, args.group_size)
+                extra = self._lengthen(seqs, worker.rank, step) if packed(args) else {}
+                if extra:
+                    seqs, mask = extra["input_ids"], extra["loss_mask"]
             with worker.phase("log_prob"):
-                old = worker.infer_batch({"input_ids": seqs, "loss_mask": mask}).log_probs
+                old = worker.infer_batch({"input_ids": seqs, "loss_mask": mask, **extra}).log_probs
             maybe_fail(args, step, worker.rank)
             with worker.phase("update"):
-                batch = {"input_ids": seqs, "loss_mask": mask, "old_log_probs": old, "advantages": advantages}
+                batch = {"input_ids": seqs, "loss_mask": mask, "old_log_probs": old, "advantages": advantages,
+                         **({"lengths": extra["lengths"]} if extra else {})}
                 out = worker.train_batch(batch, self.pg_loss)
         return worker.finish_step(out, {"reward": rewards.mean()})
+
+
+    def _lengthen(self, seqs: torch.Tensor, rank: int, step: int) -> dict[str, torch.Tensor]:
+        """The packed mode's long-tailed responses: lengths, the rows continued to them, their loss mask."""
+        lengths = self.task.lengths(rank, step, seqs.shape[1], self.args.max_seq_len)
+        ids = extend_counting(seqs, lengths, GRPO_VOCAB)
+        positions = torch.arange(ids.shape[1] - 1)
+        mask = ((positions >= PROMPT_LEN - 1) & (positions < lengths[:, None] - 1)).float()
+        return {"input_ids": ids, "loss_mask": mask, "lengths": lengths}
 
 
 def task_steps(worker: TrainingWorker, args: argparse.Namespace) -> TaskSteps:

@@ -29,11 +29,10 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from rankmem.core.catalogue import SUMMARY_KEYS, key_of, phase_of_peak, worst_stat
-from rankmem.engine.model import GPT, GPTConfig
 from rankmem.engine.options import add_job_arguments, resolve_job_options, sink_options
 from rankmem.engine.output import say
-from rankmem.engine.tasks import task_steps, vocab_size
-from rankmem.engine.worker import TrainingWorker, WorkerConfig
+from rankmem.engine.tasks import build_model, task_steps, worker_config
+from rankmem.engine.worker import TrainingWorker
 from rankmem.errors import RankmemError
 from rankmem.monitor import Monitor
 
@@ -193,9 +192,8 @@ class Progress:
 def train(args: argparse.Namespace, device: torch.device) -> None:
     """Build the model, worker and monitor, run the task, and on the logging rank print the summary.
     ``args`` as :func:`resolve_job_options` leaves them (task defaults filled in)."""
-    model = GPT(GPTConfig(vocab_size=vocab_size(args.task)))
-    config = WorkerConfig(engine=args.engine, lr=args.lr, total_steps=args.steps,
-                          micro_batch_size=args.micro_batch_size, peak_tflops=args.peak_tflops)
+    model = build_model(args)
+    config = worker_config(args)
     run_config = {**vars(args), "params": model.num_params(), "worker": asdict(config)}
     monitor = Monitor(out_dir=args.out, sinks=("jsonl", *(args.sink or ())), sink_options=sink_options(args),
                       run_config=run_config)

@@ -36,10 +36,28 @@ from torch import nn
 from rankmem.engine.data import Batch
 from rankmem.engine.model import GPT
 from rankmem.engine.options import ENGINES
+from rankmem.engine.packing import pack
 from rankmem.errors import RankmemError
 from rankmem.exchange.aggregate import aggregate
 from rankmem.exchange.dict_gather import allgather_dict_into_dict
 from rankmem.monitor import Monitor
+
+
+@dataclass
+class MicroBatch:
+    """Rows of the batch on the device: padded rows, or (with ``lengths``) one row of them packed."""
+
+    rows: list[int]
+    batch: Batch
+    lengths: list[int] | None = None
+
+    def work(self) -> tuple[int, int, int]:
+        """(tokens, sequences, sum of squared sequence lengths) the model computes on."""
+        if self.lengths is None:
+            n, t = self.batch["input_ids"].shape
+            return n * t, n, n * t * t
+        return sum(self.lengths), len(self.lengths), sum(n * n for n in self.lengths)
+
 
 LossFn = Callable[[torch.Tensor, Batch], torch.Tensor]
 """``loss_fn(log_probs, micro_batch) -> summed loss`` over the masked tokens (a sum, not a mean: the
@@ -66,6 +84,11 @@ class WorkerConfig:
     """Max global gradient norm."""
     micro_batch_size: int = 16
     """Rows per forward/backward; a larger batch is accumulated over micro-batches."""
+    max_token_len: int | None = None
+    """For batches with ``lengths``: tokens per micro-batch of :meth:`TrainingWorker.train_batch`, packed
+    without padding (verl's ``ppo_max_token_len_per_gpu``, a target: see :mod:`rankmem.engine.packing`)."""
+    log_prob_max_token_len: int | None = None
+    """The same for :meth:`TrainingWorker.infer_batch` (verl's ``log_prob_max_token_len_per_gpu``)."""
     peak_tflops: float | None = None
     """Peak dense TFLOP/s of one device for the MFU estimate; default 989 on CUDA (H100 bf16) and
     0.1 on CPU (roughly two cores' fp32 FMA peak)."""
@@ -121,7 +144,8 @@ def make_pg_loss(clip_eps: float = 0.2) -> LossFn:
 
     def pg_loss(log_probs: torch.Tensor, batch: Batch) -> torch.Tensor:
         ratio = torch.exp(log_probs - batch["old_log_probs"])
-        adv = batch["advantages"][:, None]
+        adv = batch["advantages"]
+        adv = adv[:, None] if adv.dim() == 1 else adv  # per sequence, or per token of a packed row
         surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
         return -(surrogate * batch["loss_mask"]).sum()
 
@@ -192,18 +216,40 @@ class TrainingWorker:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(config))
         peak = config.peak_tflops if config.peak_tflops is not None else (989.0 if device.type == "cuda" else 0.1)
         self.peak_flops = peak * 1e12
+        self._in_phase = 0
 
     # ---- telemetry windows (no-ops without a monitor) -----------------------------------------------
     def step(self, n: int) -> contextlib.AbstractContextManager[None]:
         return self.monitor.step(n) if self.monitor is not None else contextlib.nullcontext()
 
-    def phase(self, name: str) -> contextlib.AbstractContextManager[None]:
-        return self.monitor.phase(name) if self.monitor is not None else contextlib.nullcontext()
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        if self.monitor is None:
+            yield
+            return
+        self._in_phase += 1  # micro-batches are told to the monitor inside phases only
+        try:
+            with self.monitor.phase(name):
+                yield
+        finally:
+            self._in_phase -= 1
+
+    def _tell(self, mb: MicroBatch) -> None:
+        if self.monitor is not None and self._in_phase:
+            tokens, sequences, sq_tokens = mb.work()
+            self.monitor.micro_batch(tokens, sequences=sequences, sq_tokens=sq_tokens)
 
     # ---- compute -------------------------------------------------------------------------------------
-    def _log_probs(self, input_ids: torch.Tensor) -> torch.Tensor:
-        logits = self.module(input_ids)[:, :-1].float()
-        return torch.gather(F.log_softmax(logits, dim=-1), 2, input_ids[:, 1:, None]).squeeze(2)
+    def _log_probs(self, input_ids: torch.Tensor, lengths: list[int] | None = None) -> torch.Tensor:
+        """(B, T - 1) log-probability of each next token; packed: (1, T - sequences), each sequence's own."""
+        if lengths is None:
+            logits = self.module(input_ids)[:, :-1].float()
+            return torch.gather(F.log_softmax(logits, dim=-1), 2, input_ids[:, 1:, None]).squeeze(2)
+        logits = self.module(input_ids, lengths)[0, :-1].float()
+        lp = torch.gather(F.log_softmax(logits, dim=-1), 1, input_ids[0, 1:, None]).squeeze(1)
+        keep = torch.ones(lp.shape[0], dtype=torch.bool, device=lp.device)
+        keep[torch.tensor(lengths[:-1]).cumsum(0) - 1] = False  # a sequence's last token predicts the next's first
+        return lp[keep][None]
 
     @contextlib.contextmanager
     def _grad_sync(self, enabled: bool) -> Iterator[None]:
@@ -215,10 +261,30 @@ class TrainingWorker:
             self.module.set_requires_gradient_sync(enabled)  # type: ignore[operator]
             yield
 
-    def _micro_batches(self, batch: Batch) -> list[Batch]:
+    def _micro_batches(self, batch: Batch, budget: int | None) -> list[MicroBatch]:
+        """``micro_batch_size`` padded rows each; with ``lengths`` in the batch and a token ``budget``,
+        verl's balanced token-budget packing, each micro-batch one row of its sequences end to end."""
         n = batch["input_ids"].shape[0]
-        mbs = self.config.micro_batch_size
-        return [{k: v[i : i + mbs].to(self.device) for k, v in batch.items()} for i in range(0, n, mbs)]
+        if "lengths" not in batch or budget is None:
+            mbs = self.config.micro_batch_size
+            return [MicroBatch(list(range(i, min(i + mbs, n))),
+                               {k: v[i : i + mbs].to(self.device) for k, v in batch.items() if k != "lengths"})
+                    for i in range(0, n, mbs)]
+        lengths = batch["lengths"].tolist()
+        return [self._packed(batch, rows, [lengths[r] for r in rows]) for rows in pack(lengths, budget)]
+
+    def _packed(self, batch: Batch, rows: list[int], lengths: list[int]) -> MicroBatch:
+        full = batch["input_ids"].shape[1]
+        fields: Batch = {}
+        for k, v in batch.items():
+            if k == "lengths":
+                continue
+            if v.dim() == 1:  # per sequence: repeated over its predicted tokens
+                fields[k] = torch.cat([v[r].repeat(n - 1) for r, n in zip(rows, lengths, strict=True)])[None]
+            else:  # per position (T) or per predicted position (T - 1)
+                short = full - v.shape[1]
+                fields[k] = torch.cat([v[r, : n - short] for r, n in zip(rows, lengths, strict=True)])[None]
+        return MicroBatch(rows, {k: v.to(self.device) for k, v in fields.items()}, lengths)
 
     def train_batch(self, batch: Batch, loss_fn: LossFn = sft_loss) -> TrainOutput:
         """One optimizer step on ``batch``. A collective (token count, gradient reduction)."""
@@ -231,11 +297,12 @@ class TrainingWorker:
         if global_tokens <= 0:
             raise RankmemError("the global batch has no loss tokens: check loss_mask")
         scale = self.world_size / global_tokens
-        micro = self._micro_batches(batch)
+        micro = self._micro_batches(batch, self.config.max_token_len)
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
         for i, mb in enumerate(micro):
+            self._tell(mb)
             with self._grad_sync(i == len(micro) - 1):
-                summed = loss_fn(self._log_probs(mb["input_ids"]), mb)
+                summed = loss_fn(self._log_probs(mb.batch["input_ids"], mb.lengths), mb.batch)
                 (summed * scale).backward()  # type: ignore[no-untyped-call]
             loss_sum += summed.detach()
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
@@ -246,7 +313,7 @@ class TrainingWorker:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        tokens = int(batch["input_ids"].numel())
+        tokens = int(batch["lengths"].sum()) if "lengths" in batch else int(batch["input_ids"].numel())
         return TrainOutput(
             loss_sum=float(loss_sum.item()),
             local_tokens=float(local_tokens.item()),
@@ -261,14 +328,20 @@ class TrainingWorker:
     def infer_batch(self, batch: Batch, loss_fn: LossFn | None = None) -> InferOutput:
         """Forward only: per-token log-probs (on the CPU), and the summed loss when ``loss_fn`` is given."""
         self.module.eval()
-        parts: list[torch.Tensor] = []
+        ids = batch["input_ids"]
+        out = torch.zeros(ids.shape[0], ids.shape[1] - 1)
         loss_sum = 0.0
-        for mb in self._micro_batches(batch):
-            lp = self._log_probs(mb["input_ids"])
+        for mb in self._micro_batches(batch, self.config.log_prob_max_token_len):
+            self._tell(mb)
+            lp = self._log_probs(mb.batch["input_ids"], mb.lengths)
             if loss_fn is not None:
-                loss_sum += float(loss_fn(lp, mb).item())
-            parts.append(lp.cpu())
-        return InferOutput(torch.cat(parts), loss_sum if loss_fn is not None else None)
+                loss_sum += float(loss_fn(lp, mb.batch).item())
+            if mb.lengths is None:
+                out[mb.rows] = lp.cpu()
+            else:
+                for r, piece in zip(mb.rows, torch.split(lp[0].cpu(), [n - 1 for n in mb.lengths]), strict=True):
+                    out[r, : piece.shape[0]] = piece
+        return InferOutput(out, loss_sum if loss_fn is not None else None)
 
     @torch.no_grad()
     def generate(self, prompts: torch.Tensor, new_tokens: int, temperature: float = 1.0) -> torch.Tensor:

@@ -46,7 +46,8 @@ class PhaseRow:
 def phase_rows(run: Run) -> list[PhaseRow]:
     """Every phase's rows, phases sorted by name; within a phase its peaks, then what it left behind."""
     rows = []
-    ordered = sorted(PHASE_CATALOGUE, key=lambda s: s.field in DELTA_FIELDS)  # stable: catalogue order within
+    memory = [s for s in PHASE_CATALOGUE if s.unit == "GiB"]  # the work counts are the advice's, not memory
+    ordered = sorted(memory, key=lambda s: s.field in DELTA_FIELDS)  # stable: catalogue order within
     for phase in run.phases():
         for spec in ordered:
             matrix = run.series.get(phase_key(phase, spec.key))

@@ -35,6 +35,7 @@ from rankmem.core.scalars import json_safe
 from rankmem.offline import Run
 from rankmem.offline.capacity import capacities
 from rankmem.offline.events import read_events
+from rankmem.offline.imbalance import OverBudget, RankExcess, budget_overruns, imbalance_lines, rank_excess
 from rankmem.offline.leaks import LeakConfig, Trend, detect_leaks, worst_first
 from rankmem.offline.phases import PhaseRow, phase_rows
 
@@ -125,6 +126,10 @@ class Report:
     """How the ranks' per-window host peaks were taken (the header's ``peak_rss_scope``): ``window``
     (reset per window), ``edges`` (``peak_source="edges"``: never reset), ``lifetime``, ``sampled``;
     several joined by ``/`` where ranks differ; None for a log that does not say."""
+    imbalance: list[RankExcess] = field(default_factory=list)
+    """Per phase told its micro-batches and rank: the excess peak, what its tokens explain, the rest."""
+    overruns: list[OverBudget] = field(default_factory=list)
+    """Per phase with a configured token budget: the windows whose heaviest micro-batch went over it."""
 
     def worst(self) -> list[tuple[str, KeyReport]]:
         """(headline label, report) of the catalogue's headline keys present: who is closest to trouble."""
@@ -276,6 +281,9 @@ def _tables(run: Run) -> Report:
     report.host_growth = growth(run, key_of("rss"))
     report.phases = phase_rows(run)
     report.limits = limits(run, report)
+    if run.logged is None:  # the split needs every step's per-rank values
+        report.imbalance = rank_excess(run)
+        report.overruns = budget_overruns(run)
     return report
 
 
@@ -508,7 +516,7 @@ def verdict_lines(report: Report) -> list[str]:
             f"host RSS growth (first to last step): {g.growth * 1024:+.1f} MiB on rank {g.rank} "
             f"(mean over ranks {g.mean_growth * 1024:+.1f} MiB)"
         )
-    return lines
+    return lines + imbalance_lines(report.imbalance, report.overruns)
 
 
 def leak_lines(report: Report) -> list[str]:

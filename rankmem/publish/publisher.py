@@ -51,6 +51,8 @@ class Publisher:
         self._sinks: list[SafeSink] = []
         self._leak_check = leak_check
         self._leak_watch: Any = None
+        self._advice_watch: Any = None
+        self._ranks_per_node = 1
         self._guard = guard
         self._background = background
         self._pending: deque[_Item] = deque()
@@ -77,6 +79,8 @@ class Publisher:
     def open(self, header: RunHeader) -> None:
         """On the logging rank, at the first collect: open every sink with the run header."""
         self.opened = True
+        hosts = [r.host for r in header.ranks]
+        self._ranks_per_node = max((hosts.count(h) for h in set(hosts)), default=1)
         with _live_lock:
             _live.add(self)  # flushed at exit (and by flush_all), with or without the thread
         self._submit(header)
@@ -165,8 +169,22 @@ class Publisher:
             # worlds most collects carry no per-rank detail: the watch sees the detail collects only.
             if gathered.matrix is not None:
                 self._leak_watch.feed_matrix(step, gathered.keys, gathered.matrix)
+                self._check_advice(step, gathered)
             return
         self._leak_check = False
+
+    def _check_advice(self, step: int, gathered: Gathered) -> None:
+        """The advice watch (phases told their micro-batches only): a failure turns it off, once."""
+        if self._advice_watch is False or gathered.matrix is None:
+            return
+        with self._guard.scope("advice", "online advice watch failed and is off"):
+            if self._advice_watch is None:
+                from rankmem.publish.advicewatch import AdviceWatch
+
+                self._advice_watch = AdviceWatch(self._ranks_per_node)
+            self._advice_watch.feed_matrix(step, gathered.keys, gathered.matrix)
+            return
+        self._advice_watch = False
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every submitted record is written, and what the sinks buffer (the run log's

@@ -18,11 +18,10 @@ from typing import Any
 
 import torch
 
-from rankmem.engine.model import GPT, GPTConfig
 from rankmem.engine.options import sink_options
-from rankmem.engine.tasks import TaskSteps, task_steps, vocab_size
+from rankmem.engine.tasks import TaskSteps, build_model, task_steps, worker_config
 from rankmem.engine.train import PeakTracker
-from rankmem.engine.worker import TrainingWorker, WorkerConfig
+from rankmem.engine.worker import TrainingWorker
 from rankmem.integrations.ray import actor_monitor
 from rankmem.monitor import Monitor
 from rankmem.ray.rank import RankActor
@@ -41,9 +40,8 @@ class EngineActor(RankActor):
         launched the job) goes into the run log header with the job options."""
         self.job = job
         torch.manual_seed(job.seed)  # the same initial weights on every rank
-        model = GPT(GPTConfig(vocab_size=vocab_size(job.task)))
-        config = WorkerConfig(engine=job.engine, lr=job.lr, total_steps=job.steps,
-                              micro_batch_size=job.micro_batch_size, peak_tflops=job.peak_tflops)
+        model = build_model(job)
+        config = worker_config(job)
         run_config = {**vars(job), "params": model.num_params(), "worker": asdict(config), "launch": launch}
         self.monitor = actor_monitor(out_dir=job.out, sinks=("jsonl", *(job.sink or ())),
                                      sink_options=sink_options(job), run_config=run_config)

@@ -59,7 +59,10 @@ def test_every_entry_is_made_from_a_record_field_in_its_unit() -> None:
         assert s.field in window_fields, s
         assert s.key.endswith("_gib") == (s.unit == "GiB"), s
         assert s.phase_suffix is None or s.phase_suffix in {p.key for p in PHASE_CATALOGUE}, s
-    for p in (*PHASE_CATALOGUE, *catalogue.PHASE_RISE_CATALOGUE):
+    for p in PHASE_CATALOGUE:
+        assert p.field in phase_fields and p.key.endswith("_gib") == (p.unit == "GiB"), p
+        assert (p.unit == "count") == (p.field in catalogue.WORK_FIELDS), p
+    for p in catalogue.PHASE_RISE_CATALOGUE:
         assert p.field in phase_fields and p.key.endswith("_gib") and p.unit == "GiB", p
     for s in CATALOGUE:  # every step peak with a phase counterpart knows the phase's rise to it
         assert (s.phase_suffix is None) == (s.rise_suffix is None), s

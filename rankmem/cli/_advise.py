@@ -1,0 +1,207 @@
+"""``rankmem advise RUN``: per phase, the largest tokens per micro-batch whose predicted peak fits.
+
+The model is fitted per phase and rank from the run's own windows (:mod:`rankmem.offline.advice`); the
+advice is set against capacity minus headroom, divided by the overshoot of realised micro-batches over
+the configured budget, and printed under verl's config names. ``--at-tokens T`` prints the predicted
+peak per phase and rank at T instead.
+
+Exit status: 0 every phase has advice, 3 some phase has none (too few windows, flat or noisy: each says
+why; or T past 1.5x the largest seen), 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from typing import TYPE_CHECKING, Any
+
+from rankmem.cli._common import add_run_argument, require_steps
+from rankmem.errors import RankmemError
+
+if TYPE_CHECKING:
+    from rankmem.offline import Run
+    from rankmem.offline.advice import Limit, PhaseFit
+
+NO_VERDICT = 3
+HEADROOM_FRACTION = 0.05
+EPILOG = ("exit status: 0 every phase has advice, 3 some phase has none (each says why), 2 bad input. "
+          f"Headroom default: {HEADROOM_FRACTION:.0%} of the capacity.")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = EPILOG
+    add_run_argument(parser)
+    parser.add_argument("--capacity", type=float, default=None, metavar="GIB",
+                        help="memory each rank may use, GiB (default: the device total; on the host the cgroup "
+                             "limit or the node's memory, shared by the ranks on the node)")
+    parser.add_argument("--headroom", type=float, default=None, metavar="GIB",
+                        help=f"GiB kept free below the capacity (default {HEADROOM_FRACTION:.0%} of it)")
+    parser.add_argument("--budget", type=int, default=None, metavar="TOKENS",
+                        help="the token budget the run was configured with (default: the run's config)")
+    parser.add_argument("--at-tokens", type=float, default=None, metavar="T",
+                        help="print the predicted peak per phase and rank at T tokens per micro-batch instead")
+    parser.add_argument("--phase", action="append", default=None, metavar="P",
+                        help="only this phase (repeatable; default: every phase told its micro-batches)")
+    parser.add_argument("--warmup", type=int, default=2, metavar="N", help="leave out the first N logged steps (default 2)")
+    parser.add_argument("--memory", choices=("auto", "host", "device"), default="auto",
+                        help="fit the device's peak allocated or the host's peak RSS (default: device where measured)")
+    parser.add_argument("--json", action="store_true", help="print a JSON list, one object per phase and rank")
+
+
+def _check(args: argparse.Namespace) -> None:
+    for flag, value, low in (("--capacity", args.capacity, 0.0), ("--at-tokens", args.at_tokens, 0.0)):
+        if value is not None and not (math.isfinite(value) and value > low):
+            raise RankmemError(f"{flag} must be a finite number > 0, got {value}")
+    if args.headroom is not None and not (math.isfinite(args.headroom) and args.headroom >= 0):
+        raise RankmemError(f"--headroom must be a finite number of GiB >= 0, got {args.headroom}")
+    if args.budget is not None and args.budget < 1:
+        raise RankmemError(f"--budget must be a number of tokens >= 1, got {args.budget}")
+    if args.warmup < 0:
+        raise RankmemError(f"--warmup must be >= 0, got {args.warmup}")
+
+
+def run(args: argparse.Namespace) -> int:
+    from rankmem.offline import read_run
+    from rankmem.offline.advice import fit_phase, work_phases
+
+    _check(args)
+    the_run = read_run(args.run)
+    require_steps(the_run, "advise")
+    phases = work_phases(the_run)
+    if not phases:
+        raise RankmemError(f"no phase of {args.run} was told its micro-batches: call monitor.micro_batch(tokens, ...) "
+                           f"once per micro-batch inside each phase (rankmem train: --ppo-max-token-len-per-gpu)")
+    if args.phase:
+        unknown = [p for p in args.phase if p not in phases]
+        if unknown:
+            raise RankmemError(f"--phase {unknown[0]}: no such phase with micro-batches in the run; it has: {', '.join(phases)}")
+        phases = [p for p in phases if p in args.phase]
+    kind = None if args.memory == "auto" else args.memory
+    fits = {p: [fit_phase(the_run, p, r, args.warmup, kind=kind) for r in range(the_run.world_size)] for p in phases}
+    if args.at_tokens is not None:
+        return _at_tokens(fits, args)
+    return _advise(the_run, fits, args)
+
+
+def _at_tokens(fits: dict[str, list[PhaseFit]], args: argparse.Namespace) -> int:
+    from rankmem.fit import NoFit
+    from rankmem.offline.advice import EXTRAPOLATION
+
+    t = float(args.at_tokens)
+    rows: list[dict[str, Any]] = []
+    lines: list[str] = []
+    status = 0
+    for phase, per_rank in fits.items():
+        for pf in per_rank:
+            head = f"{phase} rank {pf.rank}"
+            if isinstance(pf.model, NoFit):
+                status = NO_VERDICT
+                rows.append({"phase": phase, "rank": pf.rank, "tokens": t, "reason": pf.model.reason})
+                lines.append(f"{head}: no model: {pf.model.reason}")
+                continue
+            cap = EXTRAPOLATION * pf.model.t_max
+            if t > cap:
+                status = NO_VERDICT
+                why = (f"T={t:.0f} is past {EXTRAPOLATION:g}x the largest T seen ({pf.model.t_max:.0f}): "
+                       f"run a step at T={cap:.0f} first")
+                rows.append({"phase": phase, "rank": pf.rank, "tokens": t, "reason": why})
+                lines.append(f"{head}: {why}")
+                continue
+            peak, low, high = pf.peak(t)
+            rows.append({"phase": phase, "rank": pf.rank, "tokens": t, "predicted_peak_gib": peak, "low_gib": low,
+                         "high_gib": high, "quadratic": pf.model.quadratic})
+            lines.append(f"{head}: T={t:.0f}: predicted peak {peak:.3f} GiB ({low:.3f}..{high:.3f}), "
+                         f"{'quadratic' if pf.model.quadratic else 'line'} fit of {pf.model.n} windows")
+    print(json.dumps(rows, indent=1) if args.json else "\n".join(lines))
+    return status
+
+
+def _limit(run: Run, fits: dict[str, list[PhaseFit]], args: argparse.Namespace) -> Limit:
+    from rankmem.offline.advice import Limit, memory_kind, run_capacity
+
+    kind = args.memory if args.memory != "auto" else memory_kind(run, next(iter(fits)))
+    if args.capacity is not None:
+        capacity, source = float(args.capacity), "--capacity"
+    else:
+        capacity, source = run_capacity(run, kind)
+    headroom = args.headroom if args.headroom is not None else HEADROOM_FRACTION * capacity
+    if headroom >= capacity:
+        raise RankmemError(f"--headroom {headroom:g} GiB leaves nothing of the capacity {capacity:.3f} GiB: lower it")
+    return Limit(capacity, source, headroom)
+
+
+def _advise(run: Run, fits: dict[str, list[PhaseFit]], args: argparse.Namespace) -> int:
+    from rankmem.offline.advice import Advice, advise_rank, memory_kind
+
+    limit = _limit(run, fits, args)
+    kind = args.memory if args.memory != "auto" else memory_kind(run, next(iter(fits)))
+    what = "the device's peak allocated + allocator overhead + memory outside torch" if kind == "device" else "peak RSS"
+    lines = [f"capacity {limit.capacity:.3f} GiB per rank ({limit.source}), headroom {limit.headroom:.3f} GiB: "
+             f"usable {limit.usable:.3f} GiB against {what}"]
+    rows: list[dict[str, Any]] = []
+    status = 0
+    for phase, per_rank in fits.items():
+        results = [advise_rank(pf, limit) for pf in per_rank]
+        failed = [(pf.rank, r) for pf, r in zip(per_rank, results, strict=True) if isinstance(r, str)]
+        advised = [r for r in results if isinstance(r, Advice)]
+        for rank, reason in failed:
+            rows.append({"phase": phase, "rank": rank, "max_tokens": None, "reason": reason})
+        if failed:
+            status = NO_VERDICT
+            rank, reason = failed[0]
+            lines.append(f"{phase}: no advice: rank {rank}: {reason}")
+            continue
+        binding = min(advised, key=lambda a: (a.max_tokens, a.rank))
+        phase_rows, phase_lines = _phase_advice(run, phase, per_rank, advised, binding, args)
+        rows += phase_rows
+        lines += phase_lines
+    print(json.dumps(rows, indent=1) if args.json else "\n".join(lines))
+    return status
+
+
+def _phase_advice(run: Run, phase: str, per_rank: list[PhaseFit], advised: list[Any], binding: Any,
+                  args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
+    from rankmem.offline.budget import configured_budget, micro_batch_size, overshoot, verl_names
+
+    budget = args.budget if args.budget is not None else configured_budget(run, phase)
+    over = overshoot(run, phase, budget, args.warmup) if budget is not None else 1.0
+    advised_budget = int(binding.max_tokens / over)
+    longest = _longest(run, per_rank)
+    mbs = micro_batch_size(binding.max_tokens, longest) if longest else None
+    fit = per_rank[binding.rank].model
+    shape = "quadratic" if getattr(fit, "quadratic", False) else "line"
+    bound = "at least " if binding.capped else ""
+    lines = [f"{phase}: {bound}{binding.max_tokens} tokens in the heaviest micro-batch (interval "
+             f"{binding.max_tokens}..{binding.high_tokens}, point {binding.point_tokens}); binding rank {binding.rank}, "
+             f"predicted peak {binding.predicted_peak_gib:.3f} GiB (high {binding.high_gib:.3f}); {shape} fit"]
+    if binding.capped:
+        lines.append(f"  capped at {binding.cap} = 1.5x the largest T seen: run a step at T={binding.cap} first "
+                     f"to advise beyond")
+    if budget is not None:
+        lines.append(f"  realised micro-batches up to {over:.3f}x the budget {budget}: budget = {binding.max_tokens} / {over:.3f}")
+    else:
+        lines.append("  no configured budget known (--budget TOKENS names it): overshoot not applied")
+    names = verl_names(phase)
+    if names is not None:
+        lines += [f"  {name}={advised_budget}" for name in names.budget]
+        if mbs is not None:
+            lines += [f"  {name}={mbs}  # fixed-size form: sequences of up to {longest:.0f} tokens"
+                      for name in names.micro_batch]
+    else:
+        lines.append(f"  (no verl name for phase {phase!r}) max tokens per micro-batch: {advised_budget}")
+    rows = [{"phase": phase, "rank": a.rank, "max_tokens": a.max_tokens, "point_tokens": a.point_tokens,
+             "high_tokens": a.high_tokens, "capped": a.capped, "binding": a is binding,
+             "predicted_peak_gib": a.predicted_peak_gib, "high_gib": a.high_gib, "budget": budget, "overshoot": over,
+             "advised_budget": int(a.max_tokens / over),
+             "verl": {n: int(a.max_tokens / over) for n in (names.budget if names else ())}} for a in advised]
+    return rows, lines
+
+
+def _longest(run: Run, per_rank: list[PhaseFit]) -> float:
+    """The longest sequence: the run's ``max_seq_len`` where it says, else the bound sqrt(largest Q) seen."""
+    run_config = (run.header.get("config") or {}).get("run") or {}
+    value = run_config.get("max_seq_len") if isinstance(run_config, dict) else None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return float(value)
+    return math.sqrt(max(pf.sq_max for pf in per_rank))

@@ -1,0 +1,10 @@
+"""The memory model behind the advice: a phase's peak against the work of its heaviest micro-batch.
+
+Pure numpy (no torch, no files), shared by the offline advice and anything online that wants it.
+"""
+
+from __future__ import annotations
+
+from rankmem.fit.model import Fit, FitConfig, NoFit, fit_memory
+
+__all__ = ["Fit", "FitConfig", "NoFit", "fit_memory"]

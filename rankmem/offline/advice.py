@@ -1,0 +1,181 @@
+"""From a run's windows to advice: the memory model per phase and rank, and the largest micro-batch that fits.
+
+For each phase told its micro-batches (``Monitor.micro_batch``) and each rank, the windows after
+warm-up give ``rise = peak - baseline`` against the heaviest micro-batch's tokens T (and sum of squared
+lengths Q), fitted by :func:`rankmem.fit.fit_memory`:
+
+- **host** (no device keys): peak = the phase's peak RSS, baseline = the lowest RSS between steps after
+  warm-up, one figure for the run. Not each step's own: glibc keeps freed heap blocks, so the memory
+  between steps creeps up with the largest micro-batch seen while the peak, which held those blocks in
+  use, does not (measured in bench/bench_advise.py: +27 MiB of between-step RSS, peak unchanged);
+  with the mmap threshold fixed (``MALLOC_MMAP_THRESHOLD_``, as ``rankmem train`` sets it for
+  token-budget jobs) the large blocks go back at once and each window's peak is its own;
+- **device**: peak = the phase's peak allocated, baseline = the step's allocated at its end; set
+  against capacity, the allocator's overhead (the phase's peak reserved over peak allocated) and the
+  memory outside torch (``other``) are added, each the largest seen after warm-up.
+
+The peak set against capacity is the latest baseline (median of the last few steps) plus the rise.
+Offline code: numpy, no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from rankmem.core.catalogue import key_of, phase_key, work_key
+from rankmem.errors import RankmemError
+from rankmem.fit import Fit, FitConfig, NoFit, fit_memory
+from rankmem.offline import Run
+from rankmem.offline.capacity import capacities
+
+EXTRAPOLATION = 1.5
+"""The model is trusted up to this multiple of the largest T seen; past it, a step there must be run first."""
+BASELINE_STEPS = 5
+
+
+@dataclass(frozen=True)
+class PhaseFit:
+    """One phase of one rank: the fit (or why none) and what turns a rise into a peak against capacity."""
+
+    phase: str
+    rank: int
+    model: Fit | NoFit
+    baseline: float
+    """GiB: the lowest resident memory between steps (host), or the latest allocated (device)."""
+    extra: float
+    """GiB added before comparing with capacity: allocator overhead and memory outside torch (device)."""
+    sq_max: float
+    """The largest Q seen (0 if not told): its square root bounds the longest sequence seen."""
+    tokens_seen: np.ndarray
+
+    def peak(self, tokens: float, sq_tokens: float | None = None) -> tuple[float, float, float]:
+        """(peak, low, high) in GiB, as set against capacity."""
+        assert isinstance(self.model, Fit)
+        rise, low, high = self.model.predict(tokens, sq_tokens)
+        base = self.baseline + self.extra
+        return base + rise, base + low, base + high
+
+
+def memory_kind(run: Run, phase: str) -> str:
+    """``device`` where the phase has device peaks, else ``host``."""
+    return "device" if phase_key(phase, "peak_allocated_gib") in run.series else "host"
+
+
+def work_phases(run: Run) -> list[str]:
+    """The phases whose micro-batches were told (they carry a heaviest micro-batch's tokens)."""
+    return [p for p in run.phases() if work_key(p, "mb_tokens") in run.series]
+
+
+def fit_phase(run: Run, phase: str, rank: int, warmup: int, config: FitConfig | None = None,
+              kind: str | None = None) -> PhaseFit:
+    kind = kind or memory_kind(run, phase)
+    rows = slice(min(warmup, run.steps.size), None)
+    col = _col(run, work_key(phase, "mb_tokens"), rank, rows)
+    q_key = work_key(phase, "mb_sq_tokens")
+    q = _col(run, q_key, rank, rows) if q_key in run.series else None
+    if kind == "device":
+        peak = _col(run, phase_key(phase, "peak_allocated_gib"), rank, rows)
+        base = _col(run, key_of("allocated"), rank, rows)
+        overhead = _col(run, phase_key(phase, "peak_reserved_gib"), rank, rows) - peak
+        other = _col(run, key_of("other"), rank, rows) if key_of("other") in run.series else np.zeros_like(peak)
+        extra = _nanmax(overhead) + _nanmax(other)
+        finite = base[np.isfinite(base)]
+        baseline = float(np.median(finite[-BASELINE_STEPS:])) if finite.size else math.nan
+        model = fit_memory(col, peak - base, q, config)
+    else:
+        peak = _col(run, phase_key(phase, "peak_rss_gib"), rank, rows)
+        base = _col(run, key_of("rss"), rank, rows)
+        extra = 0.0
+        baseline = float(np.nanmin(base)) if np.isfinite(base).any() else math.nan
+        model = fit_memory(col, peak - baseline, q, config)
+    sq_max = float(np.nanmax(q)) if q is not None and np.isfinite(q).any() else 0.0
+    return PhaseFit(phase, rank, model, baseline, extra, sq_max, col[np.isfinite(col)])
+
+
+def _col(run: Run, key: str, rank: int, rows: slice) -> np.ndarray:
+    matrix = run.series.get(key)
+    if matrix is None:
+        raise RankmemError(f"{run.path} has no {key}: the run did not measure it")
+    return np.asarray(matrix[rows, rank], dtype=np.float64)
+
+
+def _nanmax(values: np.ndarray) -> float:
+    finite = values[np.isfinite(values)]
+    return float(max(finite.max(), 0.0)) if finite.size else 0.0
+
+
+@dataclass(frozen=True)
+class Limit:
+    """The memory each rank may use: capacity (and where it comes from) and the headroom kept."""
+
+    capacity: float
+    source: str
+    headroom: float
+
+    @property
+    def usable(self) -> float:
+        return self.capacity - self.headroom
+
+
+def run_capacity(run: Run, kind: str) -> tuple[float, str]:
+    """The capacity the run log says, per rank: the device total; on the host the cgroup limit or the
+    node's total memory, shared by the ranks on the node (the most ranks any node ran)."""
+    caps = {c.label: c.value for c in capacities(run)}
+    if kind == "device":
+        if "device total" in caps:
+            return caps["device total"], "device total"
+        raise RankmemError(f"{run.path} has no device total: pass --capacity GIB")
+    label = "cgroup limit" if "cgroup limit" in caps else "node total"
+    if label not in caps:
+        raise RankmemError(f"{run.path} has neither a cgroup limit nor the node's memory: pass --capacity GIB")
+    hosts = [str(r.get("host")) for r in run.header.get("ranks") or [] if isinstance(r, dict)]
+    share = max((hosts.count(h) for h in set(hosts)), default=1)
+    return caps[label] / share, label + (f" / {share} ranks" if share > 1 else "")
+
+
+@dataclass(frozen=True)
+class Advice:
+    """The largest heaviest-micro-batch tokens of one phase on one rank whose predicted peak fits."""
+
+    phase: str
+    rank: int
+    max_tokens: int
+    """Where the interval's high end reaches capacity minus headroom (capped at 1.5x the largest T seen)."""
+    point_tokens: int
+    """Where the predicted peak itself reaches it (the interval's other side: where its low end does)."""
+    low_tokens: int
+    high_tokens: int
+    capped: bool
+    """The fit would allow more than 1.5x the largest T seen: run a step near :attr:`cap` to go further."""
+    cap: int
+    predicted_peak_gib: float
+    high_gib: float
+
+
+def advise_rank(pf: PhaseFit, limit: Limit) -> Advice | str:
+    """The advice for one phase and rank, or why there is none."""
+    if isinstance(pf.model, NoFit):
+        return pf.model.reason
+    fit = pf.model
+    cap = EXTRAPOLATION * fit.t_max
+
+    def reach(which: int) -> float:  # the T at which peak()[which] reaches the usable memory
+        if pf.peak(0.0)[which] > limit.usable:
+            return 0.0
+        if pf.peak(cap)[which] <= limit.usable:
+            return cap
+        lo, hi = 0.0, cap
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if pf.peak(mid)[which] <= limit.usable else (lo, mid)
+        return lo
+
+    safe, point, loose = reach(2), reach(0), reach(1)
+    if safe <= 0:
+        return (f"the baseline alone ({pf.peak(0.0)[2]:.2f} GiB with the interval) is over capacity minus headroom "
+                f"({limit.usable:.2f} GiB): no micro-batch fits")
+    peak, _, high = pf.peak(safe)
+    return Advice(pf.phase, pf.rank, int(safe), int(point), int(safe), int(loose), safe >= cap, int(cap), peak, high)

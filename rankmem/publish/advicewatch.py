@@ -1,0 +1,108 @@
+"""The online advice watch on the logging rank: warns once per phase when the memory model, fitted on
+the run's own windows, puts the peak at the heaviest micro-batch seen over capacity minus headroom.
+
+The same model as ``rankmem advise`` (:func:`rankmem.fit.fit_memory`), on the host's peak RSS over the
+lowest RSS between steps, or the device's peak allocated over the step's allocated plus the allocator's
+overhead and the memory outside torch. Capacity: the device total, else the cgroup limit, else the
+node's memory shared by the ranks on the node. Headroom: 5% of it. Refitted every ``every`` collects.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+import numpy as np
+
+from rankmem.core.catalogue import key_of, phase_key, phase_names, work_key
+from rankmem.core.warnings import warn
+from rankmem.fit import Fit, fit_memory
+
+HEADROOM_FRACTION = 0.05
+WARMUP = 2
+HISTORY = 256
+
+
+class AdviceWatch:
+    """Fed every detail collect's rank x key matrix; warns once per phase."""
+
+    def __init__(self, ranks_per_node: int = 1, every: int = 10) -> None:
+        self.ranks_per_node = max(1, ranks_per_node)
+        self.every = every
+        self.fed = 0
+        self.warned: set[str] = set()
+        self.history: dict[tuple[str, int], deque[tuple[float, float, float, float, float]]] = {}
+        self.capacity: float | None = None
+        self.device: dict[str, bool] = {}
+
+    def feed_matrix(self, step: int, keys: Sequence[str], matrix: np.ndarray) -> list[str]:
+        """Take one collect; every ``every`` collects, judge. Returns the warnings given (for tests)."""
+        self.fed += 1
+        index = {k: i for i, k in enumerate(keys)}
+        self._capacity(index, matrix)
+        if self.fed <= WARMUP:
+            return []
+        for phase in phase_names(keys):
+            if work_key(phase, "mb_tokens") in index:
+                self._push(phase, index, matrix)
+        return self._judge() if self.fed % self.every == 0 else []
+
+    def _capacity(self, index: dict[str, int], matrix: np.ndarray) -> None:
+        def smallest(key: str) -> float | None:
+            col = index.get(key)
+            if col is None:
+                return None
+            values = matrix[:, col][np.isfinite(matrix[:, col])]
+            return float(values.min()) if values.size else None
+
+        total = smallest(key_of("total"))
+        limit = smallest(key_of("cgroup_limit"))
+        used, avail = smallest(key_of("node_used")), smallest(key_of("node_available"))
+        node = used + avail if used is not None and avail is not None else None
+        host = limit if limit is not None else node
+        self.capacity = total if total is not None else host / self.ranks_per_node if host is not None else None
+
+    def _push(self, phase: str, index: dict[str, int], matrix: np.ndarray) -> None:
+        device = phase_key(phase, "peak_allocated_gib") in index
+        cols = [index.get(work_key(phase, "mb_tokens")), index.get(work_key(phase, "mb_sq_tokens"))]
+        peak_col = index.get(phase_key(phase, "peak_allocated_gib" if device else "peak_rss_gib"))
+        base_col = index.get(key_of("allocated" if device else "rss"))
+        extra_cols = [index.get(phase_key(phase, "peak_reserved_gib")), index.get(key_of("other"))] if device else []
+        if cols[0] is None or peak_col is None or base_col is None:
+            return
+        for rank in range(matrix.shape[0]):
+            row = matrix[rank]
+            q = row[cols[1]] if cols[1] is not None else np.nan
+            extra = 0.0
+            if device and extra_cols[0] is not None:
+                extra = max(float(row[extra_cols[0]] - row[peak_col]), 0.0)
+                extra += max(float(row[extra_cols[1]]), 0.0) if extra_cols[1] is not None else 0.0
+            entry = (float(row[cols[0]]), float(q), float(row[peak_col]), float(row[base_col]), extra)
+            self.history.setdefault((phase, rank), deque(maxlen=HISTORY)).append(entry)
+        self.device[phase] = device
+
+    def _judge(self) -> list[str]:
+        given: list[str] = []
+        if self.capacity is None:
+            return given
+        usable = self.capacity * (1 - HEADROOM_FRACTION)
+        for (phase, rank), entries in self.history.items():
+            if phase in self.warned:
+                continue
+            t, q, peak, base, extra = (np.array(c) for c in zip(*entries, strict=True))
+            device = self.device[phase]
+            baseline = float(np.nanmin(base)) if not device else float(np.nanmedian(base[-5:]))
+            rise = peak - (base if device else baseline)
+            fit = fit_memory(t, rise, q if np.isfinite(q).all() else None)
+            if not isinstance(fit, Fit):
+                continue
+            heaviest = float(np.nanmax(t))
+            high = baseline + float(np.nanmax(extra)) + fit.predict(heaviest)[2]
+            if high > usable:
+                self.warned.add(phase)
+                message = (f"rankmem: phase {phase}: the fitted peak at its heaviest micro-batch seen ({heaviest:.0f} "
+                           f"tokens, rank {rank}) is {high:.3f} GiB, over capacity minus headroom ({usable:.3f} of "
+                           f"{self.capacity:.3f} GiB): lower its token budget (rankmem advise RUN says how far)")
+                warn(message, stacklevel=2)
+                given.append(message)
+        return given

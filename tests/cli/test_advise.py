@@ -1,0 +1,125 @@
+"""``rankmem advise``: exact output on run logs whose memory follows a known line, the verdicts, bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rankmem.cli import main
+from rankmem.core.catalogue import key_of, phase_key, work_key
+from tests.runlog_helpers import write_run
+
+PER_TOKEN = 100 / 2**20  # GiB: 100 KiB per token
+BASE = (1.0, 1.1)  # GiB resident between steps, per rank
+FIXED = 0.2  # GiB the update phase adds whatever its tokens
+
+
+def line_run(out: Path, steps: int = 12, budget: int = 2048) -> Path:
+    i = np.arange(steps, dtype=np.float64)[:, None]
+    tokens = 1000 + 200 * i + 50 * np.arange(2)[None, :]
+    jitter = np.where((np.arange(steps) % 2)[:, None] == 0, 0.5, -0.5) / 1024  # +-0.5 MiB
+    rss = np.tile(np.array(BASE), (steps, 1))
+    series = {
+        key_of("rss"): rss,
+        key_of("node_used"): np.full((steps, 2), 6.0),
+        key_of("node_available"): np.full((steps, 2), 10.0),
+        phase_key("update", "peak_rss_gib"): rss + FIXED + PER_TOKEN * tokens + jitter,
+        work_key("update", "mb_tokens"): tokens,
+        work_key("update", "mb_sequences"): np.full((steps, 2), 8.0),
+        work_key("update", "mb_sq_tokens"): tokens * 64,  # every sequence 64 tokens: Q cannot be told from T
+    }
+    write_run(out, series, config={"run": {"ppo_max_token_len_per_gpu": budget, "max_seq_len": 64}})
+    return out
+
+
+def advise(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    rc = main(["advise", *args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_capped_advice_names_verl_s_keys_the_binding_rank_and_the_overshoot(tmp_path: Path, capsys) -> None:
+    rc, out, _ = advise(capsys, str(line_run(tmp_path)))
+    assert rc == 0
+    lines = out.splitlines()
+    # Node total 16 GiB shared by the 2 ranks on node0; headroom 5%. Largest T after warm-up: 3200 on
+    # rank 0, 3250 on rank 1; the line fits far past 1.5x either, so rank 0's cap binds.
+    assert lines[0] == "capacity 8.000 GiB per rank (node total / 2 ranks), headroom 0.400 GiB: usable 7.600 GiB against peak RSS"
+    assert lines[1].startswith("update: at least 4800 tokens in the heaviest micro-batch (interval 4800..4800, "
+                               "point 4800); binding rank 0, predicted peak ")
+    assert lines[1].endswith("; line fit")
+    assert lines[2:] == [
+        "  capped at 4800 = 1.5x the largest T seen: run a step at T=4800 first to advise beyond",
+        "  realised micro-batches up to 1.587x the budget 2048: budget = 4800 / 1.587",
+        "  actor_rollout_ref.actor.ppo_max_token_len_per_gpu=3024",
+        "  actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=75  # fixed-size form: sequences of up to 64 tokens",
+    ]
+    assert int(4800 / (3250 / 2048)) == 3024
+
+
+def test_advice_where_capacity_binds_is_below_the_exact_crossing(tmp_path: Path, capsys) -> None:
+    rc, out, _ = advise(capsys, str(line_run(tmp_path)), "--capacity", "1.5", "--headroom", "0.1", "--json")
+    assert rc == 0
+    rows = json.loads(out)
+    by_rank = {r["rank"]: r for r in rows}
+    # The peak reaches 1.4 GiB at T = (1.4 - base - 0.2) / (100 KiB): 2097.15 on rank 0, 1048.58 on rank 1.
+    # The +-0.5 MiB jitter moves the fit by a fraction of a MiB: a few tokens (100 KiB each).
+    assert abs(by_rank[0]["point_tokens"] - 2097) <= 3 and abs(by_rank[1]["point_tokens"] - 1048) <= 3
+    assert [r["binding"] for r in rows] == [False, True]
+    binding = by_rank[1]
+    # The interval's high end reaches the limit first: below the crossing by its half-width, ~2 x 3.4% of
+    # the ~0.3 GiB rise (run-to-run noise) = ~20 MiB = ~200 tokens.
+    assert 1048 - 300 < binding["max_tokens"] < 1048 - 100
+    assert binding["high_gib"] == pytest.approx(1.4, abs=1e-6)
+    assert binding["overshoot"] == pytest.approx(3250 / 2048)
+    assert binding["verl"] == {"actor_rollout_ref.actor.ppo_max_token_len_per_gpu": int(binding["max_tokens"] / (3250 / 2048))}
+
+
+def test_at_tokens_predicts_the_peak_and_refuses_past_1_5x(tmp_path: Path, capsys) -> None:
+    run = str(line_run(tmp_path))
+    rc, out, _ = advise(capsys, run, "--at-tokens", "4000", "--json")
+    assert rc == 0
+    for row in json.loads(out):
+        truth = BASE[row["rank"]] + FIXED + PER_TOKEN * 4000
+        assert row["tokens"] == 4000 and abs(row["predicted_peak_gib"] - truth) < 1 / 1024
+        rise = FIXED + PER_TOKEN * 4000
+        # +- t(0.975, 8) x (3.4% of the rise, in quadrature with the ~1 MiB residual scale)
+        assert row["low_gib"] < truth < row["high_gib"]
+        assert 2 * 2.3 * 0.034 * rise < row["high_gib"] - row["low_gib"] < 2 * 2.4 * (0.034 * rise + 2 / 1024)
+    rc, out, _ = advise(capsys, run, "--at-tokens", "10000")
+    assert rc == 3
+    assert out.splitlines() == [
+        "update rank 0: T=10000 is past 1.5x the largest T seen (3200): run a step at T=4800 first",
+        "update rank 1: T=10000 is past 1.5x the largest T seen (3250): run a step at T=4875 first",
+    ]
+
+
+def test_too_few_windows_is_one_line_and_exit_3(tmp_path: Path, capsys) -> None:
+    rc, out, _ = advise(capsys, str(line_run(tmp_path, steps=6)))
+    assert rc == 3
+    assert out.splitlines()[1:] == [
+        "update: no advice: rank 0: 4 window(s) with tokens after warm-up, the fit needs 6: run more steps"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--capacity", "-1"], "--capacity must be a finite number > 0, got -1.0"),
+    (["--headroom", "nan"], "--headroom must be a finite number of GiB >= 0, got nan"),
+    (["--budget", "0"], "--budget must be a number of tokens >= 1, got 0"),
+    (["--phase", "rollout"], "--phase rollout: no such phase with micro-batches in the run; it has: update"),
+    (["--capacity", "1", "--headroom", "2"], "--headroom 2 GiB leaves nothing of the capacity 1.000 GiB: lower it"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, capsys, args: list[str], message: str) -> None:
+    rc, out, err = advise(capsys, str(line_run(tmp_path)), *args)
+    assert (rc, out, err) == (2, "", f"rankmem advise: error: {message}\n")
+
+
+def test_a_run_told_no_micro_batches_is_bad_input(tmp_path: Path, capsys) -> None:
+    write_run(tmp_path, {key_of("rss"): np.ones((4, 2))})
+    rc, _, err = advise(capsys, str(tmp_path))
+    assert rc == 2
+    assert err == (f"rankmem advise: error: no phase of {tmp_path} was told its micro-batches: call "
+                   "monitor.micro_batch(tokens, ...) once per micro-batch inside each phase (rankmem train: "
+                   "--ppo-max-token-len-per-gpu)\n")

@@ -1,0 +1,89 @@
+"""The memory model: recovers known lines and curves, keeps Q only where a line is rejected, shrugs off
+allocator outliers, covers at its level, and says why when it cannot fit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rankmem.fit import Fit, FitConfig, NoFit, fit_memory
+from rankmem.fit.model import t_quantile
+
+KIB = 1 / 2**20  # GiB per KiB
+
+
+def windows(rng: np.random.Generator, n: int = 16, quadratic: float = 0.0, noise_mib: float = 2.0):
+    t = rng.uniform(1000, 4000, n)
+    q = t * rng.uniform(40, 200, n)  # token-weighted mean lengths vary by window
+    rise = 0.05 + 170 * KIB * t + quadratic * q + rng.normal(0, noise_mib / 1024, n)
+    return t, q, rise
+
+
+def test_a_line_is_recovered_and_stays_a_line() -> None:
+    quadratic_kept = 0
+    for seed in range(40):
+        rng = np.random.default_rng(seed)
+        t, q, rise = windows(rng)
+        fit = fit_memory(t, rise, q)
+        assert isinstance(fit, Fit)
+        assert fit.b + fit.c * fit.q_per_token == pytest.approx(170 * KIB, rel=0.05)
+        quadratic_kept += fit.quadratic
+    assert quadratic_kept <= 2  # a 0.1% one-sided test over 40 seeds: a false keep at most rarely
+
+
+def test_a_quadratic_is_kept_and_predicts_1_5x_the_largest_t() -> None:
+    rng = np.random.default_rng(1)
+    c = 0.5 * KIB  # materialised scores: ~500 bytes per squared token (heads x layers x the tensors kept)
+    t, q, rise = windows(rng, n=20, quadratic=c)
+    fit = fit_memory(t, rise, q)
+    assert isinstance(fit, Fit) and fit.quadratic
+    t0 = 1.5 * t.max()
+    q0 = t0 * 150
+    truth = 0.05 + 170 * KIB * t0 + c * q0
+    mean, low, high = fit.predict(t0, q0)
+    assert abs(mean - truth) / (truth - 0.05) < 0.05
+    assert low < truth < high
+
+
+def test_allocator_outliers_do_not_bend_the_fit() -> None:
+    rng = np.random.default_rng(2)
+    t, q, rise = windows(rng, n=20)
+    rise[[3, 7, 11]] += 0.2  # kept blocks of an earlier, larger micro-batch: 200 MiB too high
+    fit = fit_memory(t, rise, None)
+    assert isinstance(fit, Fit) and not fit.quadratic
+    assert fit.b == pytest.approx(170 * KIB, rel=0.05)
+    assert fit.a == pytest.approx(0.05, abs=0.01)
+
+
+def test_the_interval_covers_at_its_level() -> None:
+    outside = 0
+    trials = 400
+    for seed in range(trials):
+        rng = np.random.default_rng(100 + seed)
+        t, q, rise = windows(rng, n=12)
+        fit = fit_memory(t, rise, None)
+        assert isinstance(fit, Fit)
+        t0 = rng.uniform(1000, 6000)
+        truth = 0.05 + 170 * KIB * t0 + rng.normal(0, 2 / 1024)
+        _, low, high = fit.predict(t0)
+        outside += not low <= truth <= high
+    assert outside / trials <= 0.08  # nominal 5%; a robust scale is a little conservative or not
+
+
+def test_verdicts_say_why() -> None:
+    rng = np.random.default_rng(3)
+    t, q, rise = windows(rng)
+    few = fit_memory(t[:4], rise[:4])
+    assert few == NoFit("few", "4 window(s) with tokens after warm-up, the fit needs 6: run more steps")
+    flat = fit_memory(np.full(10, 2048.0), rise[:10])
+    assert isinstance(flat, NoFit) and flat.kind == "flat"
+    assert flat.reason.startswith("the heaviest micro-batch's tokens barely vary (2048..2048)")
+    noisy = fit_memory(t, 0.3 + rng.normal(0, 0.05, t.size))
+    assert isinstance(noisy, NoFit) and noisy.kind == "noisy"
+    assert fit_memory(t, rise, q, FitConfig(min_windows=30)) == NoFit(
+        "few", "16 window(s) with tokens after warm-up, the fit needs 30: run more steps")
+
+
+def test_t_quantiles() -> None:
+    for dof, expected in ((3, 3.1824), (5, 2.5706), (10, 2.2281), (30, 2.0423)):
+        assert t_quantile(0.975, dof) == pytest.approx(expected, rel=0.01)

@@ -1,0 +1,70 @@
+"""Work beside memory: ``Monitor.micro_batch`` reaches the run log per rank, under the catalogue's keys."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+
+import rankmem
+from rankmem.core.catalogue import WORK_FIELDS, work_key
+from rankmem.offline import read_run
+from tests.conftest import REPO, torchrun
+from tests.dist_scripts.work_worker import lengths
+
+
+def test_each_rank_s_heaviest_micro_batch_and_totals_reach_the_run_log(tmp_path: Path) -> None:
+    proc = torchrun(REPO / "tests/dist_scripts/work_worker.py", 3, [str(tmp_path)], timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = read_run(str(tmp_path))
+    assert list(run.steps) == [0, 1, 2]
+    for field in WORK_FIELDS:
+        assert work_key("update", field) in run.series
+    for step in range(3):
+        for rank in range(3):
+            mbs = lengths(rank, step)
+            heaviest = max(mbs, key=sum)
+            got = {f: run.series[work_key("update", f)][step, rank] for f in WORK_FIELDS}
+            assert got == {"mb_tokens": sum(heaviest), "mb_sequences": len(heaviest),
+                           "mb_sq_tokens": sum(s * s for s in heaviest),
+                           "tokens": sum(map(sum, mbs)), "micro_batches": len(mbs)}
+            assert run.series[work_key("log_prob", "mb_tokens")][step, rank] == 100 * (rank + 1)
+    # Not told: absent, never 0.
+    assert work_key("log_prob", "mb_sq_tokens") not in run.series
+
+
+def test_the_innermost_phase_keeps_it_and_a_phase_run_twice_keeps_the_heavier() -> None:
+    monitor = rankmem.Monitor(device="cpu", children=False, near_oom_watch=False)
+    with monitor.step(0):
+        with monitor.phase("outer"):
+            with monitor.phase("inner"):
+                monitor.micro_batch(50, 2, 1300)
+            monitor.micro_batch(10)
+        with monitor.phase("outer"):
+            monitor.micro_batch(30, 1, 900)
+    got = monitor.local_metrics()
+    monitor.close()
+    assert got[work_key("inner", "mb_tokens")] == 50.0
+    assert got[work_key("outer", "mb_tokens")] == 30.0
+    assert got[work_key("outer", "mb_sq_tokens")] == 900.0
+    assert got[work_key("outer", "tokens")] == 40.0
+    assert got[work_key("outer", "micro_batches")] == 2.0
+
+
+def test_outside_a_phase_it_is_ignored_with_one_warning_and_bad_numbers_are_refused() -> None:
+    monitor = rankmem.Monitor(device="cpu", children=False, near_oom_watch=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with monitor.step(0):
+            monitor.micro_batch(10)
+            monitor.micro_batch(10)
+    assert [str(w.message) for w in caught] == [
+        "rankmem: micro_batch() outside a phase is ignored: call it inside monitor.phase(...), where the "
+        "phase's peak is measured"]
+    assert not [k for k in monitor.local_metrics() if k.endswith("_tokens")]
+    for bad, text in ((-1, "-1"), (float("nan"), "nan"), ("x", "'x'"), (True, "True")):
+        with pytest.raises(rankmem.RankmemError, match="micro_batch\\(tokens=...\\) must be a"):
+            monitor.micro_batch(bad)  # type: ignore[arg-type]
+        assert text
+    monitor.close()
