@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import warnings
 
 from rankmem.cli._common import add_json_option, add_run_argument, check_output
 from rankmem.cli._runs import resolve_run
@@ -45,7 +46,10 @@ def run(args: argparse.Namespace) -> int:
     the_run = read_run(resolve_run(args.run, "plot"))
     output = args.output or os.path.join(os.path.dirname(the_run.path), DEFAULT_NAME)
     try:
-        keys = plot_run(the_run, output, keys=args.keys, size=args.size)
+        with warnings.catch_warnings():
+            # A value near float64's limit overflows matplotlib's arithmetic: the error below says so, once.
+            warnings.filterwarnings("ignore", message="overflow encountered", category=RuntimeWarning)
+            keys = plot_run(the_run, output, keys=args.keys, size=args.size)
     except RankmemError:
         raise  # a ValueError too, and already one line
     except OSError as exc:  # a full disk, /dev/full, a read-only directory: one line, not a traceback

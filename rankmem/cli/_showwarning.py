@@ -56,8 +56,18 @@ def _show(message: Warning | str, category: type[Warning], filename: str, lineno
         pass
 
 
+def _recorded() -> bool:
+    """Whether warnings are being recorded (``catch_warnings(record=True)``, as pytest does): then they
+    are the recorder's, and printing them would take them from it."""
+    impl = getattr(warnings, "_showwarnmsg_impl", None)
+    return getattr(impl, "__module__", None) != "warnings"
+
+
 @contextlib.contextmanager
 def one_line_warnings() -> Iterator[None]:
+    if _recorded():
+        yield
+        return
     previous = warnings.showwarning
     warnings.showwarning = _show
     try:
