@@ -189,7 +189,7 @@ def _marker_gap_steps(ax: Any, steps: np.ndarray) -> float:
     if steps.size < 2:
         return 0.0
     fig = ax.figure
-    width_px = fig.get_figwidth() * fig.dpi * ax.get_position().width * 0.8  # the legend takes ~a fifth
+    width_px = float(fig.get_figwidth() * fig.dpi * ax.get_position().width) * 0.8  # the legend takes ~a fifth
     return float(steps[-1] - steps[0]) * MARK_GAP_PX / max(width_px, 1.0)
 
 
