@@ -1,0 +1,39 @@
+"""Every shell block in docs/*.md runs as shown, in a scratch directory holding one run under
+runs/demo (and HOME pointed there, for the completion install)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+from tests.runlog_helpers import known_run
+
+_FENCE = re.compile(r"```bash\n(.*?)```", re.S)
+DOCS = sorted((REPO / "docs").glob("*.md"))
+# A block runs as one script: its lines share a shell (a mkdir, then a write into it).
+COMMANDS = [(page.name, block.strip()) for page in DOCS for block in _FENCE.findall(page.read_text())]
+
+
+def test_the_docs_have_commands() -> None:
+    assert any(c.startswith("rankmem report") for _, c in COMMANDS) and len(COMMANDS) >= 4
+
+
+@pytest.mark.parametrize("page,command", COMMANDS)
+def test_docs_command_runs_as_shown(tmp_path: Path, page: str, command: str) -> None:
+    pytest.importorskip("matplotlib")
+    known_run(tmp_path / "runs" / "demo")
+    # `rankmem` is the venv's entry point; PYTHONPATH puts this checkout first, as for every test.
+    env = {**os.environ, "HOME": str(tmp_path), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "PYTHONPATH": str(REPO)}
+    done = subprocess.run(["bash", "-euo", "pipefail", "-c", command], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, f"{page}: {command}\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
+    assert "Traceback" not in done.stderr
+    if "completion bash >" in command:
+        assert (tmp_path / ".local/share/bash-completion/completions/rankmem").read_text().startswith("# bash completion")
