@@ -38,6 +38,7 @@ EXTRAS = (
     ("lightning", ("lightning",), "rankmem.integrations.lightning"),
     ("verl", ("verl",), "a verl job: rankmem.integrations.verl needs nothing more than verl itself"),
     ("ray", ("ray",), "rankmem train --launcher ray"),
+    ("nvml", ("pynvml",), "device memory by owner (docs/device-attribution.md)"),
 )
 SCOPES = {
     "window": "window (VmHWM reset at each window edge through /proc/self/clear_refs)",
@@ -115,6 +116,34 @@ def device_lines(torch: Any, init: bool) -> list[str]:
             lines.append(f"device after init ({name}:{module.current_device()}): allocated {_gib(after.allocated)}, "
                          f"reserved {_gib(after.reserved)}, used {_gib(after.used)} of {_gib(after.total)}")
     return lines
+
+
+def attribution_lines(torch: Any) -> list[str]:
+    """Whether device used can be split by owner here: the PID join through /proc, and NVML."""
+    from rankmem.probe import nvml as _nvml
+    from rankmem.probe.pidmap import NOT_MAPPED, pid_view
+
+    view = pid_view()
+    if view.method == NOT_MAPPED:
+        join = (f"{NOT_MAPPED}: this container's /proc shows no host PID (own PID namespace, no hostPID); "
+                "per-owner figures need the driver to list this namespace's PIDs, else only the unattributed rest")
+    else:
+        join = f"{view.method}: pid {view.own_pid} here is host pid {view.host_pid}"
+    lines = [f"device attribution PID join: {join}"]
+    if torch is None or not bool(torch.cuda.is_available()):
+        return lines + ["device attribution: off (needs a CUDA device)"]
+    nvml, why = _nvml.load()
+    if nvml is None:
+        return lines + [f"device attribution: unavailable: {why}"]
+    device, why = _nvml.NvmlDevice.open(nvml, _nvml.uuid_candidates(torch.cuda, 0))
+    if device is None:
+        return lines + [f"device attribution: unavailable: {why}"]
+    listing = device.processes()
+    if listing.processes is None:
+        return lines + [f"device attribution: limited: {listing.refused}; only this rank's reserved is known"]
+    mig = ", MIG instance" if device.mig else ""
+    return lines + [f"device attribution: works (NVML lists {len(listing.processes)} process(es) on cuda:0{mig}), "
+                    "every nvml_refresh_s (10 s) on a thread of its own"]
 
 
 def host_lines() -> tuple[list[str], str]:
@@ -210,6 +239,8 @@ def run(args: argparse.Namespace) -> int:
     lines.append(text)
     device = device_lines(torch, args.init_device)
     lines += device
+    attribution = attribution_lines(torch)
+    lines += attribution
     host, scope = host_lines()
     lines += host
     out = out_line(args.out)
@@ -221,7 +252,7 @@ def run(args: argparse.Namespace) -> int:
             "rankmem": __version__, "package_dir": _PACKAGE_DIR, "python": sys.version.split()[0],
             "torch": None if torch is None else str(torch.__version__),
             "torch_cuda": None if torch is None else getattr(torch.version, "cuda", None),
-            "device": device, "peak_rss_scope": scope, "host": host[1], "cgroup": host[2],
+            "device": device, "attribution": attribution, "peak_rss_scope": scope, "host": host[1], "cgroup": host[2],
             "run_dir": {"path": args.out, "writable": ": writable" in out, "line": out},
             "extras": found, "lines": lines,
         }, indent=1))

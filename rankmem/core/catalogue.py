@@ -91,6 +91,12 @@ CATALOGUE: tuple[KeySpec, ...] = (
     KeySpec("mem/device/other_gib", "other", "GiB"),
     KeySpec("mem/device/total_gib", "total", "GiB"),
     KeySpec("mem/device/headroom_gib", "headroom", "GiB", worse="low", headline="dev_headroom", summary=True),
+    # `other` by owner (docs/device-attribution.md): NVML's processes on the device, every ~10 s.
+    KeySpec("mem/device/nontorch_gib", "device_nontorch", "GiB"),
+    KeySpec("mem/device/siblings_gib", "device_siblings", "GiB"),
+    KeySpec("mem/device/descendants_gib", "device_descendants", "GiB"),
+    KeySpec("mem/device/foreign_gib", "device_foreign", "GiB"),
+    KeySpec("mem/device/unattributed_gib", "device_unattributed", "GiB"),
     KeySpec("mem/device/alloc_retries", "alloc_retries", "count"),
     KeySpec("mem/device/ooms", "ooms", "count"),
 )
@@ -101,6 +107,7 @@ PHASE_CATALOGUE: tuple[KeySpec, ...] = (
     KeySpec("peak_allocated_gib", "peak_allocated", "GiB"),
     KeySpec("peak_reserved_gib", "peak_reserved", "GiB"),
     KeySpec("allocated_delta_gib", "allocated_delta", "GiB"),
+    KeySpec("descendants_gib", "device_descendants", "GiB"),
 )
 """Per phase ``P``: the keys ``mem/phase/P/<key>`` (a :class:`~rankmem.core.records.PhaseBytes` field each)."""
 
@@ -160,6 +167,11 @@ def phase_names(keys: Iterable[str]) -> list[str]:
 
 
 _WINDOW_FIELDS = tuple((s.key, s.field, s.unit == "GiB") for s in CATALOGUE)
+
+
+ATTRIBUTION_FIELDS = {"device_" + part: part for part in
+                      ("nontorch", "siblings", "descendants", "foreign", "unattributed")}
+"""WindowBytes field -> the part of a device split (:class:`rankmem.probe.attribution.Attribution`)."""
 
 
 def window_metrics(w: WindowBytes, out: dict[str, float]) -> None:

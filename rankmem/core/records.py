@@ -104,6 +104,12 @@ class WindowBytes:
     inactive_split: int | None = None
     pinned: int | None = None
     lifetime_peak_pinned: int | None = None
+    # Device used by owner (rankmem.probe.attribution), from the last NVML split: up to its refresh old.
+    device_nontorch: int | None = None
+    device_siblings: int | None = None
+    device_descendants: int | None = None
+    device_foreign: int | None = None
+    device_unattributed: int | None = None
 
     @classmethod
     def of(cls, host: HostReading | None, device: DeviceReading | None) -> WindowBytes:
@@ -153,6 +159,8 @@ class PhaseBytes:
     peak_reserved: int | None = None
     rss_delta: int | None = None
     allocated_delta: int | None = None
+    device_descendants: int | None = None
+    """The descendants' device memory when last seen inside this phase (an engine asleep or not)."""
 
 
 @dataclass(slots=True)

@@ -34,11 +34,12 @@ import importlib.util
 import os
 from typing import Any
 
+from rankmem.core.cadence import Every
 from rankmem.core.records import HostReading
 from rankmem.errors import RankmemError
 from rankmem.monitor import Monitor
 from rankmem.probe import procfs as _procfs
-from rankmem.probe.host import Every, HostProbe, make_host_probe
+from rankmem.probe.host import HostProbe, make_host_probe
 
 __all__ = ["RayAwareHostProbe", "actor_monitor", "is_ray_process", "ray_charged_bytes"]
 
@@ -92,8 +93,8 @@ class RayAwareHostProbe:
     def edge(self) -> tuple[int | None, int | None]:
         return self._inner.edge()
 
-    def read(self) -> HostReading:
-        return dataclasses.replace(self._inner.read(), children_rss=self.children_rss())
+    def read(self, process: bool = True) -> HostReading:
+        return dataclasses.replace(self._inner.read(process), children_rss=self.children_rss())
 
     def children_rss(self) -> int | None:
         if not self._children_enabled:

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from rankmem.errors import RankmemError
+from rankmem.errors import MissingExtraError, RankmemError
 from rankmem.runlog.layout import DETAIL_AGGREGATES, LOG_OFFSET, WORLD_KEY
 
 _SCATTER_ROWS = 1 << 16
@@ -77,8 +77,8 @@ def read_detail(path: str, world: int) -> Detail:
     try:
         import pyarrow as pa
     except ImportError:
-        raise RankmemError(f"{path} holds the run's per-rank values in Arrow format: pip install pyarrow "
-                           "(or pip install rankmem, which depends on it) to read it") from None
+        raise MissingExtraError(f"reading {path} (the run's per-rank values, Arrow format)", "", "pyarrow",
+                                "pip install pyarrow (a dependency of rankmem)") from None
     batches: list[Any] = []
     offsets: list[int] = []
     truncated, error = False, None

@@ -392,10 +392,11 @@ def describe_event(e: Mapping[str, Any]) -> str:
         host = _mapping(e.get("host"))
         if isinstance(host.get("rss_bytes"), (int, float)):
             what += f"; RSS {host['rss_bytes'] / 2**30:.3f} GiB"
-        return f"{where}: {what}"
+        return f"{where}: {what}{owners_text(device.get('attribution'))}"
     if kind == "near_oom":
         reasons = e.get("reasons")
-        return f"{where}: {', '.join(map(str, reasons if isinstance(reasons, list) else [])) or 'low headroom'}"
+        text = ", ".join(map(str, reasons if isinstance(reasons, list) else [])) or "low headroom"
+        return f"{where}: {text}{owners_text(_mapping(e.get('device')).get('attribution'))}"
     rss = e.get("last_rss_bytes")
     last = f", last RSS {rss / 2**30:.3f} GiB" if isinstance(rss, (int, float)) else ""
     if kind == "killed":
@@ -405,6 +406,26 @@ def describe_event(e: Mapping[str, Any]) -> str:
         age_text = f"{age:.0f} s" if isinstance(age, (int, float)) else "?"
         return f"{where}: no heartbeat for {age_text}{last}; process state {e.get('process_state')}"
     return where
+
+
+OWNER_PARTS = ("reserved", "nontorch", "siblings", "descendants", "foreign", "unattributed")
+
+
+def owners_text(table: Any) -> str:
+    """``; device by owner (GiB): reserved 1.000, nontorch 0.400, ... foreign ? (why)``: an event's
+    ``device.attribution`` table (docs/device-attribution.md); "" without one. Unknown is ``?``, never 0."""
+    if not isinstance(table, Mapping):
+        return ""
+    reasons = _mapping(table.get("reasons"))
+    parts = []
+    for part in OWNER_PARTS:
+        value = table.get(f"{part}_bytes")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            parts.append(f"{part} {value / 2**30:.3f}")
+        else:
+            parts.append(f"{part} ?")
+    why = sorted({str(r) for r in reasons.values()})
+    return f"; device by owner (GiB): {', '.join(parts)}" + (f" (unknown: {'; '.join(why)})" if why else "")
 
 
 def worst_lines(report: Report) -> list[str]:

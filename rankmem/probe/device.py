@@ -119,6 +119,9 @@ class DeviceBackend:
         self._flat_stats = getattr(module, "memory_stats", None)
         self._mem_get_info = getattr(module, "mem_get_info", None)
         self._with_context: set[int] = set()
+        self.last_index: int | None = None
+        """The device the last read found (with a context): what another thread reads, its own current
+        device being another (CUDA's current device is per thread)."""
 
     # ---- which device, if any --------------------------------------------------------------------
     def initialised(self) -> bool:
@@ -137,10 +140,12 @@ class DeviceBackend:
             return None
         index = int(index)
         if index in self._with_context or self._hooks.has_context is None:
+            self.last_index = index
             return index
         if not attempt(self._hooks.has_context, index, default=False):
             return None
         self._with_context.add(index)  # a primary context lives as long as the process: ask once
+        self.last_index = index
         return index
 
     def device_name(self) -> str:

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from typing import Protocol
 
+from rankmem.core.cadence import Every
+from rankmem.core.guard import attempt
 from rankmem.core.records import HostReading
 from rankmem.core.warnings import WarnOnce
 from rankmem.probe import procfs as _procfs
@@ -20,25 +21,6 @@ from rankmem.probe.children import ChildrenUss
 _STATUS_BUF = 4096  # /proc/self/status is ~1.4 KB; VmHWM sits in its first half
 _MEMINFO_BUF = 8192
 
-
-
-class Every:
-    """A refresh cadence: :meth:`due` is True at the first call, then at most once per ``seconds``."""
-
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-        self._at = -float("inf")
-
-    def due(self) -> bool:
-        now = time.monotonic()
-        if now - self._at < self.seconds:
-            return False
-        self._at = now
-        return True
-
-    def expire(self) -> None:
-        """Make the next :meth:`due` True (after a fork, the children are another process's)."""
-        self._at = -float("inf")
 
 class LinuxHostProbe:
     """Reads ``/proc`` and cgroup files through descriptors kept open for the life of the probe.
@@ -191,16 +173,11 @@ class LinuxHostProbe:
         """``(used, limit, working set)``, all ``None`` when no memory limit applies."""
         return self._cgroup.read() if self._cgroup is not None else (None, None, None)
 
-    def read(self) -> HostReading:
-        """The slow read, once per collect: every figure, node, cgroup and children included."""
+    def read(self, process: bool = True) -> HostReading:
+        """Every figure, node, cgroup and children included; without ``process`` (a collect, right after
+        the window's closing edge read them) this process's RSS and peak are left ``None``."""
         self.check_fork()
-        return read_host(self)
-
-    def read_node(self) -> HostReading:
-        """What a collect adds to the window edges' reads: node, cgroup and children; this process's
-        own RSS and peak are not read (``None``): the window's closing edge has just read them."""
-        self.check_fork()
-        return read_host(self, process=False)
+        return read_host(self, process)
 
     def close(self) -> None:
         if self._children_uss is not None:
@@ -209,13 +186,8 @@ class LinuxHostProbe:
         if self._cgroup is not None:
             self._cgroup.close()
             self._cgroup = None
-        fds = [self._statm, self._status, self._meminfo, self._clear_refs]
-        for fd in [*fds, *self._children_fds.values()]:
-            if fd is not None:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+        for fd in [self._statm, self._status, self._meminfo, self._clear_refs, *self._children_fds.values()]:
+            _procfs.close_fd(fd)
         self._children_fds.clear()
         self._statm = self._status = self._meminfo = self._clear_refs = None
 
@@ -236,10 +208,7 @@ class PsutilHostProbe:
         self._peak: int | None = None
 
     def rss(self) -> int | None:
-        try:
-            return int(self._proc.memory_info().rss)
-        except Exception:
-            return None
+        return attempt(lambda: int(self._proc.memory_info().rss), default=None)
 
     def peak_rss(self) -> int | None:
         """Our own max of the RSS seen at window edges (``sampled``): psutil has no resettable
@@ -266,17 +235,9 @@ class PsutilHostProbe:
         if not self._children_enabled:
             return None
         if self._children_due.due():
-            try:
-                self._children = self._proc.children(recursive=True)
-            except Exception:
-                self._children = []
-        total = 0
-        for child in self._children:
-            try:
-                total += int(child.memory_info().rss)
-            except Exception:
-                continue
-        return total
+            self._children = attempt(self._proc.children, recursive=True, default=[])
+        # A child that exited since the refresh counts 0.
+        return sum(attempt(lambda c=child: int(c.memory_info().rss), default=0) for child in self._children)
 
     def children_uss(self) -> int | None:
         return None  # smaps_rollup is Linux-only; psutil's USS walks every mapping on the caller's thread
@@ -288,11 +249,10 @@ class PsutilHostProbe:
     def cgroup(self) -> tuple[int | None, int | None, int | None]:
         return None, None, None  # cgroups are Linux-only
 
-    def read(self) -> HostReading:
+    def read(self, process: bool = True) -> HostReading:
+        # Always read in full: peak_rss() folds the RSS it reads into the sampled peak, and a collect's
+        # read is part of what the sampled peak has always seen.
         return read_host(self)
-
-    # No read_node(): peak_rss() folds the RSS it reads into the sampled peak, and a collect's full read
-    # is part of what the sampled peak has always seen.
 
     def check_fork(self) -> None:
         pass  # psutil.Process() follows no descriptors
@@ -315,17 +275,18 @@ class HostProbe(Protocol):
         then reset that peak."""
         ...
 
-    def read(self) -> HostReading:
-        """Every host figure now (node, cgroup and children included)."""
+    def read(self, process: bool = True) -> HostReading:
+        """Every host figure now (node, cgroup and children included). A collect passes
+        ``process=False``: its window's closing edge has just read this process's RSS and peak, which
+        a probe may then leave ``None``."""
         ...
-
-    # Optional: ``read_node() -> HostReading``, the figures of ``read`` other than this process's RSS and
-    # peak (left ``None``), read once per collect when present; probes without it are read in full.
 
     def close(self) -> None: ...
 
 
-class _PeakSource(Protocol):
+class _Figures(Protocol):
+    """The per-figure reads both platform probes have, which :func:`read_host` assembles."""
+
     peak_is_lifetime: bool
 
     def rss(self) -> int | None: ...
@@ -336,7 +297,7 @@ class _PeakSource(Protocol):
     def cgroup(self) -> tuple[int | None, int | None, int | None]: ...
 
 
-def read_host(probe: _PeakSource, process: bool = True) -> HostReading:
+def read_host(probe: _Figures, process: bool = True) -> HostReading:
     """Every host figure of ``probe`` at one instant; without ``process``, RSS and peak are ``None``."""
     total, available = probe.node()
     cg_used, cg_limit, cg_working = probe.cgroup()
