@@ -24,7 +24,11 @@ parser.add_argument("--steps", type=int, default=4)
 args = parser.parse_args()
 
 torch.manual_seed(0)
-model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=128, n_positions=32))
+# Token ids inside the tiny vocabulary, and the loss named (transformers cannot tell it from the class
+# name GPT2LMHeadModel): left at their defaults, transformers warns about each on every rank.
+config = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=128, n_positions=32, bos_token_id=127, eos_token_id=127)
+model = GPT2LMHeadModel(config)
+model.loss_type = "ForCausalLM"
 ids = torch.randint(0, 128, (64, 16))
 data = [{"input_ids": x, "labels": x} for x in ids]
 training_args = TrainingArguments(
@@ -32,6 +36,7 @@ training_args = TrainingArguments(
     use_cpu=True, report_to=[],
     ddp_backend="gloo" if "WORLD_SIZE" in os.environ else None,  # accelerate needs None in one process
     save_strategy="no", disable_tqdm=True,
+    ddp_find_unused_parameters=False,  # every parameter is used: DDP need not search (and warn that it found none)
 )
 trainer = Trainer(model=model, args=training_args, train_dataset=data)
 # Ahead of the report_to trackers; writes the run log; only these keys go to the Trainer's logs.

@@ -3,7 +3,7 @@
 Run:  python -m torch.distributed.run --nproc-per-node 2 examples/lightning_example.py --out runs/pl
 (or plain ``python examples/lightning_example.py`` for one process). The Trainer takes its devices
 from torchrun's environment, so both ranks join one DDP job. ``<out>/csv/version_0/metrics.csv`` has
-``mem/host/peak_rss_gib/max``, ``.../max_rank``, ... on the same steps as ``loss``, and the run log
+``mem/host/peak_rss_gib/max``, ``.../max_rank``, ... on the same rows as ``loss``, and the run log
 ``<out>/rankmem.jsonl`` has every key per rank: ``rankmem report <out>``.
 """
 

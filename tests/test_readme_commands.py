@@ -162,6 +162,7 @@ def _check_hf(out: Path, stdout: str) -> None:
             "mem/phase/train_step/peak_rss_gib/max", "mem/phase/train_step/peak_rss_gib/max_rank"]
         assert 0.05 < entry["mem/host/peak_rss_gib/min"] <= entry["mem/host/peak_rss_gib/max"] < 8
         assert entry["mem/host/peak_rss_gib/max_rank"] in (0, 1)
+        assert type(entry["mem/host/peak_rss_gib/max_rank"]) is int  # a rank, not 0.0
     # ...while the run log keeps every key, per rank.
     steps = read_log(out)[1]
     assert len(steps) == 3  # two training logs and the final summary
@@ -176,6 +177,7 @@ def _check_lightning(out: Path, stdout: str) -> None:
     memory = [int(r["step"]) for r in rows if r.get("mem/host/rss_gib/max")]
     loss = [int(r["step"]) for r in rows if r.get("loss")]
     assert memory == loss == [1, 3, 5, 7]  # one DDP job of 2 ranks; memory on the loss's steps
+    assert len(rows) == 4  # ... and on its rows
     for r in rows:
         if r.get("mem/host/rss_gib/max"):
             assert 0.05 < float(r["mem/host/rss_gib/min"]) <= float(r["mem/host/rss_gib/max"]) < 8

@@ -1,9 +1,12 @@
 """The ``rankmem`` command: ``train`` (launch the reference worker), ``report``, ``plot``, ``leaks``,
-``watch`` (a live view of a running job) and ``doctor`` (check the install).
+``watch`` (a live view of a running job), ``doctor`` (check the install) and ``completion`` (a shell
+completion script).
 
 Each subcommand lives in its own module with ``add_arguments(parser)`` and ``run(args) -> int``,
 imported only when chosen. User errors (:class:`rankmem.RankmemError`, a missing file) print one line
-naming the fix and exit 2, without a traceback.
+naming the fix and exit 2, without a traceback. A mistyped command or flag gets the nearest real one
+(:mod:`rankmem.cli._suggest`); the read commands default to the newest run under ``runs/``
+(:mod:`rankmem.cli._runs`); warnings print as one ``rankmem: ...`` line (:mod:`rankmem.cli._showwarning`).
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+from rankmem.cli import _suggest
+from rankmem.cli._showwarning import one_line_warnings
 from rankmem.errors import RankmemError
 
 # name -> (module, one-line help)
@@ -25,6 +30,7 @@ COMMANDS = {
     "leaks": ("rankmem.cli._leaks", "detect steadily growing memory per rank (exit 1 when found)"),
     "watch": ("rankmem.cli._watch", "a live per-rank view of a running job: memory, step, phase, events"),
     "doctor": ("rankmem.cli._doctor", "check this install: versions, device backend, peak scope, cgroup, extras"),
+    "completion": ("rankmem.cli._completion", 'print a shell completion script: eval "$(rankmem completion bash)"'),
 }
 
 
@@ -42,12 +48,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]  # type: ignore[no-any-return]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    _suggest.check_command(parser, argv, COMMANDS)
+    args, extra = parser.parse_known_args(argv)
     if args.command is None:
         parser.print_help()
         return 2
+    if extra:  # the subcommand's usage and the nearest flag, not the top level's usage
+        _suggest.refuse_unknown(_subparser(parser, args.command), extra)
+    with one_line_warnings():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         rc = int(args._run(args))
         sys.stdout.flush()  # here, not at exit: a reader that left (`| head -1`) is answered below

@@ -1,10 +1,11 @@
 """What the offline subcommands share: the run argument, the leak options and their checks, the
-no-steps check."""
+no-steps check, the check of an output path before any work."""
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -16,7 +17,25 @@ if TYPE_CHECKING:
 
 
 def add_run_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run", metavar="RUN", help="a run directory (holding rankmem.jsonl) or the .jsonl file")
+    parser.add_argument("run", metavar="RUN", nargs="?", default=None,
+                        help="a run directory (holding rankmem.jsonl) or the .jsonl file (default: the newest run "
+                             "under runs/; a directory of runs lists them)")
+
+
+def add_json_option(parser: argparse.ArgumentParser, what: str = "the table") -> None:
+    parser.add_argument("--json", action="store_true", help=f"print one JSON object instead of {what}")
+
+
+def check_output(path: str, flag: str) -> None:
+    """Refuse an output ``path`` that cannot be written, before any work: its directory must exist and be
+    writable, and the path must not be a directory."""
+    directory = os.path.dirname(path) or "."
+    if os.path.isdir(path):
+        raise RankmemError(f"{flag} {path}: is a directory; name a file in it")
+    if not os.path.isdir(directory):
+        raise RankmemError(f"{flag} {path}: no such directory: {directory}")
+    if not os.access(directory, os.W_OK):
+        raise RankmemError(f"{flag} {path}: cannot write in {directory} (permission denied)")
 
 
 def add_leak_options(parser: argparse.ArgumentParser) -> None:

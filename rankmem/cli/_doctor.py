@@ -2,7 +2,8 @@
 
 Versions (rankmem, Python, torch), the device backend and what it reads, the host peak's scope
 (``window``, ``lifetime`` or ``sampled``), the cgroup seen, whether a run directory can be written,
-and which optional extras are installed, each missing one with the ``pip install`` that adds it.
+and which optional extras are installed, each missing one with the ``pip install`` that adds it (never
+one whose pins would change the user's other packages; torch from pytorch.org's own instructions).
 
 It never creates a device context: :func:`rankmem.sample` reads the device only where the program has
 initialised it (this process has not), so the device line says what will be read once the training
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import importlib.util
+import json
 import os
 import sys
 import tempfile
@@ -34,7 +36,7 @@ EXTRAS = (
     ("plot", ("matplotlib",), "rankmem plot, and the plots in report --html"),
     ("hf", ("transformers", "accelerate"), "rankmem.integrations.hf"),
     ("lightning", ("lightning",), "rankmem.integrations.lightning"),
-    ("verl", ("verl",), "checks against verl's own functions (the verl integration itself needs none)"),
+    ("verl", ("verl",), "a verl job: rankmem.integrations.verl needs nothing more than verl itself"),
     ("ray", ("ray",), "rankmem train --launcher ray"),
     ("nvml", ("pynvml",), "device memory by owner (docs/device-attribution.md)"),
 )
@@ -45,6 +47,10 @@ SCOPES = {
              "lifetime high, else sampled at its edges)",
     "sampled": "sampled (no /proc: peak RSS is the max of the RSS read at window edges)",
 }
+# Extras doctor never suggests installing: verl's pins (ray, transformers<5.11) would change the user's
+# other packages, and only rankmem's own tests use it; a verl user has verl already.
+NO_HINT = {"verl"}
+TORCH_INSTALL = "https://pytorch.org/get-started/locally/"
 DEVICE_READS = ("allocated, reserved and their window peaks (the allocator), device used and total "
                 "(mem_get_info), alloc retries and OOMs")
 
@@ -55,6 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--init-device", action="store_true",
                         help="initialise the device in this process (creates a context, a few hundred MiB) "
                              "and show what rankmem reads after")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the lines")
 
 
 def _gib(n: int | None) -> str:
@@ -74,7 +81,9 @@ def _version(module: str) -> str | None:
 
 def torch_line() -> tuple[str, Any]:
     if importlib.util.find_spec("torch") is None:
-        return "torch: not installed: pip install 'rankmem[torch]' (rankmem then reads host memory only)", None
+        # Not `rankmem[torch]`: the build that matches the accelerator (CUDA, ROCm, CPU) comes from its own index.
+        return (f"torch: not installed: install the build for your accelerator as {TORCH_INSTALL} says "
+                "(until then rankmem reads host memory only)"), None
     import torch
 
     cuda = getattr(torch.version, "cuda", None)
@@ -139,7 +148,8 @@ def attribution_lines(torch: Any) -> list[str]:
                     "every nvml_refresh_s (10 s) on a thread of its own"]
 
 
-def host_lines() -> list[str]:
+def host_lines() -> tuple[list[str], str]:
+    """The host lines, and the peak RSS scope on its own (for ``--json``)."""
     from rankmem.monitor import Monitor
     from rankmem.probe.sample import sample
 
@@ -162,7 +172,7 @@ def host_lines() -> list[str]:
             if host.node_total is not None else "node memory unknown")
     return [f"host peak RSS scope: {SCOPES.get(scope, scope)}", peak_source_line(scope),
             f"host now: this process's RSS {_gib(host.rss)}, {node}",
-            cgroup_line(host.cgroup_limit, host.cgroup_used)]
+            cgroup_line(host.cgroup_limit, host.cgroup_used)], scope
 
 
 def peak_source_line(scope: str) -> str:
@@ -211,15 +221,27 @@ def out_line(out: str) -> str:
     return line
 
 
-def extra_lines() -> list[str]:
-    lines = ["extras:"]
+def extras_found() -> dict[str, dict[str, Any]]:
+    """Per extra: the modules it provides that are missing, and the installed ones' versions."""
+    found: dict[str, dict[str, Any]] = {}
     for extra, modules, what in EXTRAS:
         missing = [m for m in modules if importlib.util.find_spec(m) is None]
-        if not missing:
-            versions = ", ".join(f"{m} {_version(m) or '(version unknown)'}" for m in modules)
+        versions = {} if missing else {m: _version(m) for m in modules}
+        found[extra] = {"installed": not missing, "missing": missing, "versions": versions, "for": what}
+    return found
+
+
+def extra_lines(found: dict[str, dict[str, Any]]) -> list[str]:
+    lines = ["extras:"]
+    for extra, info in found.items():
+        what = info["for"]
+        if info["installed"]:
+            versions = ", ".join(f"{m} {v or '(version unknown)'}" for m, v in info["versions"].items())
             lines.append(f"  {extra:<12} ok ({versions}): {what}")
+        elif extra in NO_HINT:
+            lines.append(f"  {extra:<12} not installed: nothing to install here; {what}")
         else:
-            lines.append(f"  {extra:<12} missing {', '.join(missing)}: pip install 'rankmem[{extra}]' for {what}")
+            lines.append(f"  {extra:<12} missing {', '.join(info['missing'])}: pip install 'rankmem[{extra}]' for {what}")
     return lines
 
 
@@ -228,10 +250,25 @@ def run(args: argparse.Namespace) -> int:
              f"(python {sys.version.split()[0]})"]
     text, torch = torch_line()
     lines.append(text)
-    lines += device_lines(torch, args.init_device)
-    lines += attribution_lines(torch)
-    lines += host_lines()
-    lines.append(out_line(args.out))
-    lines += extra_lines()
+    device = device_lines(torch, args.init_device)
+    lines += device
+    attribution = attribution_lines(torch)
+    lines += attribution
+    host, scope = host_lines()
+    lines += host
+    out = out_line(args.out)
+    lines.append(out)
+    found = extras_found()
+    lines += extra_lines(found)
+    if args.json:
+        print(json.dumps({
+            "rankmem": __version__, "package_dir": _PACKAGE_DIR, "python": sys.version.split()[0],
+            "torch": None if torch is None else str(torch.__version__),
+            "torch_cuda": None if torch is None else getattr(torch.version, "cuda", None),
+            "device": device, "attribution": attribution, "peak_rss_scope": scope, "host": host[1], "cgroup": host[2],
+            "run_dir": {"path": args.out, "writable": ": writable" in out, "line": out},
+            "extras": found, "lines": lines,
+        }, indent=1))
+        return 0
     print("\n".join(lines))
     return 0

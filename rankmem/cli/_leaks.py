@@ -11,6 +11,7 @@ import json
 from dataclasses import asdict
 
 from rankmem.cli._common import add_leak_options, add_run_argument, check_keys, leak_config, require_steps
+from rankmem.cli._runs import resolve_run
 from rankmem.offline.leaks import LEAK_KEYS
 
 NO_VERDICT = 3
@@ -33,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     from rankmem.offline import read_run
     from rankmem.offline.leaks import detect_leaks, worst_first
 
-    the_run = read_run(args.run)
+    the_run = read_run(resolve_run(args.run, "leaks"))
     require_steps(the_run, "leaks")
     config = leak_config(args)
     if args.keys != list(LEAK_KEYS):  # the defaults are each optional (a CPU run has no device keys)

@@ -4,9 +4,12 @@ each peak marked, the worst rank named. The PNG goes next to the run log unless 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import warnings
 
-from rankmem.cli._common import add_run_argument
+from rankmem.cli._common import add_json_option, add_run_argument, check_output
+from rankmem.cli._runs import resolve_run
 from rankmem.errors import RankmemError
 
 DEFAULT_NAME = "rankmem.png"
@@ -31,16 +34,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "device peak reserved when present)")
     parser.add_argument("--size", type=_size, default=None, metavar="WxH",
                         help="image size in pixels (default 1200 wide, 360 high per panel)")
+    add_json_option(parser, "the line saying what was written")
 
 
 def run(args: argparse.Namespace) -> int:
     from rankmem.offline import read_run
     from rankmem.offline.plot import plot_run
 
-    the_run = read_run(args.run)
+    if args.output:
+        check_output(args.output, "-o")  # before the run is read and drawn
+    the_run = read_run(resolve_run(args.run, "plot"))
     output = args.output or os.path.join(os.path.dirname(the_run.path), DEFAULT_NAME)
     try:
-        keys = plot_run(the_run, output, keys=args.keys, size=args.size)
+        with warnings.catch_warnings():
+            # A value near float64's limit overflows matplotlib's arithmetic: the error below says so, once.
+            warnings.filterwarnings("ignore", message="overflow encountered", category=RuntimeWarning)
+            keys = plot_run(the_run, output, keys=args.keys, size=args.size)
     except RankmemError:
         raise  # a ValueError too, and already one line
     except OSError as exc:  # a full disk, /dev/full, a read-only directory: one line, not a traceback
@@ -52,5 +61,8 @@ def run(args: argparse.Namespace) -> int:
             os.unlink(output)
         raise RankmemError(f"cannot draw {the_run.path}: matplotlib refused the figure ({exc}); a value in it is "
                            "too large to plot (`rankmem report` lists the largest)") from None
-    print(f"wrote {output} ({', '.join(keys)})")
+    if args.json:
+        print(json.dumps({"output": output, "keys": list(keys)}, indent=1))
+    else:
+        print(f"wrote {output} ({', '.join(keys)})")
     return 0

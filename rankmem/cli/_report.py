@@ -7,7 +7,8 @@ import argparse
 import json
 import os
 
-from rankmem.cli._common import add_leak_options, add_run_argument, leak_config, require_steps
+from rankmem.cli._common import add_leak_options, add_run_argument, check_output, leak_config, require_steps
+from rankmem.cli._runs import resolve_run
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,7 +23,9 @@ def run(args: argparse.Namespace) -> int:
     from rankmem.offline import read_run
     from rankmem.offline.report import build_report, render
 
-    the_run = read_run(args.run)
+    if args.html:
+        check_output(args.html, "--html")  # before the report is printed: a bad path fails first, alone
+    the_run = read_run(resolve_run(args.run, "report"))
     if not os.path.isdir(os.path.join(os.path.dirname(the_run.path), "events")):
         require_steps(the_run, "report")  # a run that died before its first step may still have events
     report = build_report(the_run, leak_config(args))

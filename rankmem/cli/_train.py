@@ -259,8 +259,10 @@ def run(args: argparse.Namespace) -> int:
     # --out in use by a live job must leave OUT as it was (moving a live job's log hid it from watch).
     if args.launcher == "ray":
         from rankmem.engine.options import resolve_job_options
+        from rankmem.ray.cluster import import_ray
         from rankmem.ray.launcher import run as run_on_ray
 
+        import_ray()  # a missing ray refuses the launch before OUT (and its .lock) is created
         check_launch_options(args)
         ray_options.check(args)
         resolve_job_options(args)

@@ -2,17 +2,23 @@
 
 Redraws in place with ``rich.live`` every ``--interval`` seconds, in the normal screen (no alternate
 screen, no mouse), so it works in any terminal and over ssh, and leaves the last frame in the
-scrollback. Ctrl-C ends it with exit status 0. ``--once`` prints one frame and exits: for scripts.
+scrollback. Ctrl-C ends it with exit status 0. ``--once`` prints one frame and exits: for scripts;
+``--json`` prints that frame as one JSON object. ``--wait`` waits for a run that does not exist yet
+(the watch started before the job): it polls every ``--interval`` until the job's first heartbeat or
+run-log line, saying once on stderr that it waits.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import sys
 import time
 from typing import TYPE_CHECKING
 
 from rankmem.cli._common import add_run_argument
+from rankmem.cli._runs import resolve_run
 from rankmem.errors import RankmemError
 
 if TYPE_CHECKING:
@@ -47,26 +53,58 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--frames", type=_count, default=None, metavar="N", help="stop after N redraws")
     parser.add_argument("--stale", type=_positive, default=30.0, metavar="S",
                         help="mark a rank whose last heartbeat is older than S seconds (default 30)")
+    parser.add_argument("--wait", action="store_true",
+                        help="wait for a run that has not started yet (no run log, no heartbeat) instead of failing")
+    parser.add_argument("--json", action="store_true", help="with --once: print the frame as one JSON object")
 
 
 def run(args: argparse.Namespace) -> int:
-    from rankmem.offline.report import stdout_console
-    from rankmem.offline.watch import Watcher, render_frame
+    from rankmem.offline.watch import Watcher
 
-    if not os.path.exists(args.run) and args.once:
-        raise RankmemError(f"no run at {args.run}: pass the --out directory of a running (or finished) job")
+    if args.json and not args.once:
+        raise RankmemError("--json prints one frame: use it with --once")
+    args.run = resolve_run(args.run, "watch", waits=args.wait)
+    if not os.path.exists(args.run) and args.once and not args.wait:
+        raise RankmemError(f"no run at {args.run}: pass the --out directory of a running (or finished) job, "
+                           "or --wait for one that has not started")
     watcher = Watcher(args.run)
-    if args.once:
-        frame = watcher.frame()
-        if frame.step is None and not frame.rows:
-            raise RankmemError(f"nothing to show in {watcher.run_dir} yet: no run log lines and no heartbeats "
-                               f"(expected {watcher.log_path} and {os.path.join(watcher.run_dir, 'heartbeat')})")
-        stdout_console(140).print(render_frame(frame, args.stale))
-        return 0
     try:
+        if args.wait:
+            _wait(watcher, args.interval)
+        if args.once:
+            return _once(watcher, args)
         _live(watcher, args)
     except KeyboardInterrupt:  # Ctrl-C is how a live view ends: not an error, no traceback
         pass
+    return 0
+
+
+def _has_something(watcher: Watcher) -> bool:
+    frame = watcher.frame()
+    return frame.step is not None or bool(frame.rows)
+
+
+def _wait(watcher: Watcher, interval: float) -> None:
+    if _has_something(watcher):
+        return
+    print(f"rankmem watch: waiting for a job to write {watcher.run_dir} (Ctrl-C to stop)", file=sys.stderr, flush=True)
+    while not _has_something(watcher):
+        time.sleep(interval)
+
+
+def _once(watcher: Watcher, args: argparse.Namespace) -> int:
+    from rankmem.offline.report import stdout_console
+    from rankmem.offline.watchview import frame_json, render_frame
+
+    frame = watcher.frame()
+    if frame.step is None and not frame.rows:
+        raise RankmemError(f"nothing to show in {watcher.run_dir} yet: no run log lines and no heartbeats "
+                           f"(expected {watcher.log_path} and {os.path.join(watcher.run_dir, 'heartbeat')}); "
+                           "--wait waits for them")
+    if args.json:
+        print(json.dumps(frame_json(frame, args.stale), indent=1))
+    else:
+        stdout_console(140).print(render_frame(frame, args.stale))
     return 0
 
 
@@ -74,7 +112,7 @@ def _live(watcher: Watcher, args: argparse.Namespace) -> None:
     from rich.console import Console
     from rich.live import Live
 
-    from rankmem.offline.watch import render_frame
+    from rankmem.offline.watchview import render_frame
 
     console = Console(highlight=False)
     # auto_refresh=False: one redraw per poll, on this thread; nothing draws between polls.

@@ -23,7 +23,6 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 
-import rich.progress
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -31,6 +30,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from rankmem.core.catalogue import SUMMARY_KEYS, key_of, phase_of_peak, worst_stat
 from rankmem.engine.options import add_job_arguments, resolve_job_options, sink_options
 from rankmem.engine.output import say
+from rankmem.engine.progress import Progress
 from rankmem.engine.tasks import build_model, task_steps, worker_config
 from rankmem.engine.worker import TrainingWorker
 from rankmem.errors import RankmemError
@@ -156,37 +156,6 @@ def headline(metrics: Mapping[str, float], task: str) -> str:
         if key + "/max" in metrics:
             parts.append(f"{label} {metrics[key + '/max']:.2f} GiB (rank {int(metrics[key + '/max_rank'])})")
     return " | ".join(parts)
-
-
-class Progress:
-    """A rich progress bar on a terminal (unless ``bar`` is false), plain lines every tenth of the run
-    otherwise; inert when ``enabled`` is false (every rank but the logging one)."""
-
-    def __init__(self, enabled: bool, total: int, task: str, bar: bool = True) -> None:
-        self.enabled, self.total, self.task, self.bar = enabled, total, task, bar
-        self._bar: rich.progress.Progress | None = None
-        self._id: rich.progress.TaskID | None = None
-
-    def __enter__(self) -> Progress:
-        if self.enabled and self.bar and sys.stdout.isatty():
-            rp = rich.progress
-            self._bar = rp.Progress(rp.TextColumn(f"[bold]{self.task}"), rp.BarColumn(), rp.MofNCompleteColumn(),
-                                    rp.TimeElapsedColumn(), rp.TextColumn("{task.description}"))
-            self._bar.start()
-            self._id = self._bar.add_task("", total=self.total)
-        return self
-
-    def advance(self, step: int, text: str) -> None:
-        if not self.enabled:
-            return
-        if self._bar is not None and self._id is not None:
-            self._bar.update(self._id, advance=1, description=text)
-        elif step % max(1, self.total // 10) == 0 or step == self.total - 1:
-            say(f"step {step + 1}/{self.total}: {text}")
-
-    def __exit__(self, *exc: object) -> None:
-        if self._bar is not None:
-            self._bar.stop()
 
 
 def train(args: argparse.Namespace, device: torch.device) -> None:

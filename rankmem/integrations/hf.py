@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rankmem.errors import MissingExtraError
@@ -76,7 +77,7 @@ class RankmemCallback(StepWindow, TrainerCallback):  # type: ignore[misc]
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         # A collective: every process reaches on_log at the same points (see the module docstring).
         self.last_metrics = self._monitor().collect(step=int(state.global_step))
-        metrics = self._for_logs(self.last_metrics)
+        metrics = ranks_as_ints(self._for_logs(self.last_metrics))
         if logs is not None:
             logs.update(metrics)
         # Trainer.log appended a copy of logs to log_history before calling on_log.
@@ -87,6 +88,12 @@ class RankmemCallback(StepWindow, TrainerCallback):  # type: ignore[misc]
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._close_step()
         self._close_monitor()
+
+
+def ranks_as_ints(metrics: Mapping[str, float]) -> dict[str, float | int]:
+    """``.../max_rank`` and ``.../min_rank`` as ints: the Trainer's ``log_history`` (and its JSON) keeps
+    what it is given, and a rank reads as ``0``, not ``0.0``."""
+    return {k: int(v) if k.endswith("_rank") and math.isfinite(v) and v == int(v) else v for k, v in metrics.items()}
 
 
 def attach(trainer: Any, callback: RankmemCallback | None = None, **options: Any) -> RankmemCallback:

@@ -7,10 +7,12 @@ Each training batch (``on_train_batch_start`` .. ``on_train_batch_end``) is the 
 the window keys cover the whole interval between logs. Every ``every_n_steps`` batches (default:
 the Trainer's ``log_every_n_steps``) every rank calls :meth:`rankmem.Monitor.collect`, a collective:
 the hooks run on every rank and DDP ranks run the same number of batches (the distributed sampler
-pads), so the ranks agree on when. The global-zero rank then writes the aggregates to every logger
-with ``log_metrics`` (not ``self.log``, which would reduce the already-reduced values again), at the
-step number Lightning's own logging uses for that batch, so memory rows and ``self.log`` rows (the
-loss) carry the same steps; the run log uses it too.
+pads), so the ranks agree on when. Every rank holds the same aggregates; on Lightning's own logging
+steps (``every_n_steps`` left at ``log_every_n_steps``) they are logged with ``log_dict`` per step,
+unreduced (``on_epoch=False``, ``sync_dist=False``: never reduced again), so they leave in the same
+``log_metrics`` call as the batch's ``self.log`` values: the loss and the memory on one CSV row. On
+other steps the global-zero rank writes them to every logger with ``log_metrics``, at the step
+number Lightning's own logging uses for that batch; the run log uses it too.
 """
 
 from __future__ import annotations
@@ -80,15 +82,26 @@ class RankmemCallback(StepWindow, Callback):  # type: ignore[misc]
         self._batches += 1
         every = self.every_n_steps or int(getattr(trainer, "log_every_n_steps", 50) or 50)
         if self._batches % every == 0:
-            self._collect(trainer)
+            self._collect(trainer, pl_module)
 
-    def _collect(self, trainer: Any) -> None:
+    def _collect(self, trainer: Any, pl_module: Any) -> None:
         step = logging_step(trainer)
         self.last_metrics = self._monitor().collect(step=step)  # a collective: every rank is here (docstring)
-        if trainer.is_global_zero:
+        if self._with_lightnings_own(trainer):
+            # Every rank holds the same aggregates: logged per step, unreduced, they join this batch's
+            # self.log values (the loss) in Lightning's one log_metrics call: one CSV row, not two.
+            pl_module.log_dict(self._for_logs(self.last_metrics), on_step=True, on_epoch=False, sync_dist=False,
+                               batch_size=1)
+        elif trainer.is_global_zero:
             metrics = self._for_logs(self.last_metrics)
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
+
+    def _with_lightnings_own(self, trainer: Any) -> bool:
+        """Whether this collect is on a step Lightning logs its own values at (the collect cadence is its
+        ``log_every_n_steps``); then the memory keys go with them, else straight to the loggers."""
+        every = self.every_n_steps
+        return every is None or every == int(getattr(trainer, "log_every_n_steps", 0) or 0)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         # An OOM in the step's forward/backward reaches here, not on_train_batch_end: record it.

@@ -1,10 +1,12 @@
 """``rankmem plot``: one panel per key, one line per rank against step, drawn with matplotlib (Agg).
 
 - **Which phase**: where memory rose to a rank's step peak inside one phase (the rule of
-  :func:`rankmem.core.catalogue.peak_phase`, the report's too), a marker sits on that rank's line, in the
-  rank's colour, one shape per phase; where no phase raised it (held from before) or several tie, a
-  grey marker says so and names none. On each rank's :data:`MARKS_PER_RANK` highest steps only, so a run
-  of 400+ steps shows which phase made its spikes instead of a carpet of markers.
+  :func:`rankmem.core.catalogue.peak_phase`, the report's too), a marker sits on that rank's line,
+  filled in the rank's colour, one shape per phase (the legend shows each shape, hollow); where no phase
+  raised it (held from before) or several tie, a grey marker says so and names none. On each rank's
+  :data:`MARKS_PER_RANK` highest steps only, no two closer than :data:`MARK_GAP_PX` pixels, so a run of
+  400+ steps shows which phase made its spikes instead of a solid bar of markers.
+- **Legends outside the data**: to the right of each panel, so no rank's line is covered.
 - **How close to OOM**: the capacity that bounds the key (:mod:`rankmem.offline.capacity`: device total,
   node total, cgroup limit) is a dashed line. Within :data:`NEAR` times the data the panel runs from
   0 to just above it; further away it would flatten the data into the floor, so it stays off the
@@ -40,6 +42,8 @@ NEAR = 3.0
 """A capacity up to this many times the panel's highest value is drawn on the panel (from 0)."""
 MARKS_PER_RANK = 40
 """Phase markers per rank at most: on its highest steps, where which phase set the peak matters."""
+MARK_GAP_PX = 9.0
+"""Phase marks of one rank are at least this many pixels apart (a mark is ~5 px wide)."""
 MIN_SPAN_GIB = 0.25
 """The smallest y range of a GiB panel: drift of a few MiB must not fill the panel's height."""
 
@@ -134,7 +138,9 @@ def _draw_key(ax: Any, run: Run, key: str, phases: Sequence[str], events: Sequen
         ax.set_title(f"{key}: worst rank {worst}, {'min' if low else 'peak'} {worst_per_rank[worst]:.3f}{unit}")
     ax.set_ylabel(_label(key))
     ax.grid(True, alpha=0.3)
-    ax.legend(loc="best", fontsize="small", ncol=2 if world > 4 else 1)
+    # Outside the axes, to their right: inside, "best" still covers some rank's line somewhere.
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize="small",
+              ncol=2 if world > 8 else 1)
 
 
 def _draw_every_step(ax: Any, run: Run, key: str, low: bool) -> None:
@@ -166,10 +172,10 @@ def _draw_phase_peaks(ax: Any, run: Run, key: str, phases: Sequence[str], colors
     if not phase_series:
         return
     shapes = {p: _MARKERS[i % len(_MARKERS)] for i, p in enumerate(phases)}
+    gap = _marker_gap_steps(ax, steps)
     hits: dict[str, list[tuple[int, int]]] = {}
     for rank in range(matrix.shape[1]):
-        values = np.where(np.isfinite(matrix[:, rank]), matrix[:, rank], -np.inf)
-        for row in np.argsort(-values, kind="stable")[:MARKS_PER_RANK].tolist():
+        for row in _spaced_peaks(steps, matrix[:, rank], gap):
             if not np.isfinite(matrix[row, rank]):
                 continue
             found = peak_phase(key, float(matrix[row, rank]), {k: float(m[row, rank]) for k, m in phase_series.items()})
@@ -188,8 +194,31 @@ def _draw_phase_peaks(ax: Any, run: Run, key: str, phases: Sequence[str], colors
             # A dark edge: a marker in the rank's colour would vanish on the rank's own line.
             ax.scatter(steps[mine], matrix[mine, rank], marker=marker, s=22, color=colors[rank],
                        edgecolors="black", linewidths=0.5, zorder=3)
-        # One legend entry per phase, in grey: the colour belongs to the rank.
-        ax.scatter([], [], marker=marker, s=22, color="dimgray", label=f"phase {what} set the step peak")
+        # One legend entry per phase: its shape, hollow; filled, a mark takes the colour of its rank's line.
+        ax.scatter([], [], marker=marker, s=22, facecolors="none", edgecolors="black", linewidths=0.8,
+                   label=f"phase {what} raised the step peak (in the rank's colour)")
+
+
+def _marker_gap_steps(ax: Any, steps: np.ndarray) -> float:
+    """How many steps :data:`MARK_GAP_PX` pixels span on ``ax``: marks closer than that merge into a bar."""
+    if steps.size < 2:
+        return 0.0
+    fig = ax.figure
+    width_px = float(fig.get_figwidth() * fig.dpi * ax.get_position().width) * 0.8  # the legend takes ~a fifth
+    return float(steps[-1] - steps[0]) * MARK_GAP_PX / max(width_px, 1.0)
+
+
+def _spaced_peaks(steps: np.ndarray, values: np.ndarray, gap: float) -> list[int]:
+    """Indices of the highest values, at most :data:`MARKS_PER_RANK`, no two within ``gap`` steps: at
+    400+ steps the marks stay apart and legible instead of piling into a solid bar."""
+    order = np.argsort(-np.where(np.isfinite(values), values, -np.inf), kind="stable")
+    chosen: list[int] = []
+    for i in order:
+        if len(chosen) == MARKS_PER_RANK or not np.isfinite(values[i]):
+            break
+        if all(abs(float(steps[i] - steps[j])) >= gap for j in chosen):
+            chosen.append(int(i))
+    return chosen
 
 
 def _draw_capacity_and_range(ax: Any, steps: np.ndarray, matrix: np.ndarray, caps: Sequence[Capacity],

@@ -8,8 +8,8 @@ Three sources, all read without touching the job:
   ago it last passed a window edge (a rank that stopped beating is the one to look at);
 - the events (``RUN/events/rank<r>.jsonl``): OOMs, near-OOMs and kills, as they are written.
 
-:func:`build_frame` turns them into a :class:`Frame` (plain data, tested directly) and
-:func:`render_frame` into rich renderables; ``rankmem.cli._watch`` redraws them with ``rich.live``.
+:func:`build_frame` turns them into a :class:`Frame` (plain data, tested directly);
+:mod:`rankmem.offline.watchview` draws it, and ``rankmem.cli._watch`` redraws that with ``rich.live``.
 The worst rank of each column is the catalogue's (:func:`rankmem.core.catalogue.worse`): the highest
 value, or the lowest where low is the danger (headroom).
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -27,9 +28,9 @@ from rankmem.core.catalogue import key_of, worse
 from rankmem.core.scalars import to_float
 from rankmem.forensics.events import EVENTS_DIR
 from rankmem.forensics.heartbeat import HeartbeatRecord, read_heartbeats
+from rankmem.offline.capacity import DEVICE, HOST, NODE
 from rankmem.offline.columnar import DetailFollower
 from rankmem.offline.events import read_events
-from rankmem.offline.report import describe_event
 from rankmem.offline.runlog import header_world_size
 from rankmem.offline.tail import Tail, TailFollower
 from rankmem.runlog import RUN_LOG_NAME
@@ -49,7 +50,6 @@ COLUMNS = (
 # What bounds the ranks, for the title: (label, field); the least over ranks binds first.
 CAPACITY = (("device total", "total"), ("node available", "node_available"), ("cgroup limit", "cgroup_limit"))
 EVENTS_SHOWN = 5
-WORST_MARK = "*"
 
 
 def run_dir_of(path: str) -> str:
@@ -66,6 +66,8 @@ class RankRow:
     """The phase open at that edge ("" between phases); None without a heartbeat."""
     beat_age_s: float | None = None
     exited: bool = False
+    dead: bool = False
+    """Killed (a ``killed`` event names it), or its process is gone from this host without exiting cleanly."""
     values: dict[str, float | None] = field(default_factory=dict)
     """Column key -> this rank's value in the newest logged step (GiB)."""
 
@@ -93,6 +95,9 @@ class Frame:
     events: list[dict[str, Any]]
     """The newest events, oldest first (at most :data:`EVENTS_SHOWN`)."""
     event_count: int
+    limits: dict[str, list[float | None]] = field(default_factory=dict)
+    """Column key -> per rank, the binding limit of that usage (GiB): the device total for device keys, the
+    least of node total and cgroup limit for host keys (:mod:`rankmem.offline.capacity`'s families)."""
     detail_step: int | None = None
     """The step of the per-rank values shown, when they come from the side file (its last batch may be
     up to a second behind the newest line; past the crossover, the last collect that carried them)."""
@@ -159,6 +164,7 @@ def build_frame(run_dir: str, tail: Tail, beats: dict[int, HeartbeatRecord], eve
             row.step, row.phase, row.exited = beat.step, beat.phase, beat.clean
             row.beat_age_s = max(0.0, now - beat.time)
         rows.append(row)
+    _mark_dead(rows, beats, events, hosts_of(header))
     worst = {key: r for key, vec in vectors.items() if (r := worst_rank(key, vec)) is not None}
     capacity = []
     if last is not None:
@@ -171,8 +177,58 @@ def build_frame(run_dir: str, tail: Tail, beats: dict[int, HeartbeatRecord], eve
         step=int(last["step"]) if last is not None else None,
         logged_at=float(last["time"]) if last is not None and isinstance(last.get("time"), (int, float)) else None,
         step_time_s=step_time, columns=columns, rows=rows, worst=worst, capacity=capacity, detail_step=detail_step,
+        limits=_limits(last, columns, world) if last is not None else {},
         events=events[-EVENTS_SHOWN:], event_count=len(events),
     )
+
+
+def hosts_of(header: dict[str, Any]) -> list[str | None]:
+    """Each rank's host as the header's ``ranks`` list gives it (None where it does not)."""
+    ranks = header.get("ranks")
+    if not isinstance(ranks, list):
+        return []
+    return [str(r["host"]) if isinstance(r, dict) and isinstance(r.get("host"), str) else None for r in ranks]
+
+
+def _mark_dead(rows: list[RankRow], beats: dict[int, HeartbeatRecord], events: list[dict[str, Any]],
+               hosts: list[str | None]) -> None:
+    killed = {e.get("rank") for e in events if e.get("kind") == "killed"}
+    here = socket.gethostname()
+    for row in rows:
+        beat = beats.get(row.rank)
+        if row.rank in killed:
+            row.dead = True
+        elif beat is not None and not beat.clean and row.rank < len(hosts) and hosts[row.rank] == here:
+            row.dead = not _alive(beat.pid)  # a pid can only be asked about on its own host
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: alive, another user's
+        return True
+    return True
+
+
+def _limits(last: dict[str, Any], columns: list[tuple[str, str]], world: int) -> dict[str, list[float | None]]:
+    device = _vector(last, key_of("total"), world)
+    node = [None if u is None or a is None else u + a
+            for u, a in zip(_vector(last, key_of("node_used"), world), _vector(last, key_of("node_available"), world),
+                            strict=True)]
+    host = [min((v for v in pair if v is not None), default=None)
+            for pair in zip(node, _vector(last, key_of("cgroup_limit"), world), strict=True)]
+    out: dict[str, list[float | None]] = {}
+    for _, key in columns:
+        family = key.rsplit("/", 1)[0]
+        if worse(key) != "high":
+            continue  # headroom: already a distance to the limit
+        if family == DEVICE:
+            out[key] = device
+        elif family in (HOST, NODE):
+            out[key] = host
+    return out
 
 
 class Watcher:
@@ -210,87 +266,3 @@ class Watcher:
         tail = self.follower.poll()
         beats = read_heartbeats(os.path.join(self.run_dir, "heartbeat"))
         return build_frame(self.run_dir, tail, beats, self._read_events(), now, detail=self._detail(tail.header))
-
-
-# ---- rendering ----------------------------------------------------------------------------------------
-
-def _clock(t: Any) -> str:
-    """An event's time as HH:MM:SS; ``?`` for one that is not a time (another process wrote the line)."""
-    if not isinstance(t, (int, float)) or not math.isfinite(t):
-        return "?"
-    try:
-        return time.strftime("%H:%M:%S", time.localtime(t))
-    except (OverflowError, OSError, ValueError):
-        return "?"
-
-
-def _age(seconds: float) -> str:
-    return f"{seconds:.1f} s" if seconds < 60 else f"{seconds / 60:.0f} min" if seconds < 3600 else f"{seconds / 3600:.1f} h"
-
-
-def title_lines(frame: Frame) -> list[str]:
-    hosts = f" on {len(frame.hosts)} host{'s' if len(frame.hosts) != 1 else ''}" if frame.hosts else ""
-    head = f"rankmem watch {frame.run_dir}: {frame.world_size} ranks{hosts}"
-    if frame.step is None:
-        head += ", no step logged yet"
-    else:
-        head += f", logged step {frame.step}"
-        if frame.logged_at is not None:
-            head += f" ({_age(max(0.0, frame.now - frame.logged_at))} ago)"
-        if frame.step_time_s is not None:
-            head += f", step time {frame.step_time_s:.3f} s"
-        if frame.detail_step is not None and frame.detail_step != frame.step:
-            head += f"; per-rank values of step {frame.detail_step}"
-    lines = [head]
-    if frame.capacity:
-        lines.append("limits: " + ", ".join(f"{label} {value:.3f} GiB" for label, value in frame.capacity))
-    return lines
-
-
-def _phase(row: RankRow) -> str:
-    if row.phase is None:
-        return "?"
-    if row.exited:
-        return "(exited)"
-    return row.phase or "-"
-
-
-def render_frame(frame: Frame, stale_s: float = 30.0) -> Any:
-    """The frame as a rich renderable: title, one row per rank (the worst of each column marked with
-    ``*`` and drawn in red), the newest events."""
-    from rich import box
-    from rich.console import Group
-    from rich.table import Table
-    from rich.text import Text
-
-    parts: list[Any] = [Text(line) for line in title_lines(frame)]
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
-    for name, justify in (("rank", "right"), ("step", "right"), ("phase", "left"), ("beat", "right")):
-        table.add_column(name, justify=justify)  # type: ignore[arg-type]
-    for label, key in frame.columns:
-        table.add_column(f"{label}\n{'GiB' if key.endswith('_gib') else ''}", justify="right")
-    for row in frame.rows:
-        # A rank whose last beat is old while the job goes on is the one to look at.
-        age = "" if row.beat_age_s is None else _age(row.beat_age_s)
-        age_style = "yellow" if row.beat_age_s is not None and row.beat_age_s > stale_s and not row.exited else ""
-        cells: list[Any] = [str(row.rank), "" if row.step is None else str(row.step), _phase(row), Text(age, age_style)]
-        for _, key in frame.columns:
-            value = row.values.get(key)
-            if value is None:
-                cells.append("")
-            elif frame.worst.get(key) == row.rank:
-                cells.append(Text(f"{value:.3f}{WORST_MARK}", "bold red"))
-            else:
-                cells.append(f"{value:.3f} ")
-        table.add_row(*cells)
-    parts.append(table)
-    if frame.worst:
-        parts.append(Text(f"{WORST_MARK} the worst rank of the column (highest; lowest for headroom)", "dim"))
-    if frame.event_count:
-        parts.append(Text(f"events ({frame.event_count}, newest last):"))
-        for e in frame.events:
-            when = _clock(e.get("time"))
-            parts.append(Text(f"  {when} {describe_event(e)}", "red" if e.get("kind") in ("oom", "killed") else ""))
-    else:
-        parts.append(Text("events: none"))
-    return Group(*parts)

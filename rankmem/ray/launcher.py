@@ -98,7 +98,8 @@ def _remaining(deadline: float | None) -> float | None:
 
 def _drive(group: WorkerGroup, job: argparse.Namespace, cluster: clusters.Cluster, resources: Resources,
            deadline: float | None) -> int:
-    from rankmem.engine.train import Progress, headline
+    from rankmem.engine.progress import Progress
+    from rankmem.engine.train import headline
 
     run_log = os.path.join(job.out, "rankmem.jsonl")
     nodes = len({p.node_id for p in group.placements})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ import pytest
 
 import rankmem
 from rankmem.cli import main
-from rankmem.cli._doctor import EXTRAS
+from rankmem.cli._doctor import EXTRAS, SCOPES
 
 
 def test_doctor_reports_versions_backend_scope_cgroup_out_dir_and_extras(
@@ -42,8 +43,10 @@ def test_doctor_reports_versions_backend_scope_cgroup_out_dir_and_extras(
     for line, (extra, modules, _) in zip(extras, EXTRAS, strict=True):
         missing = [m for m in modules if importlib.util.find_spec(m) is None]
         assert line.split()[1] == ("missing" if missing else "ok"), line
-        if missing:
+        if missing and extra != "verl":
             assert f"pip install 'rankmem[{extra}]'" in line
+        if extra == "verl":  # its pins would downgrade transformers: never suggested
+            assert "pip install" not in line and "rankmem[verl]" not in line
 
 
 def test_doctor_names_a_run_directory_it_cannot_write(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -82,3 +85,32 @@ def test_doctor_says_what_the_peak_source_does_to_other_tools(
     lines = capsys.readouterr().out.splitlines()
     assert any(line.startswith("host peak RSS scope: edges (peak_source='edges': VmHWM never reset") for line in lines)
     assert "peak source: edges: VmHWM is left alone, so getrusage, wait4, time -v and VmHWM pollers stay true" in lines
+
+
+def test_doctor_hints_only_what_helps(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+                                      tmp_path: Path) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("torch", "verl") else real(name, *a))
+    assert main(["doctor", "--out", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == ("torch: not installed: install the build for your accelerator as "
+                        "https://pytorch.org/get-started/locally/ says (until then rankmem reads host memory only)")
+    assert ("  verl         not installed: nothing to install here; a verl job: rankmem.integrations.verl needs "
+            "nothing more than verl itself") in lines
+    assert not any("rankmem[torch]" in line or "rankmem[verl]" in line for line in lines)
+
+
+def test_doctor_json_is_one_object_with_the_same_findings(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["doctor", "--out", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert main(["doctor", "--json", "--out", str(tmp_path)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["rankmem"] == rankmem.__version__ and doc["python"] == sys.version.split()[0]
+    assert doc["lines"][0] == lines[0] and doc["lines"][-len(EXTRAS):] == lines[-len(EXTRAS):]
+    assert doc["run_dir"] == {"path": str(tmp_path), "writable": True,
+                              "line": f"run directory {tmp_path}: writable: rankmem.jsonl, heartbeat/ and events/"}
+    assert f"host peak RSS scope: {SCOPES[doc['peak_rss_scope']]}" in lines
+    assert list(doc["extras"]) == [e for e, _, _ in EXTRAS]
+    for extra, modules, _ in EXTRAS:
+        missing = [m for m in modules if importlib.util.find_spec(m) is None]
+        assert doc["extras"][extra]["missing"] == missing

@@ -169,3 +169,24 @@ def test_hf_attach_twice_collects_once_per_log(tmp_path: Path) -> None:
     # One collect per on_log: the two steps, then the final summary (logged at the last step again).
     assert run.steps.tolist() == [1, 2, 2]
     assert sum(c is cb for c in trainer.callback_handler.callbacks) == 1
+
+
+def test_ranks_reach_log_history_as_ints_and_the_example_is_quiet(tmp_path: Path) -> None:
+    """``.../max_rank`` is ``0``, not ``0.0``, in ``log_history`` (and so in its JSON); the example prints
+    no warning of transformers, accelerate or DDP before its own lines."""
+    import json
+
+    from rankmem.integrations.hf import ranks_as_ints
+
+    converted = ranks_as_ints({"a/max_rank": 3.0, "a/max": 3.0, "b/min_rank": float("nan")})
+    assert type(converted["a/max_rank"]) is int and converted["a/max_rank"] == 3
+    assert type(converted["a/max"]) is float and converted["b/min_rank"] != converted["b/min_rank"]  # NaN kept
+    out = tmp_path / "hf"
+    done = subprocess.run([sys.executable, "examples/hf_example.py", "--out", str(out), "--steps", "2"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == "", done.stderr
+    assert done.stdout.splitlines()[0].startswith("{'loss': ")
+    history = json.loads((out / "log_history.json").read_text())
+    ranks = [v for e in history for k, v in e.items() if k.endswith("_rank")]
+    assert ranks and all(type(v) is int for v in ranks), history

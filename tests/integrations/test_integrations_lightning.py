@@ -65,6 +65,8 @@ def test_lightning_single_process(tmp_path: Path) -> None:
     with open(tmp_path / "csv/version_0/metrics.csv") as f:
         loss_steps = [int(r["step"]) for r in csv.DictReader(f) if r.get("loss")]
     assert [r["step"] for r in rows] == loss_steps == [0, 1, 2]
+    with open(tmp_path / "csv/version_0/metrics.csv") as f:  # on the loss's own rows: one row per step
+        assert [(bool(r["loss"]), bool(r["mem/host/rss_gib/max"])) for r in csv.DictReader(f)] == [(True, True)] * 3
     for row in rows:
         _check_row(row, world=1)
         assert row["mem/host/rss_gib/max_rank"] == 0

@@ -104,7 +104,7 @@ def test_once_on_a_directory_with_nothing_yet_is_one_line(tmp_path: Path, capsys
     assert main(["watch", "--once", str(tmp_path)]) == 2
     assert capsys.readouterr().err == (
         f"rankmem watch: error: nothing to show in {tmp_path} yet: no run log lines and no heartbeats "
-        f"(expected {tmp_path}/rankmem.jsonl and {tmp_path}/heartbeat)\n"
+        f"(expected {tmp_path}/rankmem.jsonl and {tmp_path}/heartbeat); --wait waits for them\n"
     )
 
 
@@ -123,18 +123,6 @@ def _logged_steps(out: Path) -> int:
         return max(0, (out / RUN_LOG_NAME).read_bytes().count(b"\n") - 1)
     except OSError:
         return 0
-
-
-def _parse_once(text: str, labels: list[str]) -> tuple[int, dict[int, tuple[str, str, dict[str, bool]]]]:
-    """(logged step, rank -> (step, phase, label -> marked worst)) from one ``--once`` frame."""
-    lines = text.splitlines()
-    step = int(lines[0].split("logged step ")[1].split()[0])
-    rows = {}
-    for line in lines:
-        tokens = line.split()
-        if len(tokens) == 5 + len(labels) and tokens[0].isdigit() and tokens[4] == "s":
-            rows[int(tokens[0])] = (tokens[1], tokens[2], {lab: v.endswith("*") for lab, v in zip(labels, tokens[5:], strict=True)})
-    return step, rows
 
 
 def _run_live_in_pty(run: Path, frames_seen: int, out: Path, timeout: float = 60) -> tuple[int, str]:
@@ -199,7 +187,9 @@ def test_watch_follows_a_real_job(tmp_path: Path) -> None:
             # The per-rank values: the side file's newest collect (its batch may be a second behind).
             detail = DetailFollower(str(out / DETAIL_NAME)).poll()
             beats = read_heartbeats(str(out / "heartbeat"))
-            once = subprocess.run([sys.executable, "-m", "rankmem", "watch", "--once", str(out)], cwd=REPO,
+            once = subprocess.run([sys.executable, "-m", "rankmem", "watch", "--once", "--json", str(out)], cwd=REPO,
+                                  capture_output=True, text=True, timeout=60)
+            screen = subprocess.run([sys.executable, "-m", "rankmem", "watch", "--once", str(out)], cwd=REPO,
                                   capture_output=True, text=True, timeout=60)
         finally:
             for b in beats.values():
@@ -207,22 +197,24 @@ def test_watch_follows_a_real_job(tmp_path: Path) -> None:
         assert once.returncode == 0, once.stderr
         assert "ranks" not in last and detail is not None and detail[0] <= last["step"]
         per_rank = detail[1]
-        if detail[0] != last["step"]:
-            assert f"per-rank values of step {detail[0]}" in once.stdout, once.stdout
+        doc = json.loads(once.stdout)
+        assert doc["step"] == last["step"] and doc["detail_step"] == detail[0], once.stdout
+        assert doc["shown_step"] == detail[0] and f" · step {detail[0]} (" in screen.stdout, screen.stdout
         columns = [(label, key_of(name)) for label, name in COLUMNS if key_of(name) in per_rank]
-        step, rows = _parse_once(once.stdout, [label for label, _ in columns])
-        assert step == last["step"], once.stdout
-        assert sorted(rows) == [0, 1], once.stdout
-        for rank, (hb_step, phase, marks) in rows.items():
-            assert (hb_step, phase) == (str(beats[rank].step), beats[rank].phase or "-"), once.stdout
-            assert phase in ("rollout", "log_prob", "update", "-")
+        assert [tuple(c) for c in doc["columns"]] == columns
+        assert [r["rank"] for r in doc["rows"]] == [0, 1], once.stdout
+        for row in doc["rows"]:
+            rank = row["rank"]
+            assert (row["step"], row["phase"], row["state"]) == (beats[rank].step, beats[rank].phase, "running")
+            assert row["phase"] in ("rollout", "log_prob", "update", "")
             for label, key in columns:
+                assert row["values"][key] == per_rank[key][rank]
                 vec = per_rank[key]
                 if len(set(vec)) == 1:
-                    assert not marks[label], (label, once.stdout)
+                    assert key not in doc["worst"], (label, once.stdout)
                     continue
                 target = min(vec) if worse(key) == "low" else max(vec)
-                assert marks[label] == (rank == vec.index(target)), (label, vec, once.stdout)
+                assert (doc["worst"][key] == rank) == (rank == vec.index(target)), (label, vec, once.stdout)
 
         rc, text = _run_live_in_pty(out, frames_seen=4, out=out)
         assert rc == 0, text[-3000:]
@@ -236,7 +228,7 @@ def test_watch_follows_a_real_job(tmp_path: Path) -> None:
     # After the job: --once still works, every rank shown as exited.
     done = subprocess.run([sys.executable, "-m", "rankmem", "watch", "--once", str(out)], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0 and done.stdout.count("(exited)") == 2, done.stdout
+    assert done.returncode == 0 and done.stdout.count(" exited ") == 2, done.stdout
     assert json.loads((out / RUN_LOG_NAME).read_text().splitlines()[-1])["step"] == 59
 
 
