@@ -30,6 +30,7 @@ from typing import Any
 from rankmem.core.catalogue import phase_metrics, verl_metrics, window_metrics
 from rankmem.core.guard import Guard
 from rankmem.core.records import RunHeader, StepRecord
+from rankmem.core.rundir import current_run_id
 from rankmem.core.scalars import scalar_items
 from rankmem.errors import RankmemError
 from rankmem.exchange.aggregate import Gathered
@@ -149,9 +150,10 @@ class Monitor:
         host = host_probe if host_probe is not None else make_host_probe(self.config.children,
                                                                          self.config.children_refresh_s)
         self._windows = Windows(host, device, self._guard)
+        self._run_id = current_run_id()
         self._forensics = Forensics(self.config.out_dir, global_rank(), host, device,
                                     oom_history=self.config.oom_history, near_oom_watch=self.config.near_oom_watch,
-                                    flush=lambda: self.flush(2.0))
+                                    flush=lambda: self.flush(2.0), run_id=self._run_id)
         self._windows.listener = self._forensics
         self._exchange = Exchange(group, device.name if device else None, device.module if device else None,
                                               detail_rank=self.config.log_rank)
@@ -270,10 +272,13 @@ class Monitor:
             step = self._windows.step_n if self._windows.step_n is not None else self._collects
         self._windows.step_n = None
         self._collects += 1
+        self._publisher.settle()  # the previous collect's record on disk before this one returns
+        self._forensics_edge()  # entered: a rank that never gets here is behind the ones waiting below
         if self._header is None:
             self._start()
         detail, self._detail = self._detail, False
         gathered = self._exchange.gather_aggregate(local, step if explicit else None, detail=detail)
+        self._forensics_edge()
         if self.config.verl_keys:
             gathered.aggregated.update(verl_metrics(gathered.aggregated))
         self._last, self._last_record = (int(step), time.time(), gathered), None
@@ -282,11 +287,18 @@ class Monitor:
         # The caller's own copy: the run log is written from this dict later, on the publisher's thread.
         return dict(gathered.aggregated)
 
+    def _forensics_edge(self) -> None:
+        self._guard.call("listener", "heartbeat failed", self._forensics.collect_edge, default=None)
+
     def _start(self) -> None:
-        """The first collect: every rank learns who every rank is; the logging rank opens the sinks."""
+        """The first collect: every rank learns who every rank is and the run's id (the logging
+        rank's); the logging rank opens the sinks."""
         device = self._windows.device
         self._header = run_header(self.group, self.config.log_rank, self.config.to_header(),
-                                              device.device_name() if device else "none", self.peak_rss_scope)
+                                  device.device_name() if device else "none", self.peak_rss_scope, self._run_id)
+        if self._header.run_id != self._run_id:
+            self._guard.call("forensics", "adopting the run id failed", self._forensics.adopt, self._header.run_id,
+                             default=None)
         if self.rank == self.config.log_rank:
             self._publisher.open(self._header)
 

@@ -27,11 +27,10 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
 import importlib.util
-import math
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -42,15 +41,14 @@ from typing import IO
 
 from rankmem.cli import _diagnose
 from rankmem.cli._jobtree import JobTree, Signalled, SignalWatch
+from rankmem.core.lock import ENV_HELD, RunDirLock
+from rankmem.core.rundir import ENV_RUN_ID, RunDir, current_run_id, open_regular, rotated_lines
 from rankmem.engine.options import add_job_arguments, job_argv, resolve_job_options
 from rankmem.errors import MissingExtraError, RankmemError
 from rankmem.forensics import heartbeat as _heartbeat
 from rankmem.forensics import nearoom as _nearoom
-from rankmem.forensics.events import EVENTS_DIR, EventWriter
+from rankmem.forensics.events import EventWriter
 from rankmem.ray import options as ray_options
-from rankmem.runlog import RUN_LOG_NAME
-from rankmem.runlog.lock import ENV_HELD, RunDirLock
-from rankmem.runlog.writer import rotate, rotated_line
 
 ENTRY = "rankmem.engine.train"
 GRACE_S = 10.0  # after SIGTERM (or the signal forwarded), how long the job's processes get to exit
@@ -58,6 +56,15 @@ SAMPLE_S = 1.0  # how often the launcher samples the ranks' process states while
 TAIL_LINES = 2000  # torchrun's failure table is at the end of its stderr; keep this much to read it
 # torchrun's agent logs this the moment it sees a worker fail; the failure table follows it.
 FAILURE_STARTS = re.compile(r"failed \(exitcode: -?\d+\) local_rank: \d+ \(pid: \d+\)")
+# A rank's traceback, as Python prints it (torchrun prefixes each line of a rank's with "[rankN]:").
+TRACEBACK = re.compile(r"^(\[[a-z]*\d+\]:)?Traceback \(most recent call last\):")
+HOLD_S = 3.0  # a traceback no failure follows within this is a rank's logged error: shown after all
+HELD_MAX = 20_000  # lines held back in memory at most (all of it goes to the launch log)
+MAX_LOCAL_RANKS = 4096
+RANK_FLOOR_BYTES = 256 << 20
+"""What a CPU rank needs at the least (the interpreter, torch and gloo: ~230 MiB RSS measured here)."""
+MAX_NODES = 1 << 16
+MAX_TIMEOUT_S = 365 * 86400.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -78,17 +85,33 @@ def check_launch_options(args: argparse.Namespace) -> None:
     """The launch options of either launcher, checked before anything starts."""
     if args.nproc_per_node < 1:
         raise RankmemError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
+    most = local_rank_capacity()
+    if args.nproc_per_node > most:
+        raise RankmemError(f"--nproc-per-node {args.nproc_per_node} is more ranks than this node can hold: at most "
+                           f"{most} (each rank needs ~{RANK_FLOOR_BYTES >> 20} MiB of the memory available)")
     low, _, high = str(args.nnodes).partition(":")
     try:
-        nodes = (int(low), int(high or low))
+        nodes = (int(low), int(high or low)) if len(low) < 8 and len(high) < 8 else (0, 0)
     except ValueError:
         nodes = (0, 0)
-    if not 1 <= nodes[0] <= nodes[1]:
-        raise RankmemError(f"--nnodes must be a number of nodes >= 1, or MIN:MAX with 1 <= MIN <= MAX; got {args.nnodes!r}")
+    if not 1 <= nodes[0] <= nodes[1] <= MAX_NODES:
+        raise RankmemError(f"--nnodes must be a number of nodes in 1..{MAX_NODES}, or MIN:MAX with 1 <= MIN <= MAX; "
+                           f"got {args.nnodes!r}")
     if not 0 <= args.node_rank < nodes[1]:
         raise RankmemError(f"--node-rank must be in 0..{nodes[1] - 1} (--nnodes {args.nnodes}), got {args.node_rank}")
-    if args.timeout_s is not None and not 0 < args.timeout_s < math.inf:  # `not` also refuses NaN
-        raise RankmemError(f"--timeout-s must be a number of seconds > 0, got {args.timeout_s}")
+    if args.timeout_s is not None and not 0 < args.timeout_s <= MAX_TIMEOUT_S:  # `not` also refuses NaN
+        raise RankmemError(f"--timeout-s must be a number of seconds in (0, {MAX_TIMEOUT_S:.0f}] (a year), "
+                           f"got {args.timeout_s}")
+
+
+def local_rank_capacity() -> int:
+    """The most ranks this node can hold: its available memory over a rank's floor, within a hard cap."""
+    from rankmem.engine.options import available_bytes
+
+    available = available_bytes()
+    if available is None:
+        return MAX_LOCAL_RANKS
+    return max(1, min(MAX_LOCAL_RANKS, available // RANK_FLOOR_BYTES))
 
 
 def torchrun_command(args: argparse.Namespace) -> list[str]:
@@ -138,39 +161,94 @@ def lock_run_dir(out: str) -> RunDirLock:
 
 
 class StderrRelay:
-    """Copies torchrun's stderr to ours line by line, keeps its tail for the diagnosis, and from the
-    agent's first failure line on holds the rest back, so the diagnosis can be printed before
-    torchrun's failure table (:meth:`release` then writes what was held, in order)."""
+    """Drains torchrun's stderr (its own and every rank's) for the whole job, whatever becomes of ours.
 
-    def __init__(self, source: IO[bytes], sink: IO[str]) -> None:
+    Every line goes to the launch log (``OUT/torchrun.log``) and the tail is kept for the diagnosis. On
+    the terminal, lines pass through until a failure starts (torchrun's first failure line, a rank's
+    traceback, a signal to the launcher: :meth:`hold`); from there on they are held, so that the
+    diagnosis can be the last thing printed. A held traceback that no failure follows within
+    :data:`HOLD_S` is a rank's logged error in a job that goes on: :meth:`tick` shows it after all.
+    Our stderr may be closed (``2>&-``) or gone (a dead pipe): the relay keeps draining regardless,
+    or torchrun and the ranks would block on a full pipe.
+    """
+
+    def __init__(self, source: IO[bytes], sink: IO[str] | None, log_path: str | None = None) -> None:
         self._source, self._sink = source, sink
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self._held: list[str] = []
-        self._holding = False
+        self._holding: str | None = None  # why: "traceback", "failure", "signal"
+        self._held_at = 0.0
         self._lock = threading.Lock()
+        self.log_path = log_path
+        self._log_fd: int | None = None
+        if log_path is not None:
+            try:
+                self._log_fd = open_regular(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND)
+            except OSError:
+                self.log_path = None
         self._thread = threading.Thread(target=self._pump, name="rankmem-stderr", daemon=True)
         self._thread.start()
 
     def _pump(self) -> None:
-        for raw in iter(self._source.readline, b""):
-            line = raw.decode("utf-8", "replace")
-            with self._lock:
-                self.tail.append(line)
-                if not self._holding and FAILURE_STARTS.search(line):
-                    self._holding = True
-                if self._holding:
+        while True:
+            try:
+                raw = self._source.readline()
+            except (OSError, ValueError):
+                return
+            if not raw:
+                return
+            try:
+                self._take(raw)
+            except Exception:  # noqa: BLE001 - this thread's one job is to keep draining the pipe
+                continue
+
+    def _take(self, raw: bytes) -> None:
+        self._log(raw)
+        line = raw.decode("utf-8", "replace")
+        with self._lock:
+            self.tail.append(line)
+            if self._holding in (None, "traceback") and FAILURE_STARTS.search(line):
+                self._holding = "failure"
+            elif self._holding is None and TRACEBACK.match(line):
+                self._holding = "traceback"
+            if self._holding is not None:
+                self._held_at = time.monotonic()
+                if len(self._held) < HELD_MAX:
                     self._held.append(line)
-                    continue
-            self._emit(line)
+                return
+        self._emit(line)
+
+    def _log(self, raw: bytes) -> None:
+        if self._log_fd is None:
+            return
+        try:
+            os.write(self._log_fd, raw)
+        except OSError:  # a full disk: the terminal and the tail still have it
+            os.close(self._log_fd)
+            self._log_fd = None
 
     def _emit(self, text: str) -> None:
-        # Our stderr may be gone (a closed pipe, a dead tee): keep draining torchrun's, or torchrun
-        # blocks on a full pipe and the job with it.
+        # Our stderr may be closed (sys.stderr is None under 2>&-), a closed pipe, a dead tee.
+        if not text or self._sink is None:
+            return
         try:
             self._sink.write(text)
             self._sink.flush()
-        except (OSError, ValueError):
+        except (OSError, ValueError, AttributeError):
             pass
+
+    def hold(self) -> None:
+        """Hold back everything from now on (a signal to the launcher: what follows is its fallout)."""
+        with self._lock:
+            self._holding = "signal"
+
+    def tick(self) -> None:
+        """Show a held traceback that no failure followed (see the class docstring)."""
+        with self._lock:
+            if self._holding != "traceback" or time.monotonic() - self._held_at < HOLD_S:
+                return
+            held, self._held, self._holding = self._held, [], None
+        self._emit("".join(held))
 
     def wait(self, timeout: float) -> None:
         """Until torchrun's stderr closes (a worker that outlives torchrun may keep it open: bounded)."""
@@ -180,41 +258,70 @@ class StderrRelay:
         with self._lock:
             return "".join(self.tail)
 
-    def release(self) -> None:
-        """Write what was held and pass everything after it straight through."""
+    def held(self) -> str:
         with self._lock:
-            held, self._held, self._holding = self._held, [], False
-        self._emit("".join(held))
+            return "".join(self._held)
+
+    def release(self, text: str | None = None) -> None:
+        """Write ``text`` (default: all that was held) and pass everything after it straight through."""
+        with self._lock:
+            held, self._held, self._holding = self._held, [], None
+        self._emit("".join(held) if text is None else text)
+
+    def close(self) -> None:
+        if self._log_fd is not None:
+            os.close(self._log_fd)
+            self._log_fd = None
+
+
+def first_traceback(text: str) -> tuple[str, str, str] | None:
+    """The first rank traceback in ``text``: (its lines, its exception line, the rank's prefix)."""
+    lines = text.splitlines(keepends=True)
+    start = next((i for i, line in enumerate(lines) if TRACEBACK.match(line)), None)
+    if start is None:
+        return None
+    match = TRACEBACK.match(lines[start])
+    prefix = (match[1] if match else None) or ""
+    chain = ("Traceback", "During handling", "The above exception")
+    block: list[str] = []
+    exc = ""
+    for line in lines[start:]:
+        if not line.startswith(prefix):
+            continue  # another rank's line, interleaved
+        body = line[len(prefix):].rstrip("\n")
+        top = bool(body.strip()) and not body.startswith((" ", "\t"))
+        if top and exc and not body.startswith(chain):
+            break  # past the traceback's exception line
+        block.append(line)
+        if top and not body.startswith(chain):
+            exc = body.strip()
+    return "".join(block), exc, prefix.strip("[]:")
 
 
 def prepare_heartbeat_dir(out: str) -> str:
-    """``OUT/heartbeat``, created, without the heartbeats of an earlier run in the same ``OUT`` (their
-    pids and sequence counters would confuse the diagnosis)."""
-    directory = os.path.join(out, "heartbeat")
+    """``OUT/heartbeat``, created (an earlier run's heartbeats were moved aside with its other files)."""
+    directory = RunDir(out).heartbeat
     os.makedirs(directory, exist_ok=True)
-    for path in glob.glob(os.path.join(glob.escape(directory), "rank*.hb")):
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
     return directory
 
 
 def rotate_earlier_run(out: str) -> None:
-    """Move an earlier run's log and events in ``OUT`` aside, saying so in one line each: here, before
-    the launch, rather than as a warning from the logging rank's sink thread."""
-    for name in (RUN_LOG_NAME, EVENTS_DIR):
-        path = os.path.join(out, name)
-        try:
-            rotated = rotate(path)
-        except OSError:  # another node's launcher sharing OUT moved it first
-            continue
-        if rotated is not None:
-            say(rotated_line(path, rotated))
+    """Move every file of an earlier run in ``OUT`` aside, with one number (:class:`RunDir`), saying so
+    in one line each: here, before the launch, rather than as a warning from the logging rank."""
+    try:
+        moved = RunDir(out).rotate(None)
+    except OSError as exc:  # another node's launcher sharing OUT moved it first, a read-only OUT
+        say(f"cannot move the earlier run's files in {out} aside ({exc.strerror or exc}); readers tell them "
+            "apart by their run id")
+        return
+    for line in rotated_lines(moved):
+        say(line)
 
 
 def say(line: str) -> None:
     """One line of ours on stderr, which may be closed (we go on without it)."""
+    if sys.stderr is None:  # started with 2>&-
+        return
     try:
         print(f"rankmem train: {line}", file=sys.stderr, flush=True)
     except (OSError, ValueError):
@@ -226,16 +333,37 @@ def oom_kills() -> _diagnose.OomKills:
 
 
 def explain(stderr_text: str, heartbeat_dir: str, before: _diagnose.OomKills, out: str,
-            states: _diagnose.RankStates) -> int:
-    """Print the diagnosis lines and write their events; returns how many findings there were."""
-    findings = _diagnose.diagnose(stderr_text, _heartbeat.read_heartbeats(heartbeat_dir), before, oom_kills(),
-                                  time.time(), states.last)
+            states: _diagnose.RankStates, run_id: str | None = None) -> list[_diagnose.Finding]:
+    """The diagnosis, its events written (this run's heartbeats only); printing is the caller's, last."""
+    beats = _heartbeat.read_heartbeats(heartbeat_dir, run_id)
+    findings = _diagnose.diagnose(stderr_text, beats, before, oom_kills(), time.time(), states.last)
     for finding in findings:
-        say(finding.line)
-        writer = EventWriter(out, finding.rank)
+        writer = EventWriter(out, finding.rank, run_id)
         writer.write(finding.event)
         writer.close()
-    return len(findings)
+    return findings
+
+
+def conclude(relay: StderrRelay, code: int, findings: list[_diagnose.Finding], out: str) -> None:
+    """What the terminal sees of a failed job, the diagnosis last: a killed or stalled rank named (the
+    others' errors are its fallout, kept in the launch log); else the failing rank's own traceback, once."""
+    log = relay.log_path
+    where = f"torchrun's report and every rank's output are in {log}; " if log else ""
+    logged = f"every step logged before it is in {RunDir(out).log}"
+    if findings:
+        for finding in findings[:-1]:
+            say(finding.line)
+        say(f"the job failed (exit {code}): {findings[-1].line}. {where}{logged}")
+        return
+    found = first_traceback(relay.held())
+    if found is None:
+        relay.release()
+        say(f"the job failed (exit {code}); {where}{logged}")
+        return
+    block, exc, rank = found
+    relay.release(block)
+    who = f" on {rank.replace('rank', 'rank ')}" if rank else ""
+    say(f"the job failed (exit {code}): {exc}{who} (its traceback above). {where}{logged}")
 
 
 def wait_sampling(proc: subprocess.Popen[bytes], timeout_s: float | None, sample: Callable[[], None]) -> int:
@@ -293,7 +421,9 @@ def launch(args: argparse.Namespace, cmd: list[str], lock: RunDirLock) -> int:
     """Run torchrun's ``cmd`` to its end, or stop all of it (timeout, signal); returns the exit status."""
     heartbeat_dir = prepare_heartbeat_dir(args.out)
     # One thread per rank: ranks share the node's cores, and oversubscription slows every step.
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), _heartbeat.ENV_DIR: heartbeat_dir}
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), _heartbeat.ENV_DIR: heartbeat_dir,
+           ENV_RUN_ID: os.environ.get(ENV_RUN_ID) or secrets.token_hex(8)}
+    run_id = current_run_id(env)  # the ranks' (attempt 0: this launcher runs torchrun without restarts)
     if lock.held:
         env[ENV_HELD] = lock.path
     before = oom_kills()
@@ -302,13 +432,14 @@ def launch(args: argparse.Namespace, cmd: list[str], lock: RunDirLock) -> int:
         proc = subprocess.Popen(cmd, env=env, start_new_session=True, stderr=subprocess.PIPE)
         assert proc.stderr is not None
         tree = JobTree(proc.pid, f"{_heartbeat.ENV_DIR}={heartbeat_dir}")
-        relay = StderrRelay(proc.stderr, sys.stderr)
+        relay = StderrRelay(proc.stderr, sys.stderr, RunDir(args.out).launch_log)
         states = _diagnose.RankStates()
 
         def sample() -> None:
-            beats = _heartbeat.read_heartbeats(heartbeat_dir)
+            beats = _heartbeat.read_heartbeats(heartbeat_dir, run_id)
             states.sample(proc.pid, beats)
             tree.refresh(b.pid for b in beats.values())
+            relay.tick()
 
         def stop(sig: int) -> list[int]:
             return tree.stop(sig, GRACE_S, proc.poll, signals.hurry)
@@ -320,31 +451,34 @@ def launch(args: argparse.Namespace, cmd: list[str], lock: RunDirLock) -> int:
             except subprocess.TimeoutExpired:
                 # Read the heartbeats and states before stopping: the stop itself ends every rank's progress.
                 sample()
-                explain(relay.text(), heartbeat_dir, before, args.out, states)
+                relay.hold()
+                findings = explain(relay.text(), heartbeat_dir, before, args.out, states, run_id)
                 stop(signal.SIGTERM)
                 relay.wait(GRACE_S)
-                relay.release()
-                say(f"stopped after --timeout-s {args.timeout_s:g}")
+                for finding in findings:
+                    say(finding.line)
+                say(f"stopped after --timeout-s {args.timeout_s:g}; the job's output from then on is in "
+                    f"{relay.log_path or 'no file (OUT cannot be written)'}")
                 return 124
             left = tree.alive()  # ranks that outlive torchrun (it was killed): nothing may outlive us
             if left:
                 stop(signal.SIGTERM)
                 say(f"{len(left)} process(es) of the job outlived torchrun; stopped them")
             relay.wait(GRACE_S)
-            if code != 0:
-                explain(relay.text(), heartbeat_dir, before, args.out, states)
-            relay.release()
-            if code != 0:
-                say(f"the job failed (exit {code}); the failing rank's error is above. "
-                    f"Every step logged before it is in {os.path.join(args.out, 'rankmem.jsonl')}")
+            if code == 0:
+                relay.release()
+            else:
+                conclude(relay, code, explain(relay.text(), heartbeat_dir, before, args.out, states, run_id), args.out)
             return code
         except Signalled as exc:
+            relay.hold()  # the ranks' and torchrun's tracebacks of the user's own signal: to the file only
             name = signal.Signals(exc.signum).name
             killed = stop(exc.signum)
             relay.wait(GRACE_S)
-            relay.release()
             late = f"; {len(killed)} needed SIGKILL after the grace period" if killed else ""
-            say(f"stopped by {name}: sent it to the job's processes (torchrun and every rank){late}")
+            where = f"; the job's output from then on is in {relay.log_path}" if relay.log_path else ""
+            say(f"stopped by {name}: sent it to the job's processes (torchrun and every rank){late}{where}")
             return 128 + exc.signum
         finally:
             signals.disarm()
+            relay.close()
