@@ -8,6 +8,7 @@ import json
 import os
 
 from rankmem.cli._common import add_leak_options, add_run_argument, leak_config, require_steps
+from rankmem.core.rundir import RunDir
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,7 +24,7 @@ def run(args: argparse.Namespace) -> int:
     from rankmem.offline.report import build_report, render
 
     the_run = read_run(args.run)
-    if not os.path.isdir(os.path.join(os.path.dirname(the_run.path), "events")):
+    if not os.path.isdir(RunDir.events_of(the_run.path)):
         require_steps(the_run, "report")  # a run that died before its first step may still have events
     report = build_report(the_run, leak_config(args))
     if args.json:

@@ -13,6 +13,7 @@ import time
 from typing import TYPE_CHECKING
 
 from rankmem.cli._common import add_run_argument
+from rankmem.core.rundir import RunDir
 from rankmem.errors import RankmemError
 
 if TYPE_CHECKING:
@@ -60,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         frame = watcher.frame()
         if frame.step is None and not frame.rows:
             raise RankmemError(f"nothing to show in {watcher.run_dir} yet: no run log lines and no heartbeats "
-                               f"(expected {watcher.log_path} and {os.path.join(watcher.run_dir, 'heartbeat')})")
+                               f"(expected {watcher.log_path} and {RunDir(watcher.run_dir).heartbeat})")
         stdout_console(140).print(render_frame(frame, args.stale))
         return 0
     try:

@@ -214,6 +214,18 @@ class RunDir:
         directory, name = os.path.split(os.path.abspath(log_path))
         return cls(directory, name)
 
+    @staticmethod
+    def events_of(run: str) -> str:
+        """The events directory of a run directory, or of the run log at ``run``: a rotated log
+        (``rankmem.jsonl.N``, ``.N.gz`` too) has its run's events in ``events.N``."""
+        if not os.path.isfile(run):
+            return os.path.join(run, EVENTS_DIR)
+        directory, name = os.path.split(run)
+        name = name[: -len(".gz")] if name.endswith(".gz") else name
+        suffix = name.rsplit(".", 1)[-1]
+        events = os.path.join(directory or ".", EVENTS_DIR)
+        return f"{events}.{suffix}" if suffix.isdigit() else events
+
     def event_file(self, rank: int) -> str:
         return os.path.join(self.events, f"rank{rank}.jsonl")
 
@@ -336,7 +348,10 @@ def rotated_lines(moved: list[Moved]) -> list[str]:
     """One line per destination (a directory's per-rank files together): a restart is normal, the
     earlier run's records are kept."""
     by_target: dict[str, str] = {}
+    logs = {m.to.rsplit(".", 1)[-1] for m in moved if m.path.endswith(".jsonl")}
     for m in moved:
+        if m.path.endswith(".ranks.arrow") and m.to.rsplit(".", 1)[-1] in logs:
+            continue  # the side file goes with its log: one line says both
         in_dir = os.path.basename(os.path.dirname(m.path)) in (EVENTS_DIR, HEARTBEAT_DIR)
         source, target = (os.path.dirname(m.path), os.path.dirname(m.to)) if in_dir else (m.path, m.to)
         by_target.setdefault(target, source)
