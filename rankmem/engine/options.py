@@ -49,6 +49,9 @@ JOB_OPTIONS: list[tuple[str, dict[str, Any]]] = [
     ("--no-progress", dict(action="store_true", help="plain log lines instead of a progress bar")),
     ("--fail-at-step", dict(type=int, default=None, help=argparse.SUPPRESS)),
     ("--fail-rank", dict(type=int, default=0, help=argparse.SUPPRESS)),
+    ("--stop-at-step", dict(type=int, default=None, help=argparse.SUPPRESS)),
+    ("--stop-where", dict(choices=("window", "between"), default="window", help=argparse.SUPPRESS)),
+    ("--noise-bytes", dict(type=int, default=0, help=argparse.SUPPRESS)),
 ]
 
 
@@ -145,6 +148,8 @@ def resolve_job_options(args: argparse.Namespace) -> None:
     _check_upper_bounds(args)
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise RankmemError(f"--out {args.out} is a file: it names the run directory (the run log is OUT/rankmem.jsonl)")
+    if not 0 <= args.noise_bytes <= 1 << 20:
+        raise RankmemError(f"--noise-bytes must be in 0..{1 << 20}, got {args.noise_bytes}")
     if args.fail_at_step is not None and args.fail_rank < 0:
         raise RankmemError(f"--fail-rank must be >= 0, got {args.fail_rank}")
 

@@ -41,7 +41,9 @@ def _recorded(exc: BaseException) -> bool:
 def _rotate_own(run_dir: RunDir, rank: int, run_id: str | None, beats: str | None) -> None:
     """This rank's files of an earlier run (a restart into the same directory) moved aside before it
     writes its own: the rest of that run's files follow when the logging rank opens the run log."""
-    own = [run_dir.event_file(rank)] + ([run_dir.heartbeat_file(rank, beats)] if beats is not None else [])
+    # The directories themselves too, where a plain file is in their place (it moves whole).
+    own = [run_dir.event_file(rank), run_dir.events, run_dir.heartbeat]
+    own += [run_dir.heartbeat_file(rank, beats)] if beats is not None else []
     try:
         run_dir.rotate(run_id, only=own)
     except OSError as exc:
