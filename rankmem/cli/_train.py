@@ -57,8 +57,8 @@ TAIL_LINES = 2000  # torchrun's failure table is at the end of its stderr; keep 
 # torchrun's agent logs this the moment it sees a worker fail; the failure table follows it.
 FAILURE_STARTS = re.compile(r"failed \(exitcode: -?\d+\) local_rank: \d+ \(pid: \d+\)")
 # A rank's traceback, as Python prints it (torchrun prefixes each line of a rank's with "[rankN]:").
-TRACEBACK = re.compile(r"^(\[[a-z]*\d+\]:)?Traceback \(most recent call last\):")
-HOLD_S = 3.0  # a traceback no failure follows within this is a rank's logged error: shown after all
+TRACEBACK = re.compile(r"^(\[[a-z]*\d+\]: ?)?Traceback \(most recent call last\):")
+HOLD_S = 10.0  # a traceback no failure follows within this is a rank's logged error: shown after all
 HELD_MAX = 20_000  # lines held back in memory at most (all of it goes to the launch log)
 MAX_LOCAL_RANKS = 4096
 RANK_FLOOR_BYTES = 256 << 20
@@ -178,6 +178,9 @@ class StderrRelay:
         self._held: list[str] = []
         self._holding: str | None = None  # why: "traceback", "failure", "signal"
         self._held_at = 0.0
+        self._since_traceback: list[str] = []  # from the first rank traceback on: the original error
+        self.traceback_shown = False
+        """The first traceback was shown already (released by :meth:`tick`, the job going on then)."""
         self._lock = threading.Lock()
         self.log_path = log_path
         self._log_fd: int | None = None
@@ -211,6 +214,8 @@ class StderrRelay:
                 self._holding = "failure"
             elif self._holding is None and TRACEBACK.match(line):
                 self._holding = "traceback"
+            if (self._since_traceback or TRACEBACK.match(line)) and len(self._since_traceback) < HELD_MAX:
+                self._since_traceback.append(line)
             if self._holding is not None:
                 self._held_at = time.monotonic()
                 if len(self._held) < HELD_MAX:
@@ -248,6 +253,7 @@ class StderrRelay:
             if self._holding != "traceback" or time.monotonic() - self._held_at < HOLD_S:
                 return
             held, self._held, self._holding = self._held, [], None
+            self.traceback_shown = True
         self._emit("".join(held))
 
     def wait(self, timeout: float) -> None:
@@ -258,9 +264,11 @@ class StderrRelay:
         with self._lock:
             return "".join(self.tail)
 
-    def held(self) -> str:
+    def first_traceback_text(self) -> str:
+        """Everything from the first rank traceback on (the first one is the original error: the
+        others' follow from it, a collective's peer gone)."""
         with self._lock:
-            return "".join(self._held)
+            return "".join(self._since_traceback)
 
     def release(self, text: str | None = None) -> None:
         """Write ``text`` (default: all that was held) and pass everything after it straight through."""
@@ -295,7 +303,7 @@ def first_traceback(text: str) -> tuple[str, str, str] | None:
         block.append(line)
         if top and not body.startswith(chain):
             exc = body.strip()
-    return "".join(block), exc, prefix.strip("[]:")
+    return "".join(block), exc, prefix.strip("[]: ")
 
 
 def prepare_heartbeat_dir(out: str) -> str:
@@ -355,13 +363,13 @@ def conclude(relay: StderrRelay, code: int, findings: list[_diagnose.Finding], o
             say(finding.line)
         say(f"the job failed (exit {code}): {findings[-1].line}. {where}{logged}")
         return
-    found = first_traceback(relay.held())
+    found = first_traceback(relay.first_traceback_text())
     if found is None:
         relay.release()
         say(f"the job failed (exit {code}); {where}{logged}")
         return
     block, exc, rank = found
-    relay.release(block)
+    relay.release("" if relay.traceback_shown else block)
     who = f" on {rank.replace('rank', 'rank ')}" if rank else ""
     say(f"the job failed (exit {code}): {exc}{who} (its traceback above). {where}{logged}")
 
