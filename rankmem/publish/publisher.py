@@ -48,7 +48,7 @@ class Publisher:
     FLUSH_TIMEOUT_S = 30.0
     POLL_S = 1.0
     """How often the idle thread looks at its queue without being woken (a safety net only)."""
-    SETTLE_S = 0.05
+    SETTLE_S = 0.2
     """How long a collect waits for the previous collect's record to be written (see the module docstring)."""
 
     def __init__(self, sinks: Sequence[Sink], leak_check: bool, guard: Guard, background: bool = True) -> None:
