@@ -31,6 +31,7 @@ from typing import Any
 from rankmem.core.catalogue import ATTRIBUTION_FIELDS, phase_metrics, verl_metrics, window_metrics
 from rankmem.core.guard import Guard
 from rankmem.core.records import PhaseBytes, RunHeader, StepRecord, WindowBytes
+from rankmem.core.rundir import current_run_id
 from rankmem.core.scalars import scalar_items
 from rankmem.errors import RankmemError
 from rankmem.exchange.aggregate import Gathered
@@ -232,10 +233,11 @@ class Monitor:
         sinks = [make_sink(spec, c.out_dir, **(c.sink_options.get(spec, {}) if isinstance(spec, str) else {}))
                  for spec in c.sinks or ()]
         self._publisher = Publisher(sinks, c.leak_check, self._guard, background=c.sink_thread)
+        self._run_id = current_run_id()
         self._attribution = make_attribution(c, device, nvml_module, lambda: self._windows.where)
         self._forensics = Forensics(c.out_dir, global_rank(), host, device, oom_history=c.oom_history,
                                     near_oom_watch=c.near_oom_watch, flush=lambda: self._publisher.flush(2.0),
-                                    attribution=self._attribution)
+                                    attribution=self._attribution, run_id=self._run_id)
         self._windows = Windows(host, device, self._guard, listener=self._forensics)
         self._exchange = Exchange(group, device.name if device else None, device.module if device else None,
                                   detail_rank=c.log_rank)
@@ -359,10 +361,13 @@ class Monitor:
         try:
             local = self._measure(metrics)
             step, stated = self._windows.next_step(step)
+            self._publisher.settle()  # the previous collect's record on disk before this one returns
+            self._forensics_edge()  # entered: a rank that never gets here is behind the ones waiting below
             if self._publisher.header is None:
                 self._start()
             detail, self._detail = self._detail, False
             gathered = self._exchange.gather_aggregate(local, step if stated else None, detail=detail)
+            self._forensics_edge()
             out = {**gathered.aggregated, **verl_metrics(gathered.aggregated)} if self.config.verl_keys \
                 else dict(gathered.aggregated)
             self._last, self._last_record = (int(step), time.time(), gathered, out), None
@@ -382,12 +387,19 @@ class Monitor:
             local = scalar_items(metrics, self._guard.warn_once)
         return local
 
+    def _forensics_edge(self) -> None:
+        self._guard.call("listener", "heartbeat failed", self._forensics.collect_edge, default=None)
+
     def _start(self) -> None:
-        """The first collect: every rank learns who every rank is; the logging rank opens the sinks."""
+        """The first collect: every rank learns who every rank is and the run's id (the logging
+        rank's); the logging rank opens the sinks."""
         device = self._windows.device
         header = run_header(self.group, self.config.log_rank, self.config.to_header(),
                             device.device_name() if device else "none", self.peak_rss_scope,
-                            device.device_uuid() if device else None)
+                            device.device_uuid() if device else None, self._run_id)
+        if header.run_id != self._run_id:
+            self._guard.call("forensics", "adopting the run id failed", self._forensics.adopt, header.run_id,
+                             default=None)
         self._publisher.start(header, logging=self.rank == self.config.log_rank)
 
     def _check_call(self) -> None:

@@ -210,18 +210,22 @@ def stalled(heartbeats: dict[int, HeartbeatRecord], now: float, exclude: set[int
     live = [b for b in heartbeats.values() if not b.clean and b.rank not in exclude]
     stale = [b for b in live if now - b.time >= stale_s]
     stuck = [b for b in stale if states.get(b.rank) in STUCK_STATES]
-    ahead = max((b.seq for b in heartbeats.values() if not b.clean), default=0)
-    behind = [b for b in stale if b.seq < ahead]
+    # Progress is collect edges first, then window edges: a rank that stopped after its step window
+    # closed and before collect() beat last at the same edge as one waiting inside the collect, but the
+    # waiting one has entered it (issue 20).
+    ahead = max((b.progress for b in heartbeats.values() if not b.clean), default=(0, 0))
+    behind = [b for b in stale if b.progress < ahead]
     if not stuck and not behind:
         return None
-    beat = min(stuck or behind, key=lambda b: (b.seq, b.time))
+    beat = min(stuck or behind, key=lambda b: (b.progress, b.time))
     age = now - beat.time
     state = states.get(beat.rank)
     line = f"rank {beat.rank} stopped making progress {_where(beat)}: no heartbeat for {age:.0f} s"
     if state in STUCK_STATES:
         line += f"; {STUCK_STATES[state]}"
     event = {"kind": "stalled", "rank": beat.rank, "step": beat.step, "phase": beat.phase or None, "time": now,
-             "pid": beat.pid, "heartbeat_age_s": age, "heartbeat_seq": beat.seq, "ahead_seq": ahead,
+             "pid": beat.pid, "heartbeat_age_s": age, "heartbeat_seq": beat.seq, "ahead_seq": ahead[1],
+             "collect_marks": beat.marks, "ahead_marks": ahead[0],
              "process_state": state, "last_rss_bytes": beat.rss_bytes, "source": "launcher"}
     return Finding(beat.rank, line, event)
 

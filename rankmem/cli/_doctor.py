@@ -22,6 +22,7 @@ import sys
 import tempfile
 from typing import Any
 
+from rankmem.core.rundir import RunDir
 from rankmem.core.units import GIB
 from rankmem.core.version import __version__
 from rankmem.forensics.heartbeat import ENV_DIR
@@ -206,7 +207,7 @@ def out_line(out: str) -> str:
         existing = os.path.dirname(os.path.abspath(existing))
     if not os.path.isdir(existing):
         return f"run directory {out}: NOT writable (not a directory: {existing}): choose another --out"
-    targets = [existing] + [d for d in (os.path.join(out, "heartbeat"), os.path.join(out, "events")) if os.path.isdir(d)]
+    targets = [existing] + [d for d in (RunDir(out).heartbeat, RunDir(out).events) if os.path.isdir(d)]
     for directory in targets:
         try:
             fd, probe = tempfile.mkstemp(prefix=".rankmem-doctor-", dir=directory)

@@ -9,6 +9,7 @@ import os
 
 from rankmem.cli._common import add_leak_options, add_run_argument, check_output, leak_config, require_steps
 from rankmem.cli._runs import resolve_run
+from rankmem.core.rundir import RunDir
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
     if args.html:
         check_output(args.html, "--html")  # before the report is printed: a bad path fails first, alone
     the_run = read_run(resolve_run(args.run, "report"))
-    if not os.path.isdir(os.path.join(os.path.dirname(the_run.path), "events")):
+    if not os.path.isdir(RunDir.events_of(the_run.path)):
         require_steps(the_run, "report")  # a run that died before its first step may still have events
     report = build_report(the_run, leak_config(args))
     if args.json:

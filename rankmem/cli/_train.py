@@ -11,53 +11,55 @@ ours, so a rank that fails fails the command (torchrun shows that rank's traceba
 
 A rank killed by a signal (the kernel OOM killer's SIGKILL) leaves no traceback, and torchrun may
 blame the healthy rank that was waiting for it. So the job runs with ``RANKMEM_HEARTBEAT_DIR=
-OUT/heartbeat`` (each rank's last step, phase and RSS), torchrun's stderr passes through this process,
-and when the job fails, one line naming the killed (or stalled) rank is printed before torchrun's
-failure table and written as an event to ``OUT/events/rank<r>.jsonl``.
+OUT/heartbeat`` (each rank's last step, phase, RSS and collect edges) and ``RANKMEM_RUN_ID`` (the
+identity every file of the run carries), and torchrun's stderr passes through this process, which
+drains it whatever becomes of its own stderr (``2>&-``) and copies all of it to ``OUT/torchrun.log``.
+When the job fails, the launcher's diagnosis is the last thing printed: the killed (or stalled) rank,
+also written as an event to ``OUT/events/rank<r>.jsonl``, with the other ranks' fallout and torchrun's
+failure table left in the log; or a rank's own error, its traceback shown once. After a signal the
+user sent, the ranks' and torchrun's tracebacks go to the log only.
 
 The whole job ends with this command: SIGTERM, SIGHUP or SIGINT to it (``kill``, ``timeout``, a
 supervisor, an ssh drop, Ctrl-C) is forwarded to every process of the job (:mod:`rankmem.cli._jobtree`:
 torchrun starts its workers in sessions of their own, out of reach of its process group), which get
 :data:`GRACE_S` to exit before SIGKILL; the command then exits with 128 + the signal's number. Every
 option is checked, and the run directory locked (``OUT/.lock``: one job per ``--out``), before torchrun
-starts: a bad one is one line and exit 2.
+starts: a bad one is one line and exit 2; sizes are bounded by what the node can hold (ranks by its
+available memory, a batch's rows likewise).
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
-import glob
 import importlib.util
-import math
 import os
-import re
+import secrets
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
-from typing import IO
 
 from rankmem.cli import _diagnose
 from rankmem.cli._jobtree import JobTree, Signalled, SignalWatch
+from rankmem.cli._relay import StderrRelay, first_traceback
+from rankmem.core.lock import ENV_HELD, RunDirLock
+from rankmem.core.rundir import ENV_RUN_ID, RunDir, current_run_id, rotated_lines
 from rankmem.engine.options import PACKED_MALLOC_ENV, add_job_arguments, job_argv, resolve_job_options
 from rankmem.errors import MissingExtraError, RankmemError
 from rankmem.forensics import heartbeat as _heartbeat
 from rankmem.forensics import nearoom as _nearoom
-from rankmem.forensics.events import EVENTS_DIR, EventWriter
+from rankmem.forensics.events import EventWriter
 from rankmem.ray import options as ray_options
-from rankmem.runlog import RUN_LOG_NAME
-from rankmem.runlog.lock import ENV_HELD, RunDirLock
-from rankmem.runlog.writer import rotate, rotated_line
 
 ENTRY = "rankmem.engine.train"
 GRACE_S = 10.0  # after SIGTERM (or the signal forwarded), how long the job's processes get to exit
 SAMPLE_S = 1.0  # how often the launcher samples the ranks' process states while the job runs
-TAIL_LINES = 2000  # torchrun's failure table is at the end of its stderr; keep this much to read it
-# torchrun's agent logs this the moment it sees a worker fail; the failure table follows it.
-FAILURE_STARTS = re.compile(r"failed \(exitcode: -?\d+\) local_rank: \d+ \(pid: \d+\)")
+MAX_LOCAL_RANKS = 4096
+RANK_FLOOR_BYTES = 256 << 20
+"""What a CPU rank needs at the least (the interpreter, torch and gloo: ~230 MiB RSS measured here)."""
+MAX_NODES = 1 << 16
+MAX_TIMEOUT_S = 365 * 86400.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -78,17 +80,33 @@ def check_launch_options(args: argparse.Namespace) -> None:
     """The launch options of either launcher, checked before anything starts."""
     if args.nproc_per_node < 1:
         raise RankmemError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
+    most = local_rank_capacity()
+    if args.nproc_per_node > most:
+        raise RankmemError(f"--nproc-per-node {args.nproc_per_node} is more ranks than this node can hold: at most "
+                           f"{most} (each rank needs ~{RANK_FLOOR_BYTES >> 20} MiB of the memory available)")
     low, _, high = str(args.nnodes).partition(":")
     try:
-        nodes = (int(low), int(high or low))
+        nodes = (int(low), int(high or low)) if len(low) < 8 and len(high) < 8 else (0, 0)
     except ValueError:
         nodes = (0, 0)
-    if not 1 <= nodes[0] <= nodes[1]:
-        raise RankmemError(f"--nnodes must be a number of nodes >= 1, or MIN:MAX with 1 <= MIN <= MAX; got {args.nnodes!r}")
+    if not 1 <= nodes[0] <= nodes[1] <= MAX_NODES:
+        raise RankmemError(f"--nnodes must be a number of nodes in 1..{MAX_NODES}, or MIN:MAX with 1 <= MIN <= MAX; "
+                           f"got {args.nnodes!r}")
     if not 0 <= args.node_rank < nodes[1]:
         raise RankmemError(f"--node-rank must be in 0..{nodes[1] - 1} (--nnodes {args.nnodes}), got {args.node_rank}")
-    if args.timeout_s is not None and not 0 < args.timeout_s < math.inf:  # `not` also refuses NaN
-        raise RankmemError(f"--timeout-s must be a number of seconds > 0, got {args.timeout_s}")
+    if args.timeout_s is not None and not 0 < args.timeout_s <= MAX_TIMEOUT_S:  # `not` also refuses NaN
+        raise RankmemError(f"--timeout-s must be a number of seconds in (0, {MAX_TIMEOUT_S:.0f}] (a year), "
+                           f"got {args.timeout_s}")
+
+
+def local_rank_capacity() -> int:
+    """The most ranks this node can hold: its available memory over a rank's floor, within a hard cap."""
+    from rankmem.engine.options import available_bytes
+
+    available = available_bytes()
+    if available is None:
+        return MAX_LOCAL_RANKS
+    return max(1, min(MAX_LOCAL_RANKS, available // RANK_FLOOR_BYTES))
 
 
 def torchrun_command(args: argparse.Namespace) -> list[str]:
@@ -137,84 +155,30 @@ def lock_run_dir(out: str) -> RunDirLock:
     return lock
 
 
-class StderrRelay:
-    """Copies torchrun's stderr to ours line by line, keeps its tail for the diagnosis, and from the
-    agent's first failure line on holds the rest back, so the diagnosis can be printed before
-    torchrun's failure table (:meth:`release` then writes what was held, in order)."""
-
-    def __init__(self, source: IO[bytes], sink: IO[str]) -> None:
-        self._source, self._sink = source, sink
-        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
-        self._held: list[str] = []
-        self._holding = False
-        self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._pump, name="rankmem-stderr", daemon=True)
-        self._thread.start()
-
-    def _pump(self) -> None:
-        for raw in iter(self._source.readline, b""):
-            line = raw.decode("utf-8", "replace")
-            with self._lock:
-                self.tail.append(line)
-                if not self._holding and FAILURE_STARTS.search(line):
-                    self._holding = True
-                if self._holding:
-                    self._held.append(line)
-                    continue
-            self._emit(line)
-
-    def _emit(self, text: str) -> None:
-        # Our stderr may be gone (a closed pipe, a dead tee): keep draining torchrun's, or torchrun
-        # blocks on a full pipe and the job with it.
-        try:
-            self._sink.write(text)
-            self._sink.flush()
-        except (OSError, ValueError):
-            pass
-
-    def wait(self, timeout: float) -> None:
-        """Until torchrun's stderr closes (a worker that outlives torchrun may keep it open: bounded)."""
-        self._thread.join(timeout)
-
-    def text(self) -> str:
-        with self._lock:
-            return "".join(self.tail)
-
-    def release(self) -> None:
-        """Write what was held and pass everything after it straight through."""
-        with self._lock:
-            held, self._held, self._holding = self._held, [], False
-        self._emit("".join(held))
-
-
 def prepare_heartbeat_dir(out: str) -> str:
-    """``OUT/heartbeat``, created, without the heartbeats of an earlier run in the same ``OUT`` (their
-    pids and sequence counters would confuse the diagnosis)."""
-    directory = os.path.join(out, "heartbeat")
+    """``OUT/heartbeat``, created (an earlier run's heartbeats were moved aside with its other files)."""
+    directory = RunDir(out).heartbeat
     os.makedirs(directory, exist_ok=True)
-    for path in glob.glob(os.path.join(glob.escape(directory), "rank*.hb")):
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
     return directory
 
 
 def rotate_earlier_run(out: str) -> None:
-    """Move an earlier run's log and events in ``OUT`` aside, saying so in one line each: here, before
-    the launch, rather than as a warning from the logging rank's sink thread."""
-    for name in (RUN_LOG_NAME, EVENTS_DIR):
-        path = os.path.join(out, name)
-        try:
-            rotated = rotate(path)
-        except OSError:  # another node's launcher sharing OUT moved it first
-            continue
-        if rotated is not None:
-            say(rotated_line(path, rotated))
+    """Move every file of an earlier run in ``OUT`` aside, with one number (:class:`RunDir`), saying so
+    in one line each: here, before the launch, rather than as a warning from the logging rank."""
+    try:
+        moved = RunDir(out).rotate(None)
+    except OSError as exc:  # another node's launcher sharing OUT moved it first, a read-only OUT
+        say(f"cannot move the earlier run's files in {out} aside ({exc.strerror or exc}); readers tell them "
+            "apart by their run id")
+        return
+    for line in rotated_lines(moved):
+        say(line)
 
 
 def say(line: str) -> None:
     """One line of ours on stderr, which may be closed (we go on without it)."""
+    if sys.stderr is None:  # started with 2>&-
+        return
     try:
         print(f"rankmem train: {line}", file=sys.stderr, flush=True)
     except (OSError, ValueError):
@@ -226,16 +190,37 @@ def oom_kills() -> _diagnose.OomKills:
 
 
 def explain(stderr_text: str, heartbeat_dir: str, before: _diagnose.OomKills, out: str,
-            states: _diagnose.RankStates) -> int:
-    """Print the diagnosis lines and write their events; returns how many findings there were."""
-    findings = _diagnose.diagnose(stderr_text, _heartbeat.read_heartbeats(heartbeat_dir), before, oom_kills(),
-                                  time.time(), states.last)
+            states: _diagnose.RankStates, run_id: str | None = None) -> list[_diagnose.Finding]:
+    """The diagnosis, its events written (this run's heartbeats only); printing is the caller's, last."""
+    beats = _heartbeat.read_heartbeats(heartbeat_dir, run_id)
+    findings = _diagnose.diagnose(stderr_text, beats, before, oom_kills(), time.time(), states.last)
     for finding in findings:
-        say(finding.line)
-        writer = EventWriter(out, finding.rank)
+        writer = EventWriter(out, finding.rank, run_id)
         writer.write(finding.event)
         writer.close()
-    return len(findings)
+    return findings
+
+
+def conclude(relay: StderrRelay, code: int, findings: list[_diagnose.Finding], out: str) -> None:
+    """What the terminal sees of a failed job, the diagnosis last: a killed or stalled rank named (the
+    others' errors are its fallout, kept in the launch log); else the failing rank's own traceback, once."""
+    log = relay.log_path
+    where = f"torchrun's report and every rank's output are in {log}; " if log else ""
+    logged = f"every step logged before it is in {RunDir(out).log}"
+    if findings:
+        for finding in findings[:-1]:
+            say(finding.line)
+        say(f"the job failed (exit {code}): {findings[-1].line}. {where}{logged}")
+        return
+    found = first_traceback(relay.first_traceback_text())
+    if found is None:
+        relay.release()
+        say(f"the job failed (exit {code}); {where}{logged}")
+        return
+    block, exc, rank = found
+    relay.release("" if relay.traceback_shown else block)
+    who = f" on {rank.replace('rank', 'rank ')}" if rank else ""
+    say(f"the job failed (exit {code}): {exc}{who} (its traceback above). {where}{logged}")
 
 
 def wait_sampling(proc: subprocess.Popen[bytes], timeout_s: float | None, sample: Callable[[], None]) -> int:
@@ -295,7 +280,9 @@ def launch(args: argparse.Namespace, cmd: list[str], lock: RunDirLock) -> int:
     """Run torchrun's ``cmd`` to its end, or stop all of it (timeout, signal); returns the exit status."""
     heartbeat_dir = prepare_heartbeat_dir(args.out)
     # One thread per rank: ranks share the node's cores, and oversubscription slows every step.
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), _heartbeat.ENV_DIR: heartbeat_dir}
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), _heartbeat.ENV_DIR: heartbeat_dir,
+           ENV_RUN_ID: os.environ.get(ENV_RUN_ID) or secrets.token_hex(8)}
+    run_id = current_run_id(env)  # the ranks' (attempt 0: this launcher runs torchrun without restarts)
     if lock.held:
         env[ENV_HELD] = lock.path
     if getattr(args, "ppo_max_token_len_per_gpu", None) is not None:
@@ -306,13 +293,14 @@ def launch(args: argparse.Namespace, cmd: list[str], lock: RunDirLock) -> int:
         proc = subprocess.Popen(cmd, env=env, start_new_session=True, stderr=subprocess.PIPE)
         assert proc.stderr is not None
         tree = JobTree(proc.pid, f"{_heartbeat.ENV_DIR}={heartbeat_dir}")
-        relay = StderrRelay(proc.stderr, sys.stderr)
+        relay = StderrRelay(proc.stderr, sys.stderr, RunDir(args.out).launch_log)
         states = _diagnose.RankStates()
 
         def sample() -> None:
-            beats = _heartbeat.read_heartbeats(heartbeat_dir)
+            beats = _heartbeat.read_heartbeats(heartbeat_dir, run_id)
             states.sample(proc.pid, beats)
             tree.refresh(b.pid for b in beats.values())
+            relay.tick()
 
         def stop(sig: int) -> list[int]:
             return tree.stop(sig, GRACE_S, proc.poll, signals.hurry)
@@ -324,31 +312,34 @@ def launch(args: argparse.Namespace, cmd: list[str], lock: RunDirLock) -> int:
             except subprocess.TimeoutExpired:
                 # Read the heartbeats and states before stopping: the stop itself ends every rank's progress.
                 sample()
-                explain(relay.text(), heartbeat_dir, before, args.out, states)
+                relay.hold()
+                findings = explain(relay.text(), heartbeat_dir, before, args.out, states, run_id)
                 stop(signal.SIGTERM)
                 relay.wait(GRACE_S)
-                relay.release()
-                say(f"stopped after --timeout-s {args.timeout_s:g}")
+                for finding in findings:
+                    say(finding.line)
+                say(f"stopped after --timeout-s {args.timeout_s:g}; the job's output from then on is in "
+                    f"{relay.log_path or 'no file (OUT cannot be written)'}")
                 return 124
             left = tree.alive()  # ranks that outlive torchrun (it was killed): nothing may outlive us
             if left:
                 stop(signal.SIGTERM)
                 say(f"{len(left)} process(es) of the job outlived torchrun; stopped them")
             relay.wait(GRACE_S)
-            if code != 0:
-                explain(relay.text(), heartbeat_dir, before, args.out, states)
-            relay.release()
-            if code != 0:
-                say(f"the job failed (exit {code}); the failing rank's error is above. "
-                    f"Every step logged before it is in {os.path.join(args.out, 'rankmem.jsonl')}")
+            if code == 0:
+                relay.release()
+            else:
+                conclude(relay, code, explain(relay.text(), heartbeat_dir, before, args.out, states, run_id), args.out)
             return code
         except Signalled as exc:
+            relay.hold()  # the ranks' and torchrun's tracebacks of the user's own signal: to the file only
             name = signal.Signals(exc.signum).name
             killed = stop(exc.signum)
             relay.wait(GRACE_S)
-            relay.release()
             late = f"; {len(killed)} needed SIGKILL after the grace period" if killed else ""
-            say(f"stopped by {name}: sent it to the job's processes (torchrun and every rank){late}")
+            where = f"; the job's output from then on is in {relay.log_path}" if relay.log_path else ""
+            say(f"stopped by {name}: sent it to the job's processes (torchrun and every rank){late}{where}")
             return 128 + exc.signum
         finally:
             signals.disarm()
+            relay.close()

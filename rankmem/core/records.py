@@ -206,6 +206,9 @@ class RunHeader:
     config: dict[str, Any] = field(default_factory=dict)
     started: float = 0.0
     """Unix time of the first collect."""
+    run_id: str | None = None
+    """The run's identity (:func:`rankmem.core.rundir.current_run_id` of the logging rank), which every
+    file of the run carries."""
 
 
 def per_rank_lists(keys: Sequence[str], matrix: Any) -> dict[str, list[float | None]]:

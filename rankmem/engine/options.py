@@ -72,6 +72,9 @@ JOB_OPTIONS: list[tuple[str, dict[str, Any]]] = [
                            help="an option of a --sink, e.g. prometheus.port=9465 (repeat for more)")),
     ("--fail-at-step", dict(type=int, default=None, help=argparse.SUPPRESS)),
     ("--fail-rank", dict(type=int, default=0, help=argparse.SUPPRESS)),
+    ("--stop-at-step", dict(type=int, default=None, help=argparse.SUPPRESS)),
+    ("--stop-where", dict(choices=("window", "between"), default="window", help=argparse.SUPPRESS)),
+    ("--noise-bytes", dict(type=int, default=0, help=argparse.SUPPRESS)),
 ]
 
 
@@ -108,6 +111,42 @@ _POSITIVE = ("lr", "peak_tflops")
 # above a year timedelta and the backends' millisecond counters overflow long before it matters.
 PG_TIMEOUT_RANGE_S = (1.0, 365 * 86400.0)
 SEED_MAX = 2**32 - 1  # the data generator seeds with seed * 1_000_003 + ...: it must stay in int64
+STEPS_MAX = 10**9
+ROW_BYTES = 1 << 20
+"""What one sequence of a batch may cost a rank at most (the tiny GPT's activations and autograd graph for
+32 tokens are ~0.5 MiB): a batch of more rows than the node's available memory holds cannot run."""
+
+
+def available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
+    """The node's MemAvailable, None where unknown (not Linux)."""
+    try:
+        with open(meminfo, "rb") as f:
+            for line in f.read(1 << 16).splitlines():
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _check_upper_bounds(args: argparse.Namespace) -> None:
+    """Every size an option gives is bounded by what the node can hold, before anything is allocated."""
+    if args.steps > STEPS_MAX:
+        raise RankmemError(f"--steps must be at most {STEPS_MAX:,}, got {args.steps}")
+    available = available_bytes()
+    max_rows = max(1, available // ROW_BYTES) if available is not None else 1 << 20
+    rows = {"batch_size": args.batch_size, "micro_batch_size": args.micro_batch_size,
+            "prompts_per_rank": args.prompts_per_rank,
+            "group_size": args.group_size if args.task == "grpo" else 1}
+    if args.task == "grpo":
+        rows["prompts_per_rank"] = args.prompts_per_rank * args.group_size
+    for dest, count in rows.items():
+        if count > max_rows:
+            flag = "--prompts-per-rank x --group-size" if dest == "prompts_per_rank" and args.task == "grpo" else _flag(dest)
+            raise RankmemError(f"{flag} asks for {count:,} sequences per rank, more than this node's "
+                               f"{(available or 0) >> 20:,} MiB available can hold (at most {max_rows:,})")
+    if args.fail_at_step is not None and not -(2**63) <= args.fail_at_step < 2**63:
+        raise RankmemError(f"--fail-at-step must be a 64-bit step, got {args.fail_at_step}")
 
 
 def resolve_job_options(args: argparse.Namespace) -> None:
@@ -133,6 +172,7 @@ def resolve_job_options(args: argparse.Namespace) -> None:
                            f"got {args.pg_timeout_s}")
     if not 0 <= args.seed <= SEED_MAX:
         raise RankmemError(f"--seed must be in 0..{SEED_MAX}, got {args.seed}")
+    _check_upper_bounds(args)
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise RankmemError(f"--out {args.out} is a file: it names the run directory (the run log is OUT/rankmem.jsonl)")
     sink_options(args)
@@ -145,6 +185,8 @@ def resolve_job_options(args: argparse.Namespace) -> None:
         raise RankmemError("--log-prob-max-token-len-per-gpu needs --ppo-max-token-len-per-gpu (the packed mode)")
     if args.log_prob_max_token_len_per_gpu is None:
         args.log_prob_max_token_len_per_gpu = args.ppo_max_token_len_per_gpu
+    if not 0 <= args.noise_bytes <= 1 << 20:
+        raise RankmemError(f"--noise-bytes must be in 0..{1 << 20}, got {args.noise_bytes}")
     if args.fail_at_step is not None and args.fail_rank < 0:
         raise RankmemError(f"--fail-rank must be >= 0, got {args.fail_rank}")
 

@@ -8,6 +8,8 @@ same :meth:`TaskSteps.step`, so the two launches train the same model on the sam
 from __future__ import annotations
 
 import argparse
+import sys
+import time
 from typing import Protocol
 
 import torch
@@ -60,8 +62,11 @@ class SFTSteps:
         worker = self.worker
         batch = self.data.batch(worker.rank, step)
         with worker.step(step):
+            maybe_stop(self.args, step, worker.rank, "window")
             maybe_fail(self.args, step, worker.rank)
             out = worker.train_batch(batch, sft_loss)
+        maybe_stop(self.args, step, worker.rank, "between")
+        noise(self.args, step)
         return worker.finish_step(out)
 
 
@@ -108,6 +113,24 @@ class GRPOSteps:
 def task_steps(worker: TrainingWorker, args: argparse.Namespace) -> TaskSteps:
     """The steps of ``args.task`` (``args`` as :func:`rankmem.engine.options.resolve_job_options` leaves them)."""
     return SFTSteps(worker, args) if args.task == "sft" else GRPOSteps(worker, args)
+
+
+def maybe_stop(args: argparse.Namespace, step: int, rank: int, where: str) -> None:
+    """The hidden ``--stop-at-step N --fail-rank R --stop-where window|between``: a rank that stops (a
+    hang in its own code, a GPU rank blocked on ``loss.item()``) inside its step window, or after it
+    closed and before ``collect()``. It sleeps until a signal ends it."""
+    if args.stop_at_step is not None and step == args.stop_at_step and rank == args.fail_rank \
+            and args.stop_where == where:
+        while True:
+            time.sleep(3600)
+
+
+def noise(args: argparse.Namespace, step: int) -> None:
+    """The hidden ``--noise-bytes N``: every rank writes N bytes to stderr per step (a chatty library)."""
+    if args.noise_bytes:
+        line = f"noise step {step} ".ljust(99, ".") + "\n"
+        sys.stderr.write(line * max(1, args.noise_bytes // 100))
+        sys.stderr.flush()
 
 
 def maybe_fail(args: argparse.Namespace, step: int, rank: int) -> None:

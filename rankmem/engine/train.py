@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from rankmem.core.catalogue import SUMMARY_KEYS, key_of, phase_of_peak, worst_stat
+from rankmem.core.rundir import RunDir
 from rankmem.engine.options import add_job_arguments, resolve_job_options, sink_options
 from rankmem.engine.output import say
 from rankmem.engine.progress import Progress
@@ -191,7 +192,7 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
         say("\n".join(trajectory.lines()))
         say("worst memory over ranks and steps (max; min where low is bad):")
         say("\n".join(tracker.lines()))
-        say(f"run log: {os.path.join(args.out, 'rankmem.jsonl')}")
+        say(f"run log: {RunDir(args.out).log}")
         say("\n".join(next_steps(args.out)))
 
 

@@ -190,16 +190,19 @@ class Exchange:
 
 
 def run_header(group: Any, log_rank: int, config: dict[str, Any], device: str, peak_scope: str,
-               device_uuid: str | None = None) -> RunHeader:
+               device_uuid: str | None = None, run_id: str | None = None) -> RunHeader:
     """Who every rank is, once per run, at the first collect (pickled: two collectives, not worth a
-    packed layout). A collective; a ``log_rank`` outside the group raises on every rank alike."""
+    packed layout), and the run's identity: the logging rank's ``run_id``, which every rank adopts. A
+    collective; a ``log_rank`` outside the group raises on every rank alike."""
     rank, world = rank_and_world(group)
     if log_rank >= world:  # every rank knows the world size: all raise together
         raise RankmemError(f"log_rank={log_rank} but the group has {world} rank(s): use 0..{world - 1}")
     me = RankInfo(rank=rank, local_rank=int(os.environ.get("LOCAL_RANK", "0")), host=socket.gethostname(),
                   pid=os.getpid(), device=device, peak_rss_scope=peak_scope, device_uuid=device_uuid)
-    ranks = [RankInfo(**info) for info in all_gather_objects(asdict(me), group)]
-    return RunHeader(world_size=world, ranks=ranks, config=config, started=time.time())
+    gathered = all_gather_objects({"info": asdict(me), "run_id": run_id}, group)
+    ranks = [RankInfo(**g["info"]) for g in gathered]
+    return RunHeader(world_size=world, ranks=ranks, config=config, started=time.time(),
+                     run_id=gathered[log_rank]["run_id"])
 
 
 

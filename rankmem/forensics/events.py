@@ -7,7 +7,8 @@ machine crash loses it, and then the run is lost anyway). No collective and no d
 synchronisation happen here; the other ranks may be inside one.
 
 Every event carries ``kind`` (``oom``, ``near_oom``, ``killed``, ``stalled``), ``rank``, ``step``,
-``phase`` and ``time`` (Unix seconds). Byte figures are integer bytes under keys ending in ``_bytes``.
+``phase``, ``time`` (Unix seconds) and ``run_id`` (the run it belongs to: readers name another run's
+events instead of reading them). Byte figures are integer bytes under keys ending in ``_bytes``.
 This module imports neither torch nor numpy: the offline reader and the launcher use it too.
 """
 
@@ -20,18 +21,18 @@ import re
 import time
 from typing import Any
 
+from rankmem.core.rundir import EVENTS_DIR, RUN_ID_FIELD, RunDir, open_regular, unlinked
 from rankmem.core.scalars import json_safe, to_float
 from rankmem.core.warnings import WarnOnce
 from rankmem.probe import procfs as _procfs
 
-__all__ = ["EventWriter", "encode_event", "events_path", "oom_event", "oom_where"]
+__all__ = ["EVENTS_DIR", "EventWriter", "encode_event", "events_path", "oom_event", "oom_where"]
 
-EVENTS_DIR = "events"
 KINDS = ("oom", "near_oom", "killed", "stalled")
 
 
 def events_path(out_dir: str, rank: int) -> str:
-    return os.path.join(out_dir, EVENTS_DIR, f"rank{rank}.jsonl")
+    return RunDir(out_dir).event_file(rank)
 
 
 def _default(obj: Any) -> Any:
@@ -47,15 +48,19 @@ def encode_event(event: dict[str, Any]) -> bytes:
 
 
 class EventWriter:
-    """Appends this rank's events to ``<out_dir>/events/rank<rank>.jsonl``; never raises.
+    """Appends this rank's events to ``<out_dir>/events/rank<rank>.jsonl``; never raises, never blocks.
 
-    The file is opened on the first event (most runs have none, and then leave no file). A directory
-    that cannot be written gives one ``RuntimeWarning`` and disables the writer: training goes on.
+    The file is opened on the first event (most runs have none, and then leave no file), without
+    blocking and only if it is a regular file (a FIFO there would block ``open`` forever). A directory
+    that cannot be written (full, read-only, deleted under it) gives one ``RuntimeWarning`` and disables
+    the writer: training goes on.
     """
 
-    def __init__(self, out_dir: str, rank: int) -> None:
+    def __init__(self, out_dir: str, rank: int, run_id: str | None = None) -> None:
         self.path = events_path(out_dir, rank)
         self.rank = rank
+        self.run_id = run_id
+        """Written into every event: the run it belongs to."""
         self._fd: int | None = None
         self._disabled = False
         self._warn_once = WarnOnce()
@@ -65,14 +70,17 @@ class EventWriter:
         if self._disabled:
             return False
         try:
-            line = encode_event({"rank": self.rank, "time": time.time(), **event})
+            line = encode_event({"rank": self.rank, "time": time.time(), **event, RUN_ID_FIELD: self.run_id})
         except Exception as exc:  # noqa: BLE001 - incl. MemoryError on the way out of a host OOM
             self._warn_once("encode", f"cannot encode a {event.get('kind')!r} event ({exc!r}); it is skipped")
             return False
         try:
             if self._fd is None:
                 os.makedirs(os.path.dirname(self.path), exist_ok=True)
-                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                self._fd = open_regular(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+            if unlinked(self._fd):  # the run directory was deleted: this line would go nowhere
+                raise OSError(errno.ENOENT, "the file was deleted while the run wrote it (its directory removed?)",
+                              self.path)
             written = os.write(self._fd, line)
             # A regular file takes the whole line in one write; a short one (disk full) is finished so
             # the file never holds half a line followed by the next event.

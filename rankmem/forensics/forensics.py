@@ -24,6 +24,8 @@ from typing import Any
 
 from rankmem.core.guard import attempt
 from rankmem.core.records import WindowBytes
+from rankmem.core.rundir import RunDir, open_regular
+from rankmem.core.warnings import warn
 from rankmem.forensics.events import EventWriter, oom_event, oom_where
 from rankmem.forensics.heartbeat import Heartbeat, heartbeat_dir
 from rankmem.forensics.nearoom import NearOomWatch
@@ -41,20 +43,36 @@ def _recorded(exc: BaseException) -> bool:
     return getattr(exc, _RECORDED, False) is True
 
 
+def _rotate_own(run_dir: RunDir, rank: int, run_id: str | None, beats: str | None) -> None:
+    """This rank's files of an earlier run (a restart into the same directory) moved aside before it
+    writes its own: the rest of that run's files follow when the logging rank opens the run log."""
+    # The directories themselves too, where a plain file is in their place (it moves whole).
+    own = [run_dir.event_file(rank), run_dir.events, run_dir.heartbeat]
+    own += [run_dir.heartbeat_file(rank, beats)] if beats is not None else []
+    try:
+        run_dir.rotate(run_id, only=own)
+    except OSError as exc:
+        warn(f"rankmem: cannot move an earlier run's files aside in {run_dir.root} ({exc}); "
+             "readers tell them apart by their run id")
+
+
 class Forensics:
     """The Monitor's :class:`~rankmem.windows.WindowListener`: heartbeats, OOM events, near-OOM watch."""
 
     def __init__(self, out_dir: str | None, rank: int, host: HostProbe, device: DeviceBackend | None, *,
                  oom_history: int = 0, near_oom_watch: bool = True,
-                 flush: Callable[[], object] | None = None, attribution: DeviceAttribution | None = None) -> None:
+                 flush: Callable[[], object] | None = None, attribution: DeviceAttribution | None = None,
+                 run_id: str | None = None) -> None:
         self.rank = rank
         self._host = host
         self._device = device
         self._attribution = attribution
-        self._events = EventWriter(out_dir, rank) if out_dir is not None else None
         beats = heartbeat_dir(out_dir)
+        if out_dir is not None and run_id is not None:
+            _rotate_own(RunDir(out_dir), rank, run_id, beats)
+        self._events = EventWriter(out_dir, rank, run_id) if out_dir is not None else None
         # Its host PID too, where /proc shows it: the sibling ranks' attribution joins NVML's PIDs by it.
-        self._heartbeat = Heartbeat(beats, rank, pid_view().host_pid) if beats is not None else None
+        self._heartbeat = Heartbeat(beats, rank, run_id, pid_view().host_pid) if beats is not None else None
         self._history = max(int(oom_history), 0)
         self._hooked = device is None  # the observer and history wait for the backend's initialisation
         self._tag: tuple[int | None, str | None] | None = None
@@ -67,6 +85,18 @@ class Forensics:
         local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
         if near_oom_watch and self._events is not None and local_rank == 0:
             self._watch = NearOomWatch(self._near_oom, rank=rank, heartbeat_dir=beats).start()
+
+    def adopt(self, run_id: str | None) -> None:
+        """The run's id as the header says (the logging rank's), from now on in beats and events."""
+        if self._heartbeat is not None:
+            self._heartbeat.adopt(run_id)
+        if self._events is not None:
+            self._events.run_id = run_id
+
+    def collect_edge(self) -> None:
+        """Entering or leaving a collect: the heartbeat tells a rank waiting in it from one that never came."""
+        if self._heartbeat is not None:
+            self._heartbeat.collect_edge()
 
     # ---- WindowListener ----------------------------------------------------------------------------
     def edge(self, where: Where, rss: int | None, failing: bool = False) -> None:
@@ -145,7 +175,8 @@ class Forensics:
         directory = os.path.dirname(self._events.path)
         os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, f"rank{self.rank}-oom{self._snapshots}.pickle")
-        with open(path, "wb") as f:  # torch's _dump_snapshot format: pytorch.org/memory_viz reads it
+        fd = open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        with os.fdopen(fd, "wb") as f:  # torch's _dump_snapshot format: pytorch.org/memory_viz reads it
             pickle.dump(snapshot, f)
         return path
 

@@ -10,34 +10,52 @@ the caches, the store into the map ~20 us, most of it the cold interpreter (``be
 The launcher sets ``RANKMEM_HEARTBEAT_DIR`` so that it knows where to look; a rank whose sequence
 counter stopped while the others moved on is the one that hung.
 
-Record layout (little-endian, :data:`RECORD_SIZE` bytes)::
+Record layout (little-endian, :data:`RECORD_SIZE` bytes; version 3 appends to version 2's)::
 
-    magic b"RMHB", version u16, flags u16 (bit 0: clean exit), pid u32, rank i32, seq u64,
-    step i64 (-2**63: none yet; a step may be negative), rss i64 (-1: unknown), time f64 (Unix seconds),
-    phase 32 bytes (UTF-8, NUL-padded, truncated), seq u64 again,
-    (version 3) host_pid u32 (0: not mapped), boot_id 16 bytes (zeros: unknown), seq u64 a third time
+    magic b"RMHB", version u16, flags u16 (bit 0: clean exit, bit 1: inside a collect), pid u32,
+    rank i32, seq u64, step i64 (-2**63: none yet; a step may be negative), rss i64 (-1: unknown),
+    time f64 (Unix seconds), phase 32 bytes (UTF-8, NUL-padded, truncated), seq u64 again,
+    run id 16 ASCII bytes (:mod:`rankmem.core.rundir`), collect marks u64, host_pid u32 (0: not mapped),
+    boot_id 16 bytes (zeros: unknown), seq u64 a third time
 
-``seq`` appears at the end of each part: a reader that sees different values read the record while it
-was being written (a store into the page is not atomic against a concurrent ``read``) and reads again.
-Version 3 adds what device attribution needs to tell a sibling rank's GPU memory from a stranger's:
-the rank's PID in the host's namespace, where this rank can see it (:mod:`rankmem.probe.pidmap`), and
-the node's ``/proc/sys/kernel/random/boot_id`` (one per booted machine, shared by its containers), so
-that only ranks of this node are matched against this node's PIDs. Versions 1 and 2 read as before.
+``seq`` repeats: a reader that sees different values read the record while it was being written (a
+store into the page is not atomic against a concurrent ``read``) and reads again. ``collect marks``
+count the collect edges passed (entering collect k makes it 2k+1, leaving it 2k+2): a rank stopped
+after its step window closed and before ``collect()`` is behind one that entered the collect and waits
+there, though both beat last at the same window edge.
+
+The host PID (where this rank can see it, :mod:`rankmem.probe.pidmap`) and the node's
+``/proc/sys/kernel/random/boot_id`` (one per booted machine, shared by its containers) let device
+attribution tell a sibling rank's GPU memory from a stranger's, matching only ranks of this node.
+
+The file is written with its blocks allocated (``posix_fallocate``, then a ``pwrite`` of the whole
+record) before it is mapped: a store into a hole of a memory map on a full file system is SIGBUS,
+which no ``except`` catches. Numbers read back are bounded before use (a rank, a pid, a time).
 """
 
 from __future__ import annotations
 
+import errno
 import glob
+import math
 import mmap
 import os
 import struct
 import time
 from dataclasses import dataclass
 
+from rankmem.core.rundir import (
+    HEARTBEAT_DIR,
+    HEARTBEAT_RUN_ID_AT,
+    RUN_ID_BYTES,
+    RunDir,
+    open_regular,
+    valid_run_id,
+)
 from rankmem.core.warnings import WarnOnce
 from rankmem.probe import procfs as _procfs
 
-__all__ = ["ENV_DIR", "Heartbeat", "HeartbeatRecord", "heartbeat_dir", "heartbeat_path", "read_heartbeats"]
+__all__ = ["ENV_DIR", "HEARTBEAT_DIR", "Heartbeat", "HeartbeatRecord", "heartbeat_dir", "heartbeat_path", "read_heartbeats"]
 
 ENV_DIR = "RANKMEM_HEARTBEAT_DIR"
 MAGIC = b"RMHB"
@@ -46,9 +64,15 @@ NO_STEP = -(2**63)
 """The step field before the first step (version 1 used -1, which hid negative steps)."""
 PHASE_BYTES = 32
 _CLEAN = 1
-_RECORD = struct.Struct(f"<4sHHIiQqqd{PHASE_BYTES}sQ")
-_NODE = struct.Struct("<I16sQ")  # version 3: host_pid, boot_id, seq
-RECORD_SIZE = _RECORD.size + _NODE.size
+_COLLECTING = 2
+_V2 = struct.Struct(f"<4sHHIiQqqd{PHASE_BYTES}sQ")
+_TAIL = struct.Struct(f"<{RUN_ID_BYTES}sQI16sQ")  # run id, marks, host_pid, boot_id, seq
+_RECORD = struct.Struct(_V2.format + _TAIL.format[1:])
+RECORD_SIZE = _RECORD.size
+assert _V2.size == HEARTBEAT_RUN_ID_AT, "the run directory reads the run id at this offset"
+MAX_RANK = 1 << 24
+"""A rank read from a file beyond this is damage, not a rank (16M ranks: past any cluster)."""
+_NO_RUN = b"\0" * RUN_ID_BYTES
 BOOT_ID = "/proc/sys/kernel/random/boot_id"
 
 
@@ -67,11 +91,11 @@ def heartbeat_dir(out_dir: str | None) -> str | None:
     env = os.environ.get(ENV_DIR)
     if env:
         return env
-    return os.path.join(out_dir, "heartbeat") if out_dir else None
+    return RunDir(out_dir).heartbeat if out_dir else None
 
 
 def heartbeat_path(directory: str, rank: int) -> str:
-    return os.path.join(directory, f"rank{rank}.hb")
+    return RunDir(os.path.dirname(directory)).heartbeat_file(rank, directory)
 
 
 def _phase_bytes(phase: str | None) -> bytes:
@@ -97,47 +121,80 @@ class HeartbeatRecord:
     """Beats so far: every rank beats at the same edges, so a rank whose count lags stopped early."""
     clean: bool
     """The rank closed its heartbeat: it exited normally, not by a signal."""
+    run_id: str | None = None
+    """The run the beat belongs to (None: an older rankmem wrote it)."""
     host_pid: int | None = None
-    """The rank's PID in the host's namespace, where it could see it (version 3); None: not mapped."""
+    """The rank's PID in the host's namespace, where it could see it; None: not mapped."""
     boot_id: bytes | None = None
-    """The rank's node (its boot id, version 3); None where unknown."""
+    """The rank's node (its boot id); None where unknown."""
+    marks: int = 0
+    """Collect edges passed: 2k+1 inside collect k, 2k+2 after it (see the module docstring)."""
+
+    @property
+    def collecting(self) -> bool:
+        """The rank was inside a collect (entered, not yet left) at its last beat."""
+        return self.marks % 2 == 1
+
+    @property
+    def progress(self) -> tuple[int, int]:
+        """What orders ranks by how far they got: collect edges first, then window edges."""
+        return (self.marks, self.seq)
 
 
 class Heartbeat:
     """This rank's heartbeat file, held open for the life of the run; never raises.
 
     The first record is written at construction (step None), so the launcher can map the rank's pid
-    to its rank even when it dies before its first step.
+    to its rank even when it dies before its first step. A directory that cannot take the file (full,
+    read-only, a FIFO or a directory where the file belongs) gives one warning and no heartbeat.
     """
 
-    def __init__(self, directory: str, rank: int, host_pid: int | None = None) -> None:
+    def __init__(self, directory: str, rank: int, run_id: str | None = None, host_pid: int | None = None) -> None:
+        self._host_pid = host_pid or 0
+        self._boot = boot_id()
         self.path = heartbeat_path(directory, rank)
         self._rank = rank
         self._pid = os.getpid()
-        self._host_pid = host_pid or 0
-        self._boot = boot_id()
         self._seq = 0
+        self._marks = 0
         self._step = NO_STEP
         self._phase = b""
         self._phase_name: str | None = None
         self._rss = -1
+        self._run = _run_bytes(run_id)
         self._warn_once = WarnOnce()
-        self._fd: int | None
         self._map: mmap.mmap | None = None
-        try:
-            os.makedirs(directory, exist_ok=True)
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except OSError as exc:
-            self._fd = None
-            self._warn_once("heartbeat", f"cannot write the heartbeat {self.path} ({exc}); the launcher "
-                                         "will not know this rank's last step")
+        self._fd = self._open(directory)
+        if self._fd is not None:
+            self._write(0)  # the first pwrite: where the disk refuses, no map is made over a hole
         if self._fd is not None:
             try:
-                os.ftruncate(self._fd, RECORD_SIZE)
                 self._map = mmap.mmap(self._fd, RECORD_SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             except (OSError, ValueError):
                 self._map = None  # a file system that cannot map files: every beat is a pwrite
-        self._write(0)
+
+    def _open(self, directory: str) -> int | None:
+        try:
+            os.makedirs(directory, exist_ok=True)
+            fd = open_regular(self.path, os.O_RDWR | os.O_CREAT)
+        except OSError as exc:
+            self._warn_once("heartbeat", f"cannot write the heartbeat {self.path} ({exc}); the launcher "
+                                         "will not know this rank's last step")
+            return None
+        try:
+            os.ftruncate(fd, RECORD_SIZE)  # an older, longer record: the same size as this one's
+            os.posix_fallocate(fd, 0, RECORD_SIZE)  # its blocks, now: a mapped store cannot fault later
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):  # NFS: the pwrite allocates
+                os.close(fd)
+                self._warn_once("heartbeat", f"cannot write the heartbeat {self.path} ({exc}); the launcher "
+                                             "will not know this rank's last step")
+                return None
+        return fd
+
+    def adopt(self, run_id: str | None) -> None:
+        """Carry ``run_id`` from the next beat on (the run's id, learnt at the first collect)."""
+        self._run = _run_bytes(run_id)
 
     def beat(self, step: int | None, phase: str | None, rss: int | None) -> None:
         """Record a window edge: ``step`` (None before the first), the innermost open ``phase``, and
@@ -149,6 +206,11 @@ class Heartbeat:
         self._rss = -1 if rss is None else rss
         self._write(0)
 
+    def collect_edge(self) -> None:
+        """Entering or leaving a collect (they alternate): see the module docstring."""
+        self._marks += 1
+        self._write(0)
+
     def close(self, clean: bool = True) -> None:
         """Mark the exit (``clean``: a normal one) and close the file; later beats are dropped."""
         self._write(_CLEAN if clean else 0)
@@ -158,18 +220,19 @@ class Heartbeat:
         _procfs.close_fd(self._fd)
         self._fd = None
 
+    def _fields(self, flags: int) -> tuple[object, ...]:
+        flags |= _COLLECTING if self._marks % 2 else 0
+        return (MAGIC, VERSION, flags, self._pid, self._rank, self._seq, self._step, self._rss, time.time(),
+                self._phase, self._seq, self._run, self._marks, self._host_pid, self._boot, self._seq)
+
     def _write(self, flags: int) -> None:
         if self._map is not None:
-            _RECORD.pack_into(self._map, 0, MAGIC, VERSION, flags, self._pid, self._rank, self._seq, self._step,
-                              self._rss, time.time(), self._phase, self._seq)
-            _NODE.pack_into(self._map, _RECORD.size, self._host_pid, self._boot, self._seq)
+            _RECORD.pack_into(self._map, 0, *self._fields(flags))
             return
         if self._fd is None:
             return
-        record = _RECORD.pack(MAGIC, VERSION, flags, self._pid, self._rank, self._seq, self._step, self._rss,
-                              time.time(), self._phase, self._seq) + _NODE.pack(self._host_pid, self._boot, self._seq)
         try:
-            os.pwrite(self._fd, record, 0)
+            os.pwrite(self._fd, _RECORD.pack(*self._fields(flags)), 0)
         except OSError as exc:
             self._warn_once("heartbeat", f"cannot write the heartbeat {self.path} ({exc}); heartbeats stop")
             try:
@@ -179,45 +242,63 @@ class Heartbeat:
             self._fd = None
 
 
+def _run_bytes(run_id: str | None) -> bytes:
+    valid = valid_run_id(run_id)
+    return _NO_RUN if valid is None else valid.encode("ascii")
+
+
 def unpack_record(data: bytes) -> HeartbeatRecord | None:
-    """The record in ``data``, or None for a short, foreign, newer-version or half-written one."""
-    if len(data) < _RECORD.size:
+    """The record in ``data``, or None for a short, foreign, newer-version, half-written or damaged one
+    (a rank, pid or time no process could have written)."""
+    if len(data) < _V2.size:
         return None
-    magic, version, flags, pid, rank, seq, step, rss, t, phase, seq2 = _RECORD.unpack_from(data)
+    magic, version, flags, pid, rank, seq, step, rss, t, phase, seq2 = _V2.unpack_from(data)
     if magic != MAGIC or version not in (1, 2, VERSION) or seq != seq2:
         return None
-    host_pid: int | None = None
-    node: bytes | None = None
-    if version >= 3:
+    run_id, marks, host_pid, node = None, 0, None, None
+    if version == VERSION:
         if len(data) < RECORD_SIZE:
             return None
-        host, node, seq3 = _NODE.unpack_from(data, _RECORD.size)
+        raw_run, marks, host, raw_node, seq3 = _TAIL.unpack_from(data, _V2.size)
         if seq3 != seq:
             return None
-        host_pid, node = host or None, node if any(node) else None
+        run_id = valid_run_id(raw_run.decode("ascii", "replace"))
+        host_pid, node = host or None, raw_node if any(raw_node) else None
+    if not 0 <= rank < MAX_RANK or pid == 0 or not math.isfinite(t):
+        return None
     # Version 1 (a rank of an older rankmem on another node) wrote -1 for "no step yet".
     none = step == NO_STEP or (version == 1 and step < 0)
     return HeartbeatRecord(pid=pid, rank=rank, step=None if none else step,
                            phase=phase.rstrip(b"\0").decode("utf-8", "replace"),
                            rss_bytes=None if rss < 0 else rss, time=t, seq=seq, clean=bool(flags & _CLEAN),
-                           host_pid=host_pid, boot_id=node)
+                           run_id=run_id, marks=marks, host_pid=host_pid, boot_id=node)
 
 
-def read_heartbeats(directory: str) -> dict[int, HeartbeatRecord]:
-    """Every readable ``rank*.hb`` in ``directory`` by rank; short, garbage and unreadable files are
-    skipped, and a missing directory is no heartbeats."""
+MAX_FILES = 1 << 16
+"""Heartbeat files read from one directory at most (a damaged or foreign directory bounds the work)."""
+
+
+def read_heartbeats(directory: str, run_id: str | None = None) -> dict[int, HeartbeatRecord]:
+    """Every readable ``rank*.hb`` in ``directory`` by rank; short, garbage, unreadable and non-regular
+    files (a FIFO: never opened blocking) are skipped, and a missing directory is no heartbeats.
+    ``run_id``: only that run's records (another run's are foreign, not this run's ranks)."""
     out: dict[int, HeartbeatRecord] = {}
-    for path in glob.glob(os.path.join(glob.escape(directory), "rank*.hb")):
+    for path in glob.glob(os.path.join(glob.escape(directory), "rank*.hb"))[:MAX_FILES]:
         record = None
         for _ in range(3):  # a torn read (seq mismatch) is retried: the writer's pwrite takes ~1 us
             try:
-                with open(path, "rb") as f:
-                    record = unpack_record(f.read(RECORD_SIZE))
+                fd = open_regular(path, os.O_RDONLY)
             except OSError:
                 break
+            try:
+                record = unpack_record(os.pread(fd, RECORD_SIZE, 0))
+            except OSError:
+                break
+            finally:
+                os.close(fd)
             if record is not None:
                 break
-        if record is not None:
+        if record is not None and (run_id is None or record.run_id == run_id):
             out[record.rank] = record
     return out
 

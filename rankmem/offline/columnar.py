@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from rankmem.errors import MissingExtraError, RankmemError
-from rankmem.runlog.layout import DETAIL_AGGREGATES, LOG_OFFSET, WORLD_KEY
+from rankmem.runlog.layout import DETAIL_AGGREGATES, LOG_OFFSET, RUN_KEY, WORLD_KEY
 
 _SCATTER_ROWS = 1 << 16
 """Rows of ranks gathered from the mapped batches before each scatter: bounds the copy (64k rows x 8
@@ -66,13 +66,14 @@ class Detail:
         return out
 
 
-def read_detail(path: str, world: int) -> Detail:
+def read_detail(path: str, world: int, run_id: str | None = None) -> Detail:
     """Read the side file at ``path`` written for ``world`` ranks.
 
     Memory: the mapped file is paged in by the kernel, not copied; the heap holds the result (8 bytes x
     keys x collects-with-detail x ranks), index arrays of one entry per row, and at most
     :data:`_SCATTER_ROWS` rows of per-rank values in flight. RankmemError when the file is not a side
-    file of this run (no Arrow schema, another world size) or pyarrow is missing.
+    file of this run (no Arrow schema, another world size, another run id than ``run_id``, the log
+    header's) or pyarrow is missing.
     """
     try:
         import pyarrow as pa
@@ -90,6 +91,7 @@ def read_detail(path: str, world: int) -> Detail:
         raise RankmemError(f"{path} is not a rankmem per-rank file ({exc}); move it aside to read the run "
                            "log's aggregates alone") from None
     _check_schema(reader.schema, world, path)
+    _check_run(reader.schema, run_id, path)
     while True:
         try:
             batch, meta = reader.read_next_batch_with_custom_metadata()
@@ -121,6 +123,18 @@ def _check_schema(schema: Any, world: int, path: str) -> None:
     if missing or got != str(world):
         raise RankmemError(f"{path} does not match its run log (columns missing: {missing or 'none'}; written "
                            f"for a world of {got}, the log's is {world}): is it from another run?")
+
+
+def _check_run(schema: Any, run_id: str | None, path: str) -> None:
+    """A log whose header has a run id takes only the side file written with it: a side file left by
+    another run (rotated apart, copied in) may match its world size and be read as this run's."""
+    if run_id is None:
+        return
+    got = (schema.metadata or {}).get(RUN_KEY)
+    written = got.decode("ascii", "replace") if got is not None else "none"
+    if written != run_id:
+        raise RankmemError(f"{path} is from another run (run id {written[:16]}, the log's is {run_id}): its "
+                           "per-rank values are not read")
 
 
 def _whole(batch: Any, world: int) -> bool:

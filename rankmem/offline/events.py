@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from rankmem.forensics.events import EVENTS_DIR
+from rankmem.core.rundir import RUN_ID_FIELD, RunDir, valid_run_id
 
 
 @dataclass
@@ -18,14 +18,16 @@ class Events:
     events: list[dict[str, Any]] = field(default_factory=list)
     corrupt: int = 0
     """Lines skipped: torn (a rank died mid-write), not JSON, or not an event object."""
+    foreign: int = 0
+    """Events of another run (their ``run_id`` is not the log's): named, not read."""
+    foreign_files: list[str] = field(default_factory=list)
 
 
-def read_events(run_dir: str) -> Events:
-    """Merge ``<run_dir>/events/rank*.jsonl`` (``run_dir`` may also be the run log's path). A missing
-    events directory is no events."""
-    if os.path.isfile(run_dir):
-        run_dir = os.path.dirname(run_dir) or "."
-    directory = os.path.join(run_dir, EVENTS_DIR)
+def read_events(run_dir: str, run_id: str | None = None) -> Events:
+    """Merge ``<run_dir>/events/rank*.jsonl`` (``run_dir`` may also be the run log's path: a rotated
+    ``rankmem.jsonl.N`` reads ``events.N/``). A missing events directory is no events. With ``run_id``
+    (the log header's), an event that carries another run's id is counted in ``foreign``, not read."""
+    directory = RunDir.events_of(run_dir)
     out = Events()
     try:
         names = sorted(n for n in os.listdir(directory) if n.startswith("rank") and n.endswith(".jsonl"))
@@ -51,6 +53,12 @@ def read_events(run_dir: str) -> Events:
                 continue
             if not isinstance(event, dict) or "kind" not in event:
                 out.corrupt += 1
+                continue
+            written = valid_run_id(event.get(RUN_ID_FIELD))
+            if run_id is not None and written is not None and written != run_id:
+                out.foreign += 1
+                if name not in out.foreign_files:
+                    out.foreign_files.append(name)
                 continue
             out.events.append(event)
     out.events.sort(key=_order)

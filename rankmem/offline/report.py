@@ -31,6 +31,7 @@ from rankmem.core.catalogue import (
     peak_phase,
     worst_stat,
 )
+from rankmem.core.rundir import RUN_ID_FIELD, valid_run_id
 from rankmem.core.scalars import json_safe
 from rankmem.offline import Run
 from rankmem.offline.capacity import capacities
@@ -113,6 +114,8 @@ class Report:
     events: list[dict[str, Any]] = field(default_factory=list)
     """Every rank's forensic events (``oom``, ``near_oom``, ``killed``, ``stalled``), by time."""
     corrupt_events: int = 0
+    foreign_events: int = 0
+    """Events of another run found beside this one (an earlier attempt's): counted, not shown."""
     phases: list[PhaseRow] = field(default_factory=list)
     """Per phase and key: the worst value, its step and rank, the per-step mean, a delta's total."""
     detail_steps: int | None = None
@@ -254,7 +257,7 @@ def build_report(run: Run, leak_config: LeakConfig | None = None) -> Report:
 
 
 def _tables(run: Run) -> Report:
-    events = read_events(run.path)
+    events = read_events(run.path, valid_run_id(run.header.get(RUN_ID_FIELD)))
     steps = run.steps if run.logged is None else run.logged.steps
     report = Report(
         path=run.path,
@@ -267,6 +270,7 @@ def _tables(run: Run) -> Report:
         truncated=run.truncated,
         events=events.events,
         corrupt_events=events.corrupt,
+        foreign_events=events.foreign,
         detail_steps=int(run.steps.size) if run.logged is not None else None,
         detail_note=run.detail_note,
         peak_rss_scope="/".join(sorted({str(r["peak_rss_scope"]) for r in run.header.get("ranks", [])
@@ -392,6 +396,9 @@ def event_lines(report: Report) -> list[str]:
     lines = [f"EVENT {describe_event(e)}" for e in report.events]
     if report.corrupt_events:
         lines.append(f"events: {report.corrupt_events} torn or corrupt line(s) skipped")
+    if report.foreign_events:
+        lines.append(f"events: {report.foreign_events} event(s) of another run (its run id differs from this "
+                     "log's) not shown")
     return lines
 
 

@@ -30,6 +30,7 @@ from typing import IO, Any
 import numpy as np
 
 from rankmem.core.catalogue import phase_names
+from rankmem.core.rundir import valid_run_id
 from rankmem.core.scalars import to_float_or_nan
 from rankmem.errors import MissingExtraError, RankmemError
 from rankmem.offline.columnar import Detail, empty_detail, read_detail
@@ -37,6 +38,7 @@ from rankmem.runlog.layout import (
     DETAIL_AGGREGATES,
     HEADER_KIND,
     INLINE,
+    RUN_ID_FIELD,
     RUN_LOG_NAME,
     STEP_KIND,
     STEP_MAX,
@@ -429,7 +431,7 @@ def _read_columnar(path: str, header: dict[str, Any], name: str, metrics: bool) 
         note = f"{side} is missing: no per-rank values; the aggregates are read from the run log's lines"
     else:
         try:
-            detail = read_detail(side, world)
+            detail = read_detail(side, world, valid_run_id(header.get(RUN_ID_FIELD)))
         except MissingExtraError:
             raise  # pyarrow is needed to read it: say so, rather than read the lines silently
         except RankmemError as exc:

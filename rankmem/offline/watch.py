@@ -25,15 +25,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rankmem.core.catalogue import key_of, worse
+from rankmem.core.rundir import RUN_ID_FIELD, RunDir, valid_run_id
 from rankmem.core.scalars import to_float
-from rankmem.forensics.events import EVENTS_DIR
 from rankmem.forensics.heartbeat import HeartbeatRecord, read_heartbeats
 from rankmem.offline.capacity import DEVICE, HOST, NODE
 from rankmem.offline.columnar import DetailFollower
 from rankmem.offline.events import read_events
 from rankmem.offline.runlog import header_world_size
 from rankmem.offline.tail import Tail, TailFollower
-from rankmem.runlog import RUN_LOG_NAME
 from rankmem.runlog.layout import INLINE, detail_path
 
 # (column label, WindowBytes field): what a rank row shows, in this order, where the log has it.
@@ -138,7 +137,7 @@ def build_frame(run_dir: str, tail: Tail, beats: dict[int, HeartbeatRecord], eve
         last = {**last, "ranks": detail[1]}
     # A header says the world size (checked as the reader checks it: a damaged one is one error line);
     # before it is written, the heartbeats do.
-    world = header_world_size(header, os.path.join(run_dir, RUN_LOG_NAME)) if "world_size" in header else (max(beats) + 1 if beats else 0)
+    world = header_world_size(header, RunDir(run_dir).log) if "world_size" in header else (max(beats) + 1 if beats else 0)
     hosts = sorted({str(r.get("host")) for r in header.get("ranks", []) if isinstance(r, dict)})
     step_time = None
     if len(tail.steps) >= 2:
@@ -236,21 +235,21 @@ class Watcher:
 
     def __init__(self, run: str) -> None:
         self.run_dir = run_dir_of(run)
-        log = run if run.endswith(".jsonl") else os.path.join(self.run_dir, RUN_LOG_NAME)
+        log = run if run.endswith(".jsonl") else RunDir(self.run_dir).log
         self.log_path = log
         self.follower = TailFollower(log, count=2)
         self._events_stamp: tuple[tuple[str, int, int], ...] = ()
         self._events: list[dict[str, Any]] = []
         self._detail_follower: DetailFollower | None = None
 
-    def _read_events(self) -> list[dict[str, Any]]:
-        directory = os.path.join(self.run_dir, EVENTS_DIR)
+    def _read_events(self, run_id: str | None) -> list[dict[str, Any]]:
+        directory = RunDir(self.run_dir).events
         try:
             stamp = tuple(sorted((e.name, (s := e.stat()).st_size, s.st_ino) for e in os.scandir(directory)))
         except OSError:
             stamp = ()
         if stamp != self._events_stamp:  # a new or grown events file: read them again (they are small)
-            self._events_stamp, self._events = stamp, read_events(self.run_dir).events
+            self._events_stamp, self._events = stamp, read_events(self.run_dir, run_id).events
         return self._events
 
     def _detail(self, header: dict[str, Any] | None) -> tuple[int, dict[str, list[float | None]]] | None:
@@ -264,5 +263,8 @@ class Watcher:
 
     def frame(self, now: float | None = None) -> Frame:
         tail = self.follower.poll()
-        beats = read_heartbeats(os.path.join(self.run_dir, "heartbeat"))
-        return build_frame(self.run_dir, tail, beats, self._read_events(), now, detail=self._detail(tail.header))
+        # This run's heartbeats and events only: an earlier run's (not moved aside) are not its ranks.
+        run_id = valid_run_id((tail.header or {}).get(RUN_ID_FIELD))
+        beats = read_heartbeats(RunDir(self.run_dir).heartbeat, run_id)
+        return build_frame(self.run_dir, tail, beats, self._read_events(run_id), now, detail=self._detail(tail.header))
+

@@ -10,11 +10,13 @@ fed by a bounded queue. If the sinks fall behind (a tracker in a network stall),
 record is dropped, counted and warned about once: training is never blocked. :meth:`Publisher.flush`
 waits for the queue to drain; ``close()`` and interpreter exit flush.
 
-The training thread only appends to the queue; it does not wake the thread. Waking it every collect
-cost the training thread ~20-120 us on a 2-core machine (the futex wake, and the woken thread taking
-the CPU and contending for the GIL right inside the caller's step; bench/RESULTS.md, issue 14 item 4):
-the thread instead looks at the queue every :data:`Publisher.POLL_S` seconds; a flush, or a queue
-half full (collects faster than one per 0.4 ms), wakes it at once.
+Nothing collected is lost at a signal: the training thread wakes the thread at every collect (a
+futex wake, ~20-120 us of the caller's time on a 2-core machine, bench/RESULTS.md: the price of a
+record on disk within a write's time of its collect rather than up to a polling period later), the
+next collect first waits, briefly (:data:`Publisher.SETTLE_S`), until the previous record is written,
+and SIGTERM / SIGINT flush before they act (:mod:`rankmem.publish.signals`, which also says what a
+SIGKILL can still cost). A sink slower than that wait (a tracker in a network stall) is not waited
+for again until it has caught up: training never runs at a tracker's pace.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from rankmem.core.guard import Guard
 from rankmem.core.records import RunHeader, StepRecord
 from rankmem.core.warnings import WarnOnce, warn
 from rankmem.exchange.aggregate import Gathered
+from rankmem.publish import signals as _signals
 from rankmem.sinks import SafeSink, Sink
 
 _Item = tuple[int, float, Gathered, dict[str, float]] | RunHeader
@@ -43,8 +46,10 @@ class Publisher:
     MAX_PENDING = 256
     """Records waiting for the sinks before the oldest is dropped (about 256 steps of a stalled tracker)."""
     FLUSH_TIMEOUT_S = 30.0
-    POLL_S = 0.1
-    """How often the background thread looks for records: the most the sinks lag behind a collect."""
+    POLL_S = 1.0
+    """How often the idle thread looks at its queue without being woken (a safety net only)."""
+    SETTLE_S = 0.2
+    """How long a collect waits for the previous collect's record to be written (see the module docstring)."""
 
     def __init__(self, sinks: Sequence[Sink], leak_check: bool, guard: Guard, background: bool = True) -> None:
         self._sink_objects = list(sinks)
@@ -64,6 +69,9 @@ class Publisher:
         # from the near-OOM watch's thread must not run inside the training thread's write)
         self._pid = os.getpid()  # a forked child inherits this object, not its thread or its files' state
         self._closed = False
+        self._submitted = 0
+        self._handled = 0
+        self._lagging = False  # the last settle timed out: not waited for again until caught up
         self.dropped = 0
         """Records dropped because the sinks fell more than :data:`MAX_PENDING` behind."""
         self.opened = False
@@ -83,7 +91,23 @@ class Publisher:
         self._ranks_per_node = max((hosts.count(h) for h in set(hosts)), default=1)
         with _live_lock:
             _live.add(self)  # flushed at exit (and by flush_all), with or without the thread
+        _signals.install(flush_all)
         self._submit(header)
+
+    def settle(self) -> None:
+        """Wait (at most :data:`SETTLE_S`) until every record submitted so far is written: called by the
+        next collect, so that a collect's record is on disk before the next collect returns."""
+        if not self._background or self._thread is None or os.getpid() != self._pid:
+            return
+        with self._wake:
+            if self._handled >= self._submitted:
+                self._lagging = False
+                return
+            if self._lagging:
+                return
+            target = self._submitted
+            if not self._wake.wait_for(lambda: self._handled >= target, self.SETTLE_S):
+                self._lagging = True
 
     def publish(self, step: int, when: float, gathered: Gathered, metrics: dict[str, float] | None = None) -> None:
         """Hand one collect to the sinks and the leak watch (on the background thread by default):
@@ -104,12 +128,13 @@ class Publisher:
             if len(self._pending) >= self.MAX_PENDING:
                 self._pending.popleft()
                 self.dropped += 1
+                self._handled += 1  # never to be written: nothing to wait for
                 if self.dropped == 1:
                     warn("rankmem: the sinks fall behind the training loop; the oldest pending records are "
                          "dropped (Publisher.dropped counts them) rather than blocking training", stacklevel=4)
             self._pending.append(item)
-            if len(self._pending) >= self.MAX_PENDING // 2:
-                self._wake.notify()
+            self._submitted += 1
+            self._wake.notify()
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="rankmem-publish", daemon=True)
             self._thread.start()
@@ -135,6 +160,10 @@ class Publisher:
                 return
             # A bug in a record's encoding must not end the thread: flush() would wait for it in vain.
             self._guard.call("publish", "writing a record failed", self._handle, item, default=None)
+            if item is not _FLUSH:
+                with self._wake:
+                    self._handled += 1
+                    self._wake.notify_all()  # a collect may be settling
 
     def _handle(self, item: _Item) -> None:
         if item is _FLUSH:
@@ -225,6 +254,9 @@ class Publisher:
             self._closed = True
             with _live_lock:
                 _live.discard(self)
+                last = not _live
+            if last:
+                _signals.uninstall()
             for sink in self._sinks:
                 sink.close()
             self._sinks = []

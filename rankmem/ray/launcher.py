@@ -23,6 +23,7 @@ import time
 from types import FrameType
 from typing import Any
 
+from rankmem.core.rundir import RunDir
 from rankmem.engine.options import JOB_OPTIONS, resolve_job_options
 from rankmem.ray import cluster as clusters
 from rankmem.ray import options as ray_options
@@ -101,7 +102,7 @@ def _drive(group: WorkerGroup, job: argparse.Namespace, cluster: clusters.Cluste
     from rankmem.engine.progress import Progress
     from rankmem.engine.train import headline
 
-    run_log = os.path.join(job.out, "rankmem.jsonl")
+    run_log = RunDir(job.out).log
     nodes = len({p.node_id for p in group.placements})
     launch: dict[str, Any] = {"launcher": "ray", "ray_address": cluster.address, "nodes": nodes,
                               "cpus_per_actor": resources.num_cpus, "gpus_per_actor": resources.num_gpus}

@@ -30,9 +30,10 @@ from typing import Any
 import numpy as np
 
 from rankmem.core.records import StepRecord
+from rankmem.core.rundir import open_regular
 from rankmem.core.warnings import WarnOnce
 from rankmem.runlog.append import append_whole
-from rankmem.runlog.layout import DETAIL_AGGREGATES, DETAIL_COLUMNS, LOG_OFFSET, WORLD_KEY
+from rankmem.runlog.layout import DETAIL_AGGREGATES, DETAIL_COLUMNS, LOG_OFFSET, RUN_KEY, WORLD_KEY
 
 FLUSH_S = 1.0
 """Seconds between batches while collects keep coming: what a killed job loses of per-rank values."""
@@ -54,23 +55,27 @@ def pyarrow_available() -> bool:
 
 
 @functools.lru_cache(maxsize=8)
-def detail_schema(world: int) -> Any:
-    """The side file's Arrow schema for ``world`` ranks (columns: :data:`DETAIL_COLUMNS`)."""
+def detail_schema(world: int, run_id: str | None = None) -> Any:
+    """The side file's Arrow schema for ``world`` ranks (columns: :data:`DETAIL_COLUMNS`), with the
+    run's identity (:data:`RUN_KEY`) in its metadata: the reader pairs it with its log by it."""
     import pyarrow as pa
 
     types = {"collect": pa.int64(), "step": pa.int64(), "time": pa.float64(), "key": pa.string(),
              "max_rank": pa.int32(), "min_rank": pa.int32(), "ranks": pa.list_(pa.float64())}
     fields = [pa.field(name, types.get(name, pa.float64()), nullable=name == "ranks") for name in DETAIL_COLUMNS]
-    return pa.schema(fields, metadata={WORLD_KEY: str(world).encode()})
+    metadata = {WORLD_KEY: str(world).encode()}
+    if run_id is not None:
+        metadata[RUN_KEY] = run_id.encode("ascii")
+    return pa.schema(fields, metadata=metadata)
 
 
-def _schema_message(world: int) -> bytes:
+def _schema_message(world: int, run_id: str | None) -> bytes:
     """The stream's schema message alone: what a stream writer closed before any batch wrote, less its
     8-byte end-of-stream marker."""
     import pyarrow as pa
 
     sink = _Bytes()
-    pa.ipc.new_stream(sink, detail_schema(world)).close()
+    pa.ipc.new_stream(sink, detail_schema(world, run_id)).close()
     return bytes(sink.data[:-8])
 
 
@@ -111,9 +116,10 @@ class DetailWriter:
     warns once); the JSON lines go on regardless.
     """
 
-    def __init__(self, path: str, world: int) -> None:
+    def __init__(self, path: str, world: int, run_id: str | None = None) -> None:
         self.path = path
         self.world = world
+        self.run_id = run_id
         self.dropped = 0
         """Collects whose per-rank values were dropped because the disk refused them too long."""
         self._fd: int | None = None
@@ -133,15 +139,15 @@ class DetailWriter:
     def open(self) -> None:
         import pyarrow as pa
 
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        self._fd = open_regular(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND)
         self._size = 0
         # pyarrow writes the schema with the first batch; if that write were refused (a full disk), the
         # schema would be gone for good and the file unreadable. So it goes to disk now, on its own, and
         # the copy the stream writer emits with its first batch is cut off in _commit.
-        schema = _schema_message(self.world)
+        schema = _schema_message(self.world, self.run_id)
         self._size += append_whole(self._fd, schema, 0, self.path)  # a failure is the caller's open() failing
         self._schema_pending = schema
-        self._stream = pa.ipc.new_stream(self._sink, detail_schema(self.world))
+        self._stream = pa.ipc.new_stream(self._sink, detail_schema(self.world, self.run_id))
 
     def add(self, collect: int, record: StepRecord, log_offset: int) -> None:
         """Queue one collect whose JSON line ends at byte ``log_offset`` of the run log; write a batch when due."""

@@ -26,8 +26,8 @@ from rankmem.runlog.detail_pipe import ADD, ADD_HEAD, CLOSE, FLUSH, KEYS, read_f
 from rankmem.runlog.layout import DETAIL_AGGREGATES
 
 
-def serve(path: str, world: int, rfd: int, wfd: int) -> None:
-    writer = DetailWriter(path, world)
+def serve(path: str, world: int, rfd: int, wfd: int, run_id: str | None = None) -> None:
+    writer = DetailWriter(path, world, run_id)
     writer.open()
     keysets: list[tuple[tuple[str, ...], list[str]]] = []
     buffer = bytearray()
@@ -71,9 +71,10 @@ def _add(writer: DetailWriter, keysets: list[tuple[tuple[str, ...], list[str]]],
 def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     path, world = argv[0], int(argv[1])
+    run_id = argv[2] if len(argv) > 2 and argv[2] else None
     started = time.monotonic()
     try:
-        serve(path, world, sys.stdin.fileno(), sys.stdout.fileno())
+        serve(path, world, sys.stdin.fileno(), sys.stdout.fileno(), run_id)
     except BrokenPipeError:
         return 0  # the rank stopped reading acknowledgements: it is gone
     except Exception as exc:  # noqa: BLE001 - said once on the rank's stderr; the run log's lines go on

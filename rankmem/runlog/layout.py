@@ -35,11 +35,14 @@ import os
 import re
 from typing import Any
 
+# The run directory's names are the run directory's (rankmem.core.rundir); here for the format's readers.
+from rankmem.core.rundir import DETAIL_NAME as DETAIL_NAME
+from rankmem.core.rundir import RUN_ID_FIELD as RUN_ID_FIELD
+from rankmem.core.rundir import RUN_LOG_NAME as RUN_LOG_NAME
+from rankmem.core.rundir import detail_name as detail_name
+
 SCHEMA = 2
 SUPPORTED_SCHEMAS = (1, 2)
-RUN_LOG_NAME = "rankmem.jsonl"
-DETAIL_NAME = "rankmem.ranks.arrow"
-"""The columnar side file of a schema-2 run log, in the same directory."""
 INLINE = "inline"
 """The header's ``detail`` when the per-rank vectors are on the step lines (schema 1's layout)."""
 
@@ -52,6 +55,8 @@ DETAIL_AGGREGATES = ("max", "min", "mean", "max_rank", "min_rank", "p50", "p90",
 DETAIL_COLUMNS = ("collect", "step", "time", "key", *DETAIL_AGGREGATES, "ranks")
 WORLD_KEY = b"rankmem.world_size"
 """The side file's schema metadata: the world size its per-rank lists are as long as."""
+RUN_KEY = b"rankmem.run_id"
+"""The side file's schema metadata: the run id of the log it belongs to (the header's ``run_id``)."""
 LOG_OFFSET = b"rankmem.log_offset"
 """A batch's metadata: the run log's size in bytes after the line of the batch's last collect. A
 reader takes the lines after the last whole batch's offset from the run log (aggregates only)."""
@@ -69,12 +74,6 @@ TIME_FIELD = '"time":'
 RANKS_MARK = ',"ranks":{'
 STEP_MIN, STEP_MAX = -(2**63), 2**63 - 1
 """Steps are 64-bit integers: the reader holds them in an int64 array."""
-
-
-def detail_name(log_name: str) -> str:
-    """The side file's name for a run log named ``log_name`` (``rankmem.jsonl`` -> :data:`DETAIL_NAME`)."""
-    stem = log_name[: -len(".jsonl")] if log_name.endswith(".jsonl") else log_name
-    return f"{stem}.ranks.arrow"
 
 
 _ROTATED = re.compile(r"\.[0-9]+")

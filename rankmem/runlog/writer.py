@@ -6,9 +6,8 @@ it falls back to, with one warning, where pyarrow is not installed). Each line i
 appending, with no buffer in between: a crash loses at most the line being written. A write that fails
 part-way (a full disk takes what fits, then says ENOSPC) is cut back to the last whole line, so the
 file never holds half a line followed by later whole ones; the caller (:class:`rankmem.sinks.SafeSink`)
-retries later and reports the steps lost. A restart into the same directory first moves the earlier
-log aside; the run directory is locked (:mod:`rankmem.runlog.lock`) so that two jobs never share it.
-Online code: it imports nothing of the reader.
+retries later and reports the steps lost. The header carries the run's identity (``run_id``), which
+the side file and the run's events and heartbeats carry too. Online code: it imports nothing of the reader.
 """
 
 from __future__ import annotations
@@ -19,8 +18,10 @@ from dataclasses import asdict
 from typing import Any
 
 from rankmem.core.records import RunHeader, StepRecord
+from rankmem.core.rundir import RunDir, open_regular, unlinked
 from rankmem.core.scalars import json_safe
 from rankmem.core.warnings import WarnOnce, warn
+from rankmem.errors import RankmemError
 from rankmem.runlog.append import append_whole
 from rankmem.runlog.columnar import DetailWriter, pyarrow_available
 from rankmem.runlog.detail_pipe import DetailPipe
@@ -28,32 +29,13 @@ from rankmem.runlog.layout import (
     DETAIL_NAME,
     HEADER_KIND,
     INLINE,
+    RUN_ID_FIELD,
     SCHEMA,
     SEPARATORS,
     STEP_MAX,
     STEP_MIN,
-    detail_name,
     step_object,
 )
-from rankmem.runlog.lock import RunDirLock
-
-
-def rotate(path: str) -> str | None:
-    """Move an existing non-empty log (or directory) aside to ``PATH.1``, ``.2``, ... so that a job
-    restarted with the same ``out_dir`` never truncates the records of the run before it; returns
-    where it went, None when there was nothing to move."""
-    if not os.path.exists(path) or (os.path.isfile(path) and os.path.getsize(path) == 0):
-        return None
-    n = 1
-    while os.path.exists(f"{path}.{n}"):
-        n += 1
-    os.replace(path, f"{path}.{n}")
-    return f"{path}.{n}"
-
-
-def rotated_line(path: str, rotated: str) -> str:
-    """The one line that says so: a restart is normal, the earlier run's records are kept."""
-    return f"{path} was from an earlier run (a restart into the same out_dir?); rotated it to {rotated}"
 
 
 def header_to_json(header: RunHeader, detail: str = DETAIL_NAME) -> dict[str, Any]:
@@ -75,6 +57,7 @@ def header_to_json(header: RunHeader, detail: str = DETAIL_NAME) -> dict[str, An
         "ranks": [asdict(r) for r in header.ranks],
         "config": header.config,
         "detail": detail,
+        RUN_ID_FIELD: header.run_id,
     }
 
 
@@ -92,7 +75,11 @@ class RunLogWriter:
     """Appends whole lines to ``path``; the header is written once, by :meth:`open`.
 
     Both methods raise ``OSError`` when the disk refuses a line (nothing of it stays in the file) and
-    may be called again: :meth:`open` after a failure starts over, :meth:`write` goes on appending.
+    may be called again: :meth:`open` after a failure starts over, :meth:`write` goes on appending. A
+    log whose file was deleted under it (the run directory removed mid-run) raises
+    :class:`~rankmem.errors.RankmemError`: what it would write next is lost, which the caller says once.
+    Its own job only: the run directory's lock and the rotation of an earlier run are the caller's
+    (:class:`rankmem.sinks._jsonl.JsonlSink` asks :class:`~rankmem.core.rundir.RunDir`).
     """
 
     COLUMNAR = "columnar"
@@ -103,35 +90,24 @@ class RunLogWriter:
         if detail not in (self.COLUMNAR, INLINE):
             raise ValueError(f"detail must be {self.COLUMNAR!r} or {INLINE!r}, got {detail!r}")
         self.path = path
-        self.detail_path = os.path.join(os.path.dirname(os.path.abspath(path)), detail_name(os.path.basename(path)))
+        self.run_dir = RunDir.of_log(path)
+        self.detail_path = self.run_dir.detail
         self._columnar = detail == self.COLUMNAR
         self._detail: DetailWriter | DetailPipe | None = None
         self._detail_process = detail_process
         self._collects = 0
         self._fd: int | None = None
         self._size = 0  # bytes of whole lines in the file: where a failed write is cut back to
-        self._lock = RunDirLock(os.path.dirname(os.path.abspath(path)))
         self._warn_once = WarnOnce()
 
     def open(self, header: RunHeader) -> None:
-        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-        if not self._lock.held_by_launcher():
-            self._lock.acquire()  # before the rotation: a second job must not move this one's log aside
-        rotated = rotate(self.path)
         self._close_fd()
         if self._columnar and not pyarrow_available():
             self._columnar = False
             warn("rankmem: pyarrow is not installed, so the run log keeps the per-rank values on its lines "
                  "(slower to report on at scale); pip install pyarrow to write them to the columnar side file")
-        # An earlier run's side file goes with its log, under the same suffix (the reader pairs them so).
-        detail_rotated = None
-        if os.path.exists(self.detail_path):
-            if rotated:
-                detail_rotated = self.detail_path + rotated[len(self.path):]
-                os.replace(self.detail_path, detail_rotated)
-            else:
-                detail_rotated = rotate(self.detail_path)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        os.makedirs(self.run_dir.root, exist_ok=True)
+        self._fd = open_regular(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND)
         self._size = 0
         self._collects = 0
         # default=str: the caller's config may hold paths; they become strings, not a lost header.
@@ -141,15 +117,11 @@ class RunLogWriter:
             self._write_line(line)
             if self._columnar:
                 kind = DetailPipe if self._detail_process else DetailWriter
-                self._detail = kind(self.detail_path, header.world_size)
+                self._detail = kind(self.detail_path, header.world_size, header.run_id)
                 self._detail.open()
         except OSError:
             self._close_fd()  # the next open() starts over on the empty file
             raise
-        if detail_rotated and not rotated:
-            warn(f"rankmem: {rotated_line(self.detail_path, detail_rotated)}")
-        if rotated:
-            warn(f"rankmem: {rotated_line(self.path, rotated)}")
 
     def write(self, record: StepRecord) -> None:
         if not STEP_MIN <= record.step <= STEP_MAX:
@@ -177,6 +149,11 @@ class RunLogWriter:
 
     def _write_line(self, line: str) -> None:
         assert self._fd is not None, "RunLogWriter.open() must come first"
+        # One fstat (~1 us, on the sink thread): a deleted file takes writes without a word.
+        if unlinked(self._fd):
+            self._close_fd()
+            raise RankmemError(f"{self.path} was deleted while the run wrote it (its directory removed?); "
+                               "the run log stops here and later steps are not logged")
         self._size += append_whole(self._fd, (line + "\n").encode("utf-8"), self._size, self.path)
 
     def _close_fd(self) -> None:
@@ -189,4 +166,3 @@ class RunLogWriter:
 
     def close(self) -> None:
         self._close_fd()
-        self._lock.release()

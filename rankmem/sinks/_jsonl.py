@@ -1,11 +1,18 @@
-"""The ``jsonl`` / ``file`` sink: the run log (see :mod:`rankmem.runlog`)."""
+"""The ``jsonl`` / ``file`` sink: the run log (see :mod:`rankmem.runlog`), in its run directory.
+
+Opening it claims the directory (:class:`rankmem.core.rundir.RunDir`): its lock, unless the launcher
+that started this process holds it, then every file of an earlier run moved aside with one number
+(the ranks' files of this run, which carry its run id, stay), one warning line per destination.
+"""
 
 from __future__ import annotations
 
 import os
 
+from rankmem.core.records import RunHeader
+from rankmem.core.rundir import RUN_LOG_NAME, rotated_lines
+from rankmem.core.warnings import warn
 from rankmem.errors import RankmemError
-from rankmem.runlog.layout import RUN_LOG_NAME
 from rankmem.runlog.writer import RunLogWriter
 
 
@@ -19,3 +26,15 @@ class JsonlSink(RunLogWriter):
             path = os.path.join(out_dir, RUN_LOG_NAME)
         # The side file from a writer process: pyarrow (~45 MiB) stays out of the logging rank (issue 22).
         super().__init__(path, detail_process=True)
+        self._lock = self.run_dir.lock()
+
+    def open(self, header: RunHeader) -> None:
+        if not self.run_dir.lock_held_by_launcher():
+            self._lock.acquire()  # before the rotation: a second job must not move this one's log aside
+        for line in rotated_lines(self.run_dir.rotate(header.run_id)):
+            warn(f"rankmem: {line}")
+        super().open(header)
+
+    def close(self) -> None:
+        super().close()
+        self._lock.release()

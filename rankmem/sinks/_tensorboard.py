@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from rankmem.core.records import RunHeader, StepRecord
+from rankmem.core.rundir import RunDir
 from rankmem.errors import RankmemError
 
 # TensorBoard shows any tag, but TensorFlow's summary ops reject these characters; keep tags portable.
@@ -29,7 +30,7 @@ class TensorBoardSink:
         if logdir is None:
             if out_dir is None:
                 raise RankmemError("the tensorboard sink needs a directory: pass out_dir='runs/NAME' to the Monitor")
-            logdir = os.path.join(out_dir, "tb")
+            logdir = RunDir(out_dir).tb
         self.logdir = logdir
         self._flush_secs = flush_secs
         self._writer: Any = None

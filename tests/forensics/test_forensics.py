@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import pickle
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -112,19 +111,18 @@ def test_other_errors_leave_no_event_and_events_need_a_directory(tmp_path: Path)
     assert not (tmp_path / "events").exists()
 
 
-def test_an_unwritable_events_directory_warns_once_and_training_goes_on(tmp_path: Path) -> None:
+def test_a_file_where_the_events_directory_belongs_is_moved_aside_and_nothing_is_lost(tmp_path: Path) -> None:
     (tmp_path / "events").write_text("a file where the directory should be")
     monitor = rankmem.Monitor(out_dir=str(tmp_path), device="cpu", children=False, near_oom_watch=False)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for step in range(2):
-            with pytest.raises(MemoryError):
-                with monitor.step(step):
-                    raise MemoryError("simulated")
-        out = monitor.collect({"loss": 1.0})
-    assert out["loss/max"] == 1.0
-    assert sum("cannot write events" in str(w.message) for w in caught) == 1
+    for step in range(2):
+        with pytest.raises(MemoryError):
+            with monitor.step(step):
+                raise MemoryError("simulated")
+    out = monitor.collect({"loss": 1.0})
     monitor.close()
+    assert out["loss/max"] == 1.0
+    assert [(e["kind"], e["step"]) for e in read_events(str(tmp_path)).events] == [("oom", 0), ("oom", 1)]
+    assert (tmp_path / "events.1").read_text() == "a file where the directory should be"  # kept, as an earlier run's
 
 
 def test_heartbeats_follow_window_edges_and_close_cleanly(tmp_path: Path) -> None:

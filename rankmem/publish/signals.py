@@ -1,0 +1,82 @@
+"""At SIGTERM or SIGINT, the logging rank's pending records reach disk before the process ends.
+
+SIGTERM is what torchrun sends the survivors of a failed rank, and what Slurm and Kubernetes send at
+preemption; its default action ends the process at once, with the record of the last collect (and the
+side file's open batch of per-rank values) still in memory. While a publisher is open, the logging
+rank's main thread handles SIGTERM and SIGINT: it flushes every open publisher (bounded by
+:data:`FLUSH_S`), then does what the signal did before: the previous Python handler is called, and a
+default SIGTERM is delivered again with its default action restored, so the process still dies by
+SIGTERM (its exit status, torchrun's view of it, unchanged). A handler the caller installed is kept
+and called after the flush; an ignored signal stays ignored.
+
+Python runs a signal handler on the main thread between bytecodes: a main thread blocked inside a
+collective runs it when the collective returns (or times out). The sink thread is woken at every
+collect, so by then the records are normally on disk already. SIGKILL runs no code: what it can
+cost is the record of a collect returned less than one sink write (~0.1 ms) before it, and the side
+file's open batch (the per-rank values of up to a batch of steps; their aggregates are on the lines).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+FLUSH_S = 2.0
+"""The most a terminating signal waits for the sinks (torchrun's grace before SIGKILL is 30 s)."""
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+_installed: dict[int, Any] = {}  # signal -> the handler ours replaced
+_lock = threading.Lock()
+
+
+def install(flush: Callable[[float], object]) -> None:
+    """Handle :data:`SIGNALS` by ``flush(FLUSH_S)`` first; a no-op off the main thread or when installed."""
+    if threading.current_thread() is not threading.main_thread():
+        return  # signal.signal works only there (a Ray actor's method, a framework's thread)
+    with _lock:
+        for sig in SIGNALS:
+            if sig in _installed:
+                continue
+            previous = signal.getsignal(sig)
+            if previous is signal.SIG_IGN or previous is None:
+                continue  # ignored on purpose, or set from C (not ours to replace)
+            try:
+                signal.signal(sig, _handler(sig, previous, flush))
+            except (ValueError, OSError):
+                continue
+            _installed[sig] = previous
+
+
+def _handler(sig: int, previous: Any, flush: Callable[[float], object]) -> Callable[[int, FrameType | None], None]:
+    def handle(signum: int, frame: FrameType | None) -> None:
+        try:
+            flush(FLUSH_S)
+        except Exception:  # noqa: BLE001 - the signal's own action must follow whatever the flush did
+            pass
+        if callable(previous):
+            previous(signum, frame)
+            return
+        # SIG_DFL: die by the signal, as without rankmem.
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    return handle
+
+
+def uninstall() -> None:
+    """Put back the handlers ours replaced (where ours is still the one installed)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    with _lock:
+        for sig, previous in list(_installed.items()):
+            current = signal.getsignal(sig)
+            if getattr(current, "__qualname__", "").startswith("_handler."):
+                try:
+                    signal.signal(sig, previous)
+                except (ValueError, OSError):
+                    continue
+            del _installed[sig]
