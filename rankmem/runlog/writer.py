@@ -22,6 +22,7 @@ from rankmem.core.records import RunHeader, StepRecord
 from rankmem.core.scalars import json_safe
 from rankmem.core.warnings import WarnOnce, warn
 from rankmem.runlog.append import append_whole
+from rankmem.runlog.checksum import header_crc
 from rankmem.runlog.columnar import DetailWriter, pyarrow_available
 from rankmem.runlog.layout import (
     DETAIL_NAME,
@@ -136,7 +137,8 @@ class RunLogWriter:
         try:
             self._write_line(line)
             if self._columnar:
-                self._detail = DetailWriter(self.detail_path, header.world_size)
+                self._detail = DetailWriter(self.detail_path, header.world_size,
+                                            header_crc((line + "\n").encode("utf-8")))
                 self._detail.open()
         except OSError:
             self._close_fd()  # the next open() starts over on the empty file
