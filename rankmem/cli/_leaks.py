@@ -10,7 +10,14 @@ import argparse
 import json
 from dataclasses import asdict
 
-from rankmem.cli._common import add_leak_options, add_run_argument, check_keys, leak_config, require_steps
+from rankmem.cli._common import (
+    add_leak_options,
+    add_run_argument,
+    check_keys,
+    leak_config,
+    note_damage,
+    require_steps,
+)
 from rankmem.offline.leaks import LEAK_KEYS
 
 NO_VERDICT = 3
@@ -35,6 +42,8 @@ def run(args: argparse.Namespace) -> int:
 
     the_run = read_run(args.run)
     require_steps(the_run, "leaks")
+    if args.json or the_run.detail_note:
+        note_damage(the_run, "leaks")
     config = leak_config(args)
     if args.keys != list(LEAK_KEYS):  # the defaults are each optional (a CPU run has no device keys)
         check_keys(the_run, args.keys)

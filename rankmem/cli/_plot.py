@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from rankmem.cli._common import add_run_argument
+from rankmem.cli._common import add_run_argument, note_damage
 from rankmem.errors import RankmemError
 
 DEFAULT_NAME = "rankmem.png"
@@ -38,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
     from rankmem.offline.plot import plot_run
 
     the_run = read_run(args.run)
+    note_damage(the_run, "plot")
     output = args.output or os.path.join(os.path.dirname(the_run.path), DEFAULT_NAME)
     try:
         keys = plot_run(the_run, output, keys=args.keys, size=args.size)

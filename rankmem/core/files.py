@@ -9,9 +9,9 @@ regular file before reading a byte. For a regular file ``O_NONBLOCK`` changes no
 
 from __future__ import annotations
 
+import io
 import os
 import stat
-from typing import BinaryIO
 
 _KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
           (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory"))
@@ -47,9 +47,9 @@ def open_regular(path: str) -> int:
     return fd
 
 
-def open_binary(path: str) -> BinaryIO:
+def open_binary(path: str) -> io.BufferedReader:
     """``open(path, "rb")``, through :func:`open_regular`."""
-    return os.fdopen(open_regular(path), "rb")
+    return io.open(open_regular(path), "rb")  # noqa: UP020 - typed as a BufferedReader, which peeks
 
 
 def is_regular(path: str) -> bool:

@@ -8,6 +8,7 @@ per run, so the reader's heap holds the result and little else (see :func:`read_
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -347,8 +348,10 @@ class DetailFollower:
     per-rank values, reading only the bytes added since the last call (whole batches; a batch still
     being written is left for the next call). ``rankmem watch`` draws its per-rank rows from it."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, header_line: bytes | None = None) -> None:
         self.path = path
+        self.header_line = header_line
+        """The run log's header line, when known: a side file sealed for another header is not followed."""
         self.latest: tuple[int, dict[str, list[float | None]]] | None = None
         self._offset = 0
         self._schema: Any = None
@@ -356,6 +359,11 @@ class DetailFollower:
         self._sealed = False
         self.damaged: str | None = None
         """Why following stopped (a damaged message), or None."""
+        self.recent: list[tuple[int, float]] = []
+        """(step, time) of the newest collects in the file (at most 2, oldest first): what the run log's
+        last lines must say (:meth:`check_lines`)."""
+        self.closed = False
+        """The file ends with the end-of-stream marker: the writer closed it, so it holds every collect."""
 
     def poll(self) -> tuple[int, dict[str, list[float | None]]] | None:
         try:
@@ -369,7 +377,7 @@ class DetailFollower:
             identity = (st.st_dev, st.st_ino)
             if identity != self._identity or st.st_size < self._offset:  # a new run moved the old file aside
                 self._identity, self._offset, self._schema, self.latest = identity, 0, None, None
-                self._sealed, self.damaged = False, None
+                self._sealed, self.damaged, self.recent, self.closed = False, None, [], False
             if st.st_size == self._offset or self.damaged:
                 return self.latest
             batch = self._read_new(fd, st.st_size, pa)
@@ -396,6 +404,7 @@ class DetailFollower:
         while True:
             found = frame(read, self._offset, size)
             if found is None or found == "truncated":
+                self.closed = bytes(read(self._offset, 8)) == _END_OF_STREAM
                 return batch  # the end, the end-of-stream marker, or a batch still being written
             if isinstance(found, str):
                 self.damaged = found
@@ -413,16 +422,51 @@ class DetailFollower:
                     self._schema = pa.ipc.read_schema(decoded)
                     if not set(DETAIL_COLUMNS) <= set(self._schema.names):
                         raise KeyError("not a rankmem per-rank file: columns missing")
+                    want = (self._schema.metadata or {}).get(HEADER_KEY)
+                    if want is not None and self.header_line is not None \
+                            and want.decode(errors="replace") != header_crc(self.header_line):
+                        self.damaged = "it does not match the run log's header (damaged, or another run's file)"
+                        return batch
                 else:
                     got = pa.ipc.read_record_batch(decoded, self._schema)
                     if not self._sealed:
                         got.validate(full=True)
+                    self.recent = (self.recent + _collects(got))[-2:]
                     if got.column(got.schema.get_field_index("ranks")).null_count < got.num_rows:
                         batch = got  # past the crossover most collects carry none: keep the last that does
             except (pa.ArrowException, OSError, KeyError, TypeError) as exc:
                 self.damaged = f"the message at byte {found.start} cannot be decoded ({exc})"
                 return batch
             self._offset = found.end
+
+
+    def check_lines(self, lines: list[tuple[Any, Any]]) -> str | None:
+        """Why the run log's newest lines, as ``(step, time)`` oldest first, disagree with the side file
+        (a damaged line: JSON has no checksum, the side file has), or None. Only a closed file must hold
+        the last lines' collects; a live one may be a second behind, and is checked where it has them."""
+        if self.damaged or not self.recent:
+            return None
+        known = dict(self.recent)
+        for step, time in lines[-len(self.recent):] if self.closed else lines:
+            if not self.closed and step not in known:
+                continue
+            side = known.get(step)
+            if side is None or not (time == side or (time is None and math.isnan(side))):
+                return (f"the run log's line of step {step} disagrees with {self.path} (the newest collects "
+                        f"there: {', '.join(str(s) for s, _ in self.recent)}): a damaged line")
+        return None
+
+
+_END_OF_STREAM = b"\xff\xff\xff\xff\x00\x00\x00\x00"
+
+
+def _collects(batch: Any) -> list[tuple[int, float]]:
+    """(step, time) of each collect of a decoded batch, in collect order."""
+    collect = batch.column(batch.schema.get_field_index("collect")).to_numpy()
+    _, first = np.unique(collect, return_index=True)
+    steps = batch.column(batch.schema.get_field_index("step")).to_numpy()[first]
+    times = batch.column(batch.schema.get_field_index("time")).to_numpy()[first]
+    return [(int(s), float(t)) for s, t in zip(steps.tolist(), times.tolist(), strict=True)]
 
 
 def _last_collect(batch: Any) -> tuple[int, dict[str, list[float | None]]] | None:

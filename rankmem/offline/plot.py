@@ -55,6 +55,10 @@ def plot_run(run: Run, output: str, keys: Sequence[str] | None = None, size: tup
     """Write a PNG of ``keys`` (default: the catalogue's ``PLOT_KEYS`` present in the run); returns the keys drawn."""
     if importlib.util.find_spec("matplotlib") is None:
         raise MissingExtraError("rankmem plot", "plot", "matplotlib")
+    if run.steps.size == 0 and run.logged is not None and run.logged.steps.size:
+        raise RankmemError(f"{run.path} has {run.logged.steps.size} logged steps but no per-rank values to plot "
+                           f"({run.detail_note or 'its steps carry their aggregates only'}); "
+                           "rankmem report reads the aggregates")
     if run.steps.size == 0:  # first: a log without steps has no keys either, and no key is the wrong hint
         raise RankmemError(
             f"{run.path} has no logged steps to plot: the run stopped, or its jsonl sink failed, before its first "

@@ -17,6 +17,7 @@ needs numpy, never torch.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import io
 import itertools
@@ -27,12 +28,12 @@ import stat
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import numpy as np
 
 from rankmem.core.catalogue import phase_names
-from rankmem.core.files import is_regular, kind_of, open_binary, read_bytes
+from rankmem.core.files import is_regular, kind_of, open_binary
 from rankmem.core.scalars import to_float_or_nan
 from rankmem.errors import RankmemError
 from rankmem.offline.columnar import Detail, empty_detail, read_detail
@@ -147,19 +148,35 @@ def _regular_or_raise(path: str) -> None:
                            "the run wrote; move it aside")
 
 
-def _open_log(path: str) -> IO[str]:
+@contextlib.contextmanager
+def _open_log(path: str) -> Iterator[IO[str]]:
     """The log as text: plain, or gzip'd (by its magic bytes, whatever its name)."""
-    raw = open_binary(path)  # not a FIFO swapped in since resolve_run_path: that would block here
-    magic = raw.read(6)
-    raw.seek(0)
-    if magic.startswith(b"\x1f\x8b"):
-        return gzip.open(raw, "rt", encoding="utf-8", errors="replace")
-    for prefix, (name, tool) in _COMPRESSED.items():
-        if magic.startswith(prefix):
-            raw.close()
-            raise RankmemError(f"{path} is {name}-compressed: rankmem reads plain and gzip'd run logs; "
-                               f"decompress it first ({tool} -k {path})")
-    return io.TextIOWrapper(raw, encoding="utf-8", errors="replace")
+    with _open_bytes(path) as f:
+        magic = f.peek(6)[:6] if isinstance(f, io.BufferedReader) else b""
+        for prefix, (name, tool) in _COMPRESSED.items():
+            if magic.startswith(prefix):
+                raise RankmemError(f"{path} is {name}-compressed: rankmem reads plain and gzip'd run logs; "
+                                   f"decompress it first ({tool} -k {path})")
+        text = io.TextIOWrapper(cast(IO[bytes], f), encoding="utf-8", errors="replace")
+        try:
+            yield text
+        finally:
+            text.detach()
+
+
+@contextlib.contextmanager
+def _open_bytes(path: str) -> Iterator[io.BufferedIOBase]:
+    """The log's bytes, gunzipped when it is gzip'd; opened as a regular file only (a FIFO swapped in
+    since :func:`resolve_run_path` would block a plain open)."""
+    handle = open_binary(path)
+    try:
+        if handle.peek(2)[:2] == b"\x1f\x8b":
+            with gzip.GzipFile(fileobj=handle, mode="rb") as unzipped:
+                yield unzipped
+        else:
+            yield handle
+    finally:
+        handle.close()
 
 
 def _short(value: Any) -> str:
@@ -510,8 +527,7 @@ class _Tail:
         self.metrics: list[dict[str, Any]] = []
         self.corrupt: list[int] = []
         self.truncated = False
-        handle = open_binary(path)
-        with gzip.open(handle, "rb") if _is_gzip(path) else handle as f:
+        with _open_bytes(path) as f:
             try:
                 if offset:
                     f.seek(offset)
@@ -542,16 +558,11 @@ class _Tail:
         self.metrics.append(metrics if isinstance(metrics, dict) else {})
 
 
-def _is_gzip(path: str) -> bool:
-    return read_bytes(path, 2) == b"\x1f\x8b"
-
-
 def _first_line(path: str) -> bytes | None:
     """The log's header line as written (newline included), for the side file's header check; None when
     it cannot be read."""
     try:
-        raw = open_binary(path)
-        with gzip.open(raw, "rb") if _is_gzip(path) else raw as f:
+        with _open_bytes(path) as f:
             return f.readline(1 << 24)
     except (OSError, EOFError, zlib.error):
         return None

@@ -31,7 +31,7 @@ from rankmem.offline.columnar import DetailFollower
 from rankmem.offline.events import read_events
 from rankmem.offline.report import describe_event
 from rankmem.offline.runlog import header_world_size
-from rankmem.offline.tail import Tail, TailFollower
+from rankmem.offline.tail import Tail, TailFollower, read_header_line
 from rankmem.runlog import RUN_LOG_NAME
 from rankmem.runlog.layout import INLINE, detail_path
 
@@ -94,6 +94,8 @@ class Frame:
     detail_step: int | None = None
     """The step of the per-rank values shown, when they come from the side file (its last batch may be
     up to a second behind the newest line; past the crossover, the last collect that carried them)."""
+    detail_note: str | None = None
+    """Why the side file is no longer followed (a damaged batch, another run's file), or None."""
 
 
 def _vector(step: dict[str, Any], key: str, world: int) -> list[float | None]:
@@ -202,12 +204,21 @@ class Watcher:
         path = detail_path(self.log_path, name)
         if self._detail_follower is None or self._detail_follower.path != path:
             self._detail_follower = DetailFollower(path)
+        self._detail_follower.header_line = read_header_line(self.log_path)  # a restart writes a new one
         return self._detail_follower.poll()
 
     def frame(self, now: float | None = None) -> Frame:
         tail = self.follower.poll()
         beats = read_heartbeats(os.path.join(self.run_dir, "heartbeat"))
-        return build_frame(self.run_dir, tail, beats, self._read_events(), now, detail=self._detail(tail.header))
+        frame = build_frame(self.run_dir, tail, beats, self._read_events(), now, detail=self._detail(tail.header))
+        follower = self._detail_follower
+        if tail.header is None and tail.steps:
+            frame.detail_note = f"{self.log_path}: its first line is not a rankmem header (damaged): world size unknown"
+        elif follower is not None and follower.damaged:
+            frame.detail_note = f"{follower.path}: {follower.damaged}; not followed further"
+        elif follower is not None:
+            frame.detail_note = follower.check_lines([(s.get("step"), s.get("time")) for s in tail.steps])
+        return frame
 
 
 # ---- rendering ----------------------------------------------------------------------------------------
@@ -240,6 +251,8 @@ def title_lines(frame: Frame) -> list[str]:
         if frame.detail_step is not None and frame.detail_step != frame.step:
             head += f"; per-rank values of step {frame.detail_step}"
     lines = [head]
+    if frame.detail_note:
+        lines.append(f"note: {frame.detail_note}")
     if frame.capacity:
         lines.append("limits: " + ", ".join(f"{label} {value:.3f} GiB" for label, value in frame.capacity))
     return lines
