@@ -14,6 +14,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from rankmem.core.text import printable
 from rankmem.errors import RankmemError
 
 # name -> (module, one-line help)
@@ -56,10 +57,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except RankmemError as exc:
-        print(f"rankmem {args.command}: error: {exc}", file=sys.stderr)
+        print(printable(f"rankmem {args.command}: error: {exc}"), file=sys.stderr)  # it may quote the run's keys
         return 2
     except (FileNotFoundError, IsADirectoryError, PermissionError) as exc:
-        print(f"rankmem {args.command}: error: {exc.strerror}: {exc.filename}", file=sys.stderr)
+        print(printable(f"rankmem {args.command}: error: {exc.strerror}: {exc.filename}"), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

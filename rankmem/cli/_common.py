@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from rankmem.core.text import printable
 from rankmem.errors import RankmemError
 from rankmem.offline.leaks import LeakConfig
 
@@ -71,7 +72,7 @@ def note_damage(run: Run, command: str) -> None:
     """What of the run could not be read, on stderr, one line each: a verdict or a plot drawn from a
     damaged run says so even where stdout is JSON or a file."""
     if run.detail_note:
-        print(f"rankmem {command}: note: {run.detail_note}", file=sys.stderr)
+        print(printable(f"rankmem {command}: note: {run.detail_note}"), file=sys.stderr)
     if run.corrupt or run.truncated:
         print(f"rankmem {command}: note: skipped {run.corrupt} corrupt line(s)"
               f"{', a truncated last line or batch' if run.truncated else ''}", file=sys.stderr)

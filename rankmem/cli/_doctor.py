@@ -37,6 +37,9 @@ EXTRAS = (
     ("verl", ("verl",), "checks against verl's own functions (the verl integration itself needs none)"),
     ("ray", ("ray",), "rankmem train --launcher ray"),
 )
+IMPORTED = ("matplotlib",)
+"""Extras doctor imports, not only finds: those rankmem's own commands import (plot, report --html).
+The trackers and frameworks are imported by the job, and take seconds to tens of seconds each here."""
 SCOPES = {
     "window": "window (VmHWM reset at each window edge through /proc/self/clear_refs)",
     "lifetime": "lifetime (this kernel cannot reset VmHWM: peak RSS is the process's lifetime peak)",
@@ -169,11 +172,31 @@ def out_line(out: str) -> str:
     return line
 
 
+def _import_failure(module: str) -> str | None:
+    """Why ``module`` fails to import (found is not enough: a broken install raises anything), or None."""
+    try:
+        if module == "matplotlib":  # what rankmem plot imports, on the backend it uses
+            import matplotlib
+
+            matplotlib.use("Agg")
+            importlib.import_module("matplotlib.pyplot")
+        else:
+            importlib.import_module(module)
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {str(exc)[:120]}"
+    return None
+
+
 def extra_lines() -> list[str]:
     lines = ["extras:"]
     for extra, modules, what in EXTRAS:
         missing = [m for m in modules if importlib.util.find_spec(m) is None]
-        if not missing:
+        broken = [] if missing else [f"{m} ({why})" for m in modules
+                                     if m in IMPORTED and (why := _import_failure(m)) is not None]
+        if broken:
+            lines.append(f"  {extra:<12} broken: {', '.join(broken)} is installed but does not import; "
+                         f"reinstall it (pip install --force-reinstall 'rankmem[{extra}]') for {what}")
+        elif not missing:
             versions = ", ".join(f"{m} {_version(m) or '(version unknown)'}" for m in modules)
             lines.append(f"  {extra:<12} ok ({versions}): {what}")
         else:

@@ -18,6 +18,7 @@ from rankmem.cli._common import (
     note_damage,
     require_steps,
 )
+from rankmem.core.text import printable
 from rankmem.offline.leaks import LEAK_KEYS
 
 NO_VERDICT = 3
@@ -57,12 +58,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"skipped: {the_run.corrupt} corrupt line(s){', a truncated last line' if the_run.truncated else ''}")
     for t in trends if args.verbose else leaks:
         line = f"{'LEAK' if t.leak else 'ok  '} {t.describe()}"
-        print(f"{line}; not flagged: {t.reason}" if t.reason and not t.leak else line)
+        print(printable(f"{line}; not flagged: {t.reason}" if t.reason and not t.leak else line))
     if leaks:
         ranks = sorted({t.rank for t in leaks})
         worst = leaks[0]
         more = f"; worst: rank {worst.rank} {worst.key}" if len(leaks) > 1 else ""
-        print(f"leak found on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}{more}")
+        print(printable(f"leak found on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}{more}"))
     elif not trends:
         print(f"no verdict: fewer than {config.min_steps} logged steps in the window")
     else:

@@ -7,6 +7,7 @@ import argparse
 import os
 
 from rankmem.cli._common import add_run_argument, note_damage
+from rankmem.core.text import printable
 from rankmem.errors import RankmemError
 
 DEFAULT_NAME = "rankmem.png"
@@ -53,5 +54,5 @@ def run(args: argparse.Namespace) -> int:
             os.unlink(output)
         raise RankmemError(f"cannot draw {the_run.path}: matplotlib refused the figure ({exc}); a value in it is "
                            "too large to plot (`rankmem report` lists the largest)") from None
-    print(f"wrote {output} ({', '.join(keys)})")
+    print(printable(f"wrote {output} ({', '.join(keys)})"))
     return 0

@@ -23,12 +23,14 @@ written (a store into the page is not atomic against a concurrent ``read``) and 
 from __future__ import annotations
 
 import glob
+import math
 import mmap
 import os
 import struct
 import time
 from dataclasses import dataclass
 
+from rankmem.core.files import open_binary
 from rankmem.core.warnings import WarnOnce
 from rankmem.probe import procfs as _procfs
 
@@ -40,6 +42,8 @@ VERSION = 2
 NO_STEP = -(2**63)
 """The step field before the first step (version 1 used -1, which hid negative steps)."""
 PHASE_BYTES = 32
+MAX_RANKS = 1 << 20
+"""Highest rank a heartbeat may name, as many as a run log's header may claim."""
 _CLEAN = 1
 _RECORD = struct.Struct(f"<4sHHIiQqqd{PHASE_BYTES}sQ")
 RECORD_SIZE = _RECORD.size
@@ -178,12 +182,15 @@ def read_heartbeats(directory: str) -> dict[int, HeartbeatRecord]:
         record = None
         for _ in range(3):  # a torn read (seq mismatch) is retried: the writer's pwrite takes ~1 us
             try:
-                with open(path, "rb") as f:
+                with open_binary(path) as f:  # a FIFO here blocked report and watch in open()
                     record = unpack_record(f.read(RECORD_SIZE))
             except OSError:
                 break
             if record is not None:
                 break
-        if record is not None:
+        # A record is another process's bytes: its rank must be the one its name says (rank 2**31 once
+        # asked watch for two billion rows) and its time a time.
+        if record is not None and os.path.basename(path) == f"rank{record.rank}.hb" \
+                and 0 <= record.rank < MAX_RANKS and math.isfinite(record.time):
             out[record.rank] = record
     return out

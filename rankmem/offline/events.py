@@ -8,7 +8,14 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from rankmem.core.files import NotRegularFile, open_binary
+from rankmem.core.scalars import to_float
 from rankmem.forensics.events import EVENTS_DIR
+
+MAX_EVENTS_BYTES = 64 << 20
+"""Bytes of one rank's event file read at most (an event is a few KB; a rank records a handful)."""
+MAX_DEPTH = 16
+"""Deepest nesting an event may have (the writer's nest three deep); a deeper line counts as corrupt."""
 
 
 @dataclass
@@ -18,6 +25,8 @@ class Events:
     events: list[dict[str, Any]] = field(default_factory=list)
     corrupt: int = 0
     """Lines skipped: torn (a rank died mid-write), not JSON, or not an event object."""
+    skipped: list[str] = field(default_factory=list)
+    """Event files not read whole, each with why (a FIFO, a device, past :data:`MAX_EVENTS_BYTES`)."""
 
 
 def read_events(run_dir: str) -> Events:
@@ -32,11 +41,19 @@ def read_events(run_dir: str) -> Events:
     except OSError:
         return out
     for name in names:
+        path = os.path.join(directory, name)
         try:
-            with open(os.path.join(directory, name), "rb") as f:
-                data = f.read()
+            with open_binary(path) as f:  # a FIFO here blocked report and watch in open()
+                data = f.read(MAX_EVENTS_BYTES + 1)
+        except NotRegularFile as exc:
+            out.skipped.append(str(exc))
+            continue
         except OSError:
             continue
+        if len(data) > MAX_EVENTS_BYTES:
+            out.skipped.append(f"{path} holds more than {MAX_EVENTS_BYTES >> 20} MiB of events; read its first "
+                               f"{MAX_EVENTS_BYTES >> 20} MiB")
+            data = data[: data.rfind(b"\n", 0, MAX_EVENTS_BYTES) + 1]
         lines = data.split(b"\n")
         # Every whole line ends in "\n": what follows the last one is a torn write (or nothing).
         if lines[-1].strip():
@@ -46,10 +63,10 @@ def read_events(run_dir: str) -> Events:
                 continue
             try:
                 event = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):  # not JSON; nested past the parser's depth
                 out.corrupt += 1
                 continue
-            if not isinstance(event, dict) or "kind" not in event:
+            if not isinstance(event, dict) or "kind" not in event or _depth(event) > MAX_DEPTH:
                 out.corrupt += 1
                 continue
             out.events.append(event)
@@ -57,7 +74,20 @@ def read_events(run_dir: str) -> Events:
     return out
 
 
+def _depth(obj: Any) -> int:
+    """How deeply ``obj`` nests lists and objects (iteratively: a deep one must not recurse)."""
+    deepest, todo = 0, [(obj, 1)]
+    while todo:
+        item, depth = todo.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            if depth > MAX_DEPTH:
+                return depth
+            todo.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
 def _order(event: dict[str, Any]) -> tuple[float, int]:
-    t, rank = event.get("time"), event.get("rank")
-    return (float(t) if isinstance(t, (int, float)) else float("inf"),
-            rank if isinstance(rank, int) else -1)
+    t, rank = to_float(event.get("time")), event.get("rank")  # 10**400 is an int no float holds
+    return (t if t is not None and t == t else float("inf"),
+            rank if isinstance(rank, int) and abs(rank) < 2**63 else -1)

@@ -51,10 +51,26 @@ def _label(key: str) -> str:
     return f"{key} (GiB)" if key.endswith("_gib") else key
 
 
+def pyplot(feature: str = "rankmem plot") -> Any:
+    """``matplotlib.pyplot`` on the Agg backend, imported: MissingExtraError when it is not installed,
+    RankmemError naming the failure when it is but does not import (a broken install, a numpy it was
+    not built for): finding the package is not enough."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise MissingExtraError(feature, "plot", "matplotlib")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display needed; must precede pyplot's first import
+        import matplotlib.pyplot as plt
+    except Exception as exc:  # noqa: BLE001 - whatever a broken install raises is one line
+        raise RankmemError(f"{feature} needs matplotlib, which is installed but fails to import ({exc!r:.200}): "
+                           "reinstall it (pip install --force-reinstall matplotlib)") from None
+    return plt
+
+
 def plot_run(run: Run, output: str, keys: Sequence[str] | None = None, size: tuple[int, int] | None = None) -> list[str]:
     """Write a PNG of ``keys`` (default: the catalogue's ``PLOT_KEYS`` present in the run); returns the keys drawn."""
-    if importlib.util.find_spec("matplotlib") is None:
-        raise MissingExtraError("rankmem plot", "plot", "matplotlib")
+    plt = pyplot()
     if run.steps.size == 0 and run.logged is not None and run.logged.steps.size:
         raise RankmemError(f"{run.path} has {run.logged.steps.size} logged steps but no per-rank values to plot "
                            f"({run.detail_note or 'its steps carry their aggregates only'}); "
@@ -70,8 +86,6 @@ def plot_run(run: Run, output: str, keys: Sequence[str] | None = None, size: tup
         available = ", ".join(k for k in sorted(run.series) if not k.startswith(PHASE_PREFIX))
         raise RankmemError(f"no such key(s) in the run log: {', '.join(missing) or '(none chosen)'}; choose from: {available}")
     fig = draw_run(run, chosen, size)
-    import matplotlib.pyplot as plt
-
     try:
         # No bbox_inches="tight": the PNG must be exactly the size asked for.
         fig.savefig(output, dpi=_DPI, format="png")
@@ -88,10 +102,7 @@ def draw_run(run: Run, chosen: Sequence[str], size: tuple[int, int] | None = Non
     """The matplotlib figure of :func:`plot_run` (the caller closes it)."""
     width, height = size or (1200, 360 * len(chosen))
 
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display needed; must precede pyplot's first import
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib.ticker import MaxNLocator
 
     fig, axes = plt.subplots(len(chosen), 1, figsize=(width / _DPI, height / _DPI), dpi=_DPI, sharex=True, squeeze=False)

@@ -25,6 +25,7 @@ from typing import Any
 
 from rankmem.core.catalogue import key_of, worse
 from rankmem.core.scalars import to_float
+from rankmem.core.text import printable
 from rankmem.forensics.events import EVENTS_DIR
 from rankmem.forensics.heartbeat import HeartbeatRecord, read_heartbeats
 from rankmem.offline.columnar import DetailFollower
@@ -186,6 +187,8 @@ class Watcher:
         self._events_stamp: tuple[tuple[str, int, int], ...] = ()
         self._events: list[dict[str, Any]] = []
         self._detail_follower: DetailFollower | None = None
+        self.events_skipped: list[str] = []
+        """Event files not read (a FIFO, a device), each with why: the title says so."""
 
     def _read_events(self) -> list[dict[str, Any]]:
         directory = os.path.join(self.run_dir, EVENTS_DIR)
@@ -194,7 +197,8 @@ class Watcher:
         except OSError:
             stamp = ()
         if stamp != self._events_stamp:  # a new or grown events file: read them again (they are small)
-            self._events_stamp, self._events = stamp, read_events(self.run_dir).events
+            read = read_events(self.run_dir)
+            self._events_stamp, self._events, self.events_skipped = stamp, read.events, read.skipped
         return self._events
 
     def _detail(self, header: dict[str, Any] | None) -> tuple[int, dict[str, list[float | None]]] | None:
@@ -218,6 +222,9 @@ class Watcher:
             frame.detail_note = f"{follower.path}: {follower.damaged}; not followed further"
         elif follower is not None:
             frame.detail_note = follower.check_lines([(s.get("step"), s.get("time")) for s in tail.steps])
+        if self.events_skipped:
+            skipped = "; ".join(self.events_skipped)
+            frame.detail_note = f"{frame.detail_note}; {skipped}" if frame.detail_note else skipped
         return frame
 
 
@@ -274,7 +281,8 @@ def render_frame(frame: Frame, stale_s: float = 30.0) -> Any:
     from rich.table import Table
     from rich.text import Text
 
-    parts: list[Any] = [Text(line) for line in title_lines(frame)]
+    # Every string is the run's own (its directory, hosts, phases, event fields): shown as text, escaped.
+    parts: list[Any] = [Text(printable(line)) for line in title_lines(frame)]
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
     for name, justify in (("rank", "right"), ("step", "right"), ("phase", "left"), ("beat", "right")):
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
@@ -284,7 +292,8 @@ def render_frame(frame: Frame, stale_s: float = 30.0) -> Any:
         # A rank whose last beat is old while the job goes on is the one to look at.
         age = "" if row.beat_age_s is None else _age(row.beat_age_s)
         age_style = "yellow" if row.beat_age_s is not None and row.beat_age_s > stale_s and not row.exited else ""
-        cells: list[Any] = [str(row.rank), "" if row.step is None else str(row.step), _phase(row), Text(age, age_style)]
+        cells: list[Any] = [str(row.rank), "" if row.step is None else str(row.step), Text(printable(_phase(row))),
+                            Text(age, age_style)]
         for _, key in frame.columns:
             value = row.values.get(key)
             if value is None:
@@ -301,7 +310,7 @@ def render_frame(frame: Frame, stale_s: float = 30.0) -> Any:
         parts.append(Text(f"events ({frame.event_count}, newest last):"))
         for e in frame.events:
             when = _clock(e.get("time"))
-            parts.append(Text(f"  {when} {describe_event(e)}", "red" if e.get("kind") in ("oom", "killed") else ""))
+            parts.append(Text(printable(f"  {when} {describe_event(e)}"), "red" if e.get("kind") in ("oom", "killed") else ""))
     else:
         parts.append(Text("events: none"))
     return Group(*parts)
