@@ -202,12 +202,17 @@ class Windows:
 
     def _close_phase(self, name: str, window: _Open, rss: int | None, dev: DeviceReading | None) -> None:
         p = self._phases.setdefault(name, PhaseBytes())
+        # Inside an open phase of the same name (a helper that opens "update" called from "update"), the
+        # outer one's delta spans this one's: summing both counted the growth twice. Peaks are a max.
+        nested = name in self._phase_stack[:-1]
         p.peak_rss = _max(p.peak_rss, window.peak_rss)
-        p.rss_delta = _sum(p.rss_delta, _delta(rss, window.start_rss))
+        if not nested:
+            p.rss_delta = _sum(p.rss_delta, _delta(rss, window.start_rss))
         if dev is not None:
             p.peak_allocated = _max(p.peak_allocated, window.peak_allocated)
             p.peak_reserved = _max(p.peak_reserved, window.peak_reserved)
-            p.allocated_delta = _sum(p.allocated_delta, _delta(dev.allocated, window.start_allocated))
+            if not nested:
+                p.allocated_delta = _sum(p.allocated_delta, _delta(dev.allocated, window.start_allocated))
 
     def take(self) -> tuple[WindowBytes, dict[str, PhaseBytes]]:
         """Close what ran since the last take: the merged steps, or (with no step closed) the implicit

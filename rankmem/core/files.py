@@ -22,7 +22,7 @@ class NotRegularFile(OSError):
 
     def __init__(self, path: str, kind: str) -> None:
         super().__init__(f"{path} is {kind}, not a regular file; skipped")
-        self.filename = path
+        self.path = path  # not OSError's filename: with it set, str() would read "[Errno None] None: ..."
         self.kind = kind
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from rankmem.core.files import open_regular
+from rankmem.core.files import NotRegularFile, open_regular
 from rankmem.errors import RankmemError
 from rankmem.runlog.checksum import HEADER_KEY, frame, header_crc, sealed
 from rankmem.runlog.layout import DETAIL_AGGREGATES, DETAIL_COLUMNS, LOG_OFFSET, WORLD_KEY
@@ -370,6 +370,9 @@ class DetailFollower:
             import pyarrow as pa
 
             fd = open_regular(self.path)
+        except NotRegularFile as exc:
+            self.damaged, self._identity = str(exc), None
+            return self.latest
         except (ImportError, OSError):
             return self.latest
         try:

@@ -28,10 +28,12 @@ from typing import Any
 import numpy as np
 
 from rankmem.core.catalogue import PHASE_PREFIX, PHASE_SUFFIX, PLOT_KEYS, phase_key, worse
+from rankmem.core.text import printable
 from rankmem.errors import MissingExtraError, RankmemError
 from rankmem.offline import Run
 from rankmem.offline.capacity import Capacity, capacities, for_key
 from rankmem.offline.events import read_events
+from rankmem.offline.report import event_field
 
 _MARKERS = "o^sDv<>Px*"
 _DPI = 100
@@ -45,6 +47,12 @@ MIN_SPAN_GIB = 0.25
 
 def default_keys(run: Run) -> list[str]:
     return [k for k in PLOT_KEYS if k in run.series]
+
+
+def _shown(text: str) -> str:
+    """A run's string as figure text: control characters escaped, and ``$`` too (matplotlib would
+    parse what lies between two as mathtext, and refuse a figure whose key holds one)."""
+    return printable(text).replace("$", r"\$")
 
 
 def _label(key: str) -> str:
@@ -107,7 +115,9 @@ def draw_run(run: Run, chosen: Sequence[str], size: tuple[int, int] | None = Non
 
     fig, axes = plt.subplots(len(chosen), 1, figsize=(width / _DPI, height / _DPI), dpi=_DPI, sharex=True, squeeze=False)
     phases = run.phases()
-    events = [e for e in read_events(run.path).events if isinstance(e.get("step"), int)]
+    # A step no int64 holds (another process wrote the line) cannot be drawn at any x.
+    events = [e for e in read_events(run.path).events
+              if isinstance(e.get("step"), int) and not isinstance(e.get("step"), bool) and abs(e["step"]) < 2**63]
     caps = capacities(run)
     for ax, key in zip(axes[:, 0], chosen, strict=True):
         _draw_key(ax, run, key, phases, events, for_key(caps, key), plt)
@@ -141,12 +151,12 @@ def _draw_key(ax: Any, run: Run, key: str, phases: Sequence[str], events: Sequen
     for n, e in enumerate(events):
         # A vertical line at each event's step, labelled once per kind and rank in the legend.
         ax.axvline(e["step"], color="red", linestyle="--", linewidth=1.0, alpha=0.8,
-                   label=f"{e.get('kind')} rank {e.get('rank')}" if n < 8 else None)
+                   label=_shown(f"{event_field(e.get('kind'))} rank {event_field(e.get('rank'))}") if n < 8 else None)
     unit = " GiB" if key.endswith("_gib") else ""
     _draw_capacity_and_range(ax, steps, matrix, caps, key.endswith("_gib"))
     if worst >= 0:
-        ax.set_title(f"{key}: worst rank {worst}, {'min' if low else 'peak'} {worst_per_rank[worst]:.3f}{unit}")
-    ax.set_ylabel(_label(key))
+        ax.set_title(f"{_shown(key)}: worst rank {worst}, {'min' if low else 'peak'} {worst_per_rank[worst]:.3f}{unit}")
+    ax.set_ylabel(_shown(_label(key)))
     ax.grid(True, alpha=0.3)
     ax.legend(loc="best", fontsize="small", ncol=2 if world > 4 else 1)
 
@@ -190,7 +200,7 @@ def _draw_phase_peaks(ax: Any, run: Run, key: str, phases: Sequence[str], colors
                 ax.scatter(steps[hit], matrix[hit, rank], marker=marker, s=22, color=colors[rank],
                            edgecolors="black", linewidths=0.5, zorder=3)
         # One legend entry per phase, in grey: the colour belongs to the rank.
-        ax.scatter([], [], marker=marker, s=22, color="dimgray", label=f"phase {p} set the step peak")
+        ax.scatter([], [], marker=marker, s=22, color="dimgray", label=_shown(f"phase {p} set the step peak"))
 
 
 def _draw_capacity_and_range(ax: Any, steps: np.ndarray, matrix: np.ndarray, caps: Sequence[Capacity],

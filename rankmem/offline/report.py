@@ -389,7 +389,7 @@ _FIELD_CHARS = 200
 """Characters of one event field shown at most (an OOM message is a line; a field can be megabytes)."""
 
 
-def _field(value: Any) -> str:
+def event_field(value: Any) -> str:
     """An event field as text: another process wrote it, so any type, any size (a 4,000-digit integer,
     a list nested 900 deep: shown by type) is one short string."""
     if isinstance(value, bool) or value is None or isinstance(value, float):
@@ -410,11 +410,11 @@ def _gib(value: Any) -> str | None:
 
 def describe_event(e: Mapping[str, Any]) -> str:
     """One line for an event; every field is bounded and typed here (see :func:`_field`)."""
-    where = (f"{_field(e.get('kind'))} rank {_field(e.get('rank'))} step {_field(e.get('step'))} "
-             f"phase {_field(e.get('phase') or '-')}")
+    where = (f"{event_field(e.get('kind'))} rank {event_field(e.get('rank'))} step {event_field(e.get('step'))} "
+             f"phase {event_field(e.get('phase') or '-')}")
     kind = e.get("kind")
     if kind == "oom":
-        what = f"{_field(e.get('where'))} {_field(e.get('error') or '')}".strip()
+        what = f"{event_field(e.get('where'))} {event_field(e.get('error') or '')}".strip()
         if (requested := _gib(e.get("requested_bytes"))) is not None:
             what += f"; requested {requested} GiB"
         device = _mapping(e.get("device"))  # an event line is another process's writing: trust no type
@@ -426,16 +426,16 @@ def describe_event(e: Mapping[str, Any]) -> str:
         return f"{where}: {what}"
     if kind == "near_oom":
         reasons = e.get("reasons")
-        shown = [_field(r) for r in (reasons[:8] if isinstance(reasons, list) else [])]
+        shown = [event_field(r) for r in (reasons[:8] if isinstance(reasons, list) else [])]
         return f"{where}: {', '.join(shown) or 'low headroom'}"
     rss = _gib(e.get("last_rss_bytes"))
     last = f", last RSS {rss} GiB" if rss is not None else ""
     if kind == "killed":
-        return f"{where}: killed by {_field(e.get('signal'))}{last}; cause {_field(e.get('cause'))}"
+        return f"{where}: killed by {event_field(e.get('signal'))}{last}; cause {event_field(e.get('cause'))}"
     if kind == "stalled":
         age = to_float(e.get("heartbeat_age_s"))
         age_text = f"{age:.0f} s" if age is not None and math.isfinite(age) else "?"
-        return f"{where}: no heartbeat for {age_text}{last}; process state {_field(e.get('process_state'))}"
+        return f"{where}: no heartbeat for {age_text}{last}; process state {event_field(e.get('process_state'))}"
     return where
 
 

@@ -232,7 +232,8 @@ class Watcher:
 
 def _clock(t: Any) -> str:
     """An event's time as HH:MM:SS; ``?`` for one that is not a time (another process wrote the line)."""
-    if not isinstance(t, (int, float)) or not math.isfinite(t):
+    t = to_float(t)  # None for a string, or an int no float holds (10**4000)
+    if t is None or not math.isfinite(t):
         return "?"
     try:
         return time.strftime("%H:%M:%S", time.localtime(t))
