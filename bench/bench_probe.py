@@ -74,6 +74,44 @@ def host_cases() -> None:
     probe.close()
 
 
+def window_cases() -> None:
+    """An empty step window through the Monitor (heartbeat on) against its kernel floor: two edges
+    of a status pread, its parse and a clear_refs write, done by hand with nothing around them."""
+    import tempfile
+
+    import rankmem
+    from rankmem.probe import procfs
+
+    status = os.open("/proc/self/status", os.O_RDONLY | os.O_CLOEXEC)
+    clear = os.open("/proc/self/clear_refs", os.O_WRONLY | os.O_CLOEXEC)
+
+    def floor_edges() -> None:
+        for _ in range(2):
+            procfs.parse_status_rss_hwm(os.pread(status, 4096, 0))
+            os.write(clear, b"5")
+
+    with tempfile.TemporaryDirectory() as out:
+        monitor = rankmem.Monitor(out_dir=out, sinks=(), device="cpu", children=False, near_oom_watch=False,
+                                  leak_check=False)
+
+        def empty_step() -> None:
+            with monitor.step():
+                pass
+
+        def empty_phase_in_step() -> None:
+            with monitor.step(), monitor.phase("update"):
+                pass
+
+        print("\nwindows (baseline: two kernel-floor edges; target: the empty step window within 1.30x)")
+        table({"two floor edges (status pread + parse + clear_refs write)": floor_edges,
+               "empty step window (Monitor.step, heartbeat on)": empty_step,
+               "empty phase in a step (four edges)": empty_phase_in_step},
+              "two floor edges (status pread + parse + clear_refs write)", n=REPEAT // 4)
+        monitor.close()
+    os.close(status)
+    os.close(clear)
+
+
 def children_cases(workers: int = 4, parent_mib: int = 256, worker_mib: int = 32) -> None:
     import numpy as np
 
@@ -236,6 +274,7 @@ def main() -> None:
     if not sys.platform.startswith("linux"):
         raise SystemExit("bench_probe measures the Linux /proc probe")
     host_cases()
+    window_cases()
     children_cases()
     stats_shape_cases()
     device_cases()

@@ -10,6 +10,7 @@ class RankmemError(ValueError):
 class MissingExtraError(RankmemError, ImportError):
     """An optional dependency is missing; the message names the extra to install."""
 
-    def __init__(self, feature: str, extra: str, package: str) -> None:
-        super().__init__(f"{feature} needs {package}, which is not installed: pip install 'rankmem[{extra}]'")
+    def __init__(self, feature: str, extra: str, package: str, install: str | None = None) -> None:
+        install = install or f"pip install 'rankmem[{extra}]'"
+        super().__init__(f"{feature} needs {package}, which is not installed: {install}")
         self.extra = extra

@@ -40,6 +40,9 @@ rankmem's backend looks for on a module that is not ``torch.cuda``:
 
 Observers and history settings given before initialisation are lost, as in torch (the allocator has
 no per-device state to keep them yet).
+
+:class:`FakeNvml` (from :mod:`rankmem._fake_nvml`) is the matching fake of ``pynvml`` over a FakeCuda:
+``Monitor(device_module=cuda, nvml_module=FakeNvml(cuda))``.
 """
 
 from __future__ import annotations
@@ -48,9 +51,13 @@ import collections
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+from rankmem._fake_nvml import FakeNvml, NVMLError
 from rankmem.core.units import GIB, MIB
+
+__all__ = ["FakeCuda", "FakeNvml", "FakeOutOfMemoryError", "NVMLError", "format_size"]
 
 _SMALL_REQUEST = 1 * MIB  # torch's kSmallSize: requests up to this go to the small pool
 _SMALL_SEGMENT = 2 * MIB  # kSmallBuffer
@@ -90,6 +97,13 @@ def format_size(n: int) -> str:
     if n <= GIB:
         return f"{n / MIB:.2f} MiB"
     return f"{n / GIB:.2f} GiB"
+
+
+@dataclass(frozen=True)
+class _Properties:
+    name: str
+    total_memory: int
+    uuid: str
 
 
 class FakeOutOfMemoryError(RuntimeError):
@@ -276,22 +290,9 @@ class FakeCuda:
         self._initialized = True  # torch's _cuda_init: no context of its own
 
     def _ensure_context(self, index: int) -> None:
-        self._check_index(index)
+        _check_index(index, len(self._devices))
         if not self.contexts_created.get(index):
             self.contexts_created[index] = self.contexts_created.get(index, 0) + 1
-
-    def _check_index(self, index: int) -> None:
-        if not 0 <= index < len(self._devices):
-            raise RuntimeError(f"Invalid device argument {index}: did you call init?")
-
-    def _index(self, device: Any) -> int:
-        """torch's ``_get_device_index(device, optional=True)``: no device means the current one."""
-        if device is None:
-            return self.current_device()
-        if isinstance(device, str):
-            return int(device.split(":")[1]) if ":" in device else self.current_device()
-        index = getattr(device, "index", device)
-        return self.current_device() if index is None else int(index)
 
     def _has_primary_context(self, index: int) -> bool:
         """``torch._C._cuda_hasPrimaryContext``: asks the driver, creates nothing, initialises nothing."""
@@ -366,22 +367,30 @@ class FakeCuda:
         return self._current
 
     def set_device(self, device: Any) -> None:
-        index = self._index(device)
+        index = _device_index(device, self.current_device)
         if index >= 0:
             self._lazy_init()
             self._ensure_context(index)
             self._current = index
 
+    def get_device_properties(self, device: Any = None) -> _Properties:
+        """torch's ``_CudaDeviceProperties``, the fields rankmem reads: ``name``, ``total_memory``, ``uuid``
+        (CUDA's UUID; ``str()`` of it has no ``GPU-`` prefix, as torch's ``_CUuuid``)."""
+        index = _device_index(device, self.current_device)
+        self._lazy_init()
+        _check_index(index, len(self._devices))
+        return _Properties(self.name, self.total, f"{index:08x}-fa4e-4c0d-8a11-00000000cafe")
+
     def get_device_name(self, device: Any = None) -> str:
-        self._index(device)
+        _device_index(device, self.current_device)
         self._lazy_init()  # device properties come after initialisation
         return self.name
 
     def memory_stats_as_nested_dict(self, device: Any = None) -> dict[str, Any]:
         if not self._initialized:  # checked before the device index is resolved: initialises nothing
             return {}
-        index = self._index(device)
-        self._check_index(index)
+        index = _device_index(device, self.current_device)
+        _check_index(index, len(self._devices))
         return self._devices[index].nested()
 
     def memory_stats(self, device: Any = None) -> dict[str, Any]:
@@ -404,14 +413,14 @@ class FakeCuda:
         return int(self.memory_stats(device).get("reserved_bytes.all.peak", 0))
 
     def reset_peak_memory_stats(self, device: Any = None) -> None:
-        index = self._index(device)  # no device: current_device(), which initialises
+        index = _device_index(device, self.current_device)  # no device: current_device(), which initialises
         if not self._initialized:
             raise RuntimeError(f"Invalid device argument {index}: did you call init?")
-        self._check_index(index)
+        _check_index(index, len(self._devices))
         self._devices[index].reset_peaks()
 
     def mem_get_info(self, device: Any = None) -> tuple[int, int]:
-        index = self._index(device)
+        index = _device_index(device, self.current_device)
         self._lazy_init()  # torch.cuda.cudart() initialises
         self._ensure_context(index)  # cudaMemGetInfo on the device: its context, created if absent
         return self._device_free(index), self.total
@@ -495,3 +504,18 @@ def _segment_dict(index: int, segment: _Segment) -> dict[str, Any]:
         "stream": 0, "segment_type": "small" if segment.pool == "small_pool" else "large",
         "segment_pool_id": (0, 0), "is_expandable": False, "frames": [], "blocks": blocks,
     }
+
+
+def _check_index(index: int, count: int) -> None:
+    if not 0 <= index < count:
+        raise RuntimeError(f"Invalid device argument {index}: did you call init?")
+
+
+def _device_index(device: Any, current: Callable[[], int]) -> int:
+    """torch's ``_get_device_index(device, optional=True)``: no device means the current one."""
+    if device is None:
+        return current()
+    if isinstance(device, str):
+        return int(device.split(":")[1]) if ":" in device else current()
+    index = getattr(device, "index", device)
+    return current() if index is None else int(index)

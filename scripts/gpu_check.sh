@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The GPU check: rankmem's real CUDA path against ground truth, in one command of at most ~6 minutes.
+# The GPU check: rankmem's real CUDA path against ground truth, in one command of at most ~7 minutes.
 #     bash scripts/gpu_check.sh            # on a machine with a CUDA GPU
 #     bash scripts/gpu_check.sh --dry-run  # anywhere: compile and import every Python part, run the CPU parts
 # Needs no network and installs nothing: it uses PYTHON (default python3), which must import a CUDA
-# torch and psutil, numpy, rich and pytest; rankmem runs from this tree through PYTHONPATH.
-# Every step runs, whatever failed before it, under its own timeout (together 350 s); the summary at
+# torch and psutil, numpy, rich, pytest and nvidia-ml-py (pynvml); rankmem runs from this tree through PYTHONPATH.
+# Every step runs, whatever failed before it, under its own timeout (together 395 s); the summary at
 # the end lists each step's exit status (124: timed out). With OUT set, everything is also written to
 # $OUT/gpu_check.log. Exits 0 when every step passed, 1 otherwise; without a CUDA GPU, 0 at once.
 cd "$(dirname "$0")/.." || exit 2
@@ -41,7 +41,8 @@ step() {  # step NAME TIMEOUT_S COMMAND...
 }
 
 if [ "$DRY" = 1 ]; then
-  step compile 60 "$PY" -m py_compile tests/test_gpu.py tests/dist_scripts/gpu_fresh_process.py bench/bench_probe.py
+  step compile 60 "$PY" -m py_compile tests/test_gpu.py tests/dist_scripts/gpu_fresh_process.py bench/bench_probe.py \
+    tests/dist_scripts/gpu_nvml_check.py
   step collect 60 "${PYTEST[@]}" --collect-only tests/test_gpu.py
   step fresh-process 60 "$PY" tests/dist_scripts/gpu_fresh_process.py
   step probe-bench 120 "$PY" bench/bench_probe.py --quick
@@ -51,6 +52,8 @@ else
   step fresh-process 45 "$PY" tests/dist_scripts/gpu_fresh_process.py
   step reads-peaks-other-oom 120 "${PYTEST[@]}" tests/test_gpu.py -k "not nccl and not fresh_process"
   step nccl-one-rank 75 "${PYTEST[@]}" tests/test_gpu.py -k nccl
+  # Device memory by owner: a child holding 2 GiB found as a descendant; parts sum to used; NVML's cost.
+  step nvml-attribution 45 "$PY" tests/dist_scripts/gpu_nvml_check.py 2
   step probe-bench 90 "$PY" bench/bench_probe.py
 fi
 

@@ -132,7 +132,7 @@ def test_a_failing_probe_still_takes_part_in_collect() -> None:
         def edge(self) -> tuple[int | None, int | None]:
             raise OSError("/proc vanished")
 
-        def read(self) -> rankmem.HostReading:
+        def read(self, process: bool = True) -> rankmem.HostReading:
             raise OSError("/proc vanished")
 
         def close(self) -> None:

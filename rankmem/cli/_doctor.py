@@ -36,6 +36,7 @@ EXTRAS = (
     ("lightning", ("lightning",), "rankmem.integrations.lightning"),
     ("verl", ("verl",), "checks against verl's own functions (the verl integration itself needs none)"),
     ("ray", ("ray",), "rankmem train --launcher ray"),
+    ("nvml", ("pynvml",), "device memory by owner (docs/device-attribution.md)"),
 )
 IMPORTED = ("matplotlib",)
 """Extras doctor imports, not only finds: those rankmem's own commands import (plot, report --html).
@@ -43,6 +44,8 @@ The trackers and frameworks are imported by the job, and take seconds to tens of
 SCOPES = {
     "window": "window (VmHWM reset at each window edge through /proc/self/clear_refs)",
     "lifetime": "lifetime (this kernel cannot reset VmHWM: peak RSS is the process's lifetime peak)",
+    "edges": "edges (peak_source='edges': VmHWM never reset; a window's peak is exact where it set a new "
+             "lifetime high, else sampled at its edges)",
     "sampled": "sampled (no /proc: peak RSS is the max of the RSS read at window edges)",
 }
 DEVICE_READS = ("allocated, reserved and their window peaks (the allocator), device used and total "
@@ -111,6 +114,34 @@ def device_lines(torch: Any, init: bool) -> list[str]:
     return lines
 
 
+def attribution_lines(torch: Any) -> list[str]:
+    """Whether device used can be split by owner here: the PID join through /proc, and NVML."""
+    from rankmem.probe import nvml as _nvml
+    from rankmem.probe.pidmap import NOT_MAPPED, pid_view
+
+    view = pid_view()
+    if view.method == NOT_MAPPED:
+        join = (f"{NOT_MAPPED}: this container's /proc shows no host PID (own PID namespace, no hostPID); "
+                "per-owner figures need the driver to list this namespace's PIDs, else only the unattributed rest")
+    else:
+        join = f"{view.method}: pid {view.own_pid} here is host pid {view.host_pid}"
+    lines = [f"device attribution PID join: {join}"]
+    if torch is None or not bool(torch.cuda.is_available()):
+        return lines + ["device attribution: off (needs a CUDA device)"]
+    nvml, why = _nvml.load()
+    if nvml is None:
+        return lines + [f"device attribution: unavailable: {why}"]
+    device, why = _nvml.NvmlDevice.open(nvml, _nvml.uuid_candidates(torch.cuda, 0))
+    if device is None:
+        return lines + [f"device attribution: unavailable: {why}"]
+    listing = device.processes()
+    if listing.processes is None:
+        return lines + [f"device attribution: limited: {listing.refused}; only this rank's reserved is known"]
+    mig = ", MIG instance" if device.mig else ""
+    return lines + [f"device attribution: works (NVML lists {len(listing.processes)} process(es) on cuda:0{mig}), "
+                    "every nvml_refresh_s (10 s) on a thread of its own"]
+
+
 def host_lines() -> list[str]:
     from rankmem.monitor import Monitor
     from rankmem.probe.sample import sample
@@ -132,9 +163,20 @@ def host_lines() -> list[str]:
     host = sample(device="cpu", children=False).host
     node = (f"node available {_gib(host.node_available)} of {_gib(host.node_total)}"
             if host.node_total is not None else "node memory unknown")
-    return [f"host peak RSS scope: {SCOPES.get(scope, scope)}",
+    return [f"host peak RSS scope: {SCOPES.get(scope, scope)}", peak_source_line(scope),
             f"host now: this process's RSS {_gib(host.rss)}, {node}",
             cgroup_line(host.cgroup_limit, host.cgroup_used)]
+
+
+def peak_source_line(scope: str) -> str:
+    """What the choice of peak source does to other tools (docs/peak-source.md)."""
+    if scope == "window":
+        return ("peak source: window (the default): the reset makes getrusage, a parent's wait4, /usr/bin/time -v "
+                "and VmHWM pollers report a window's peak, not the job's (cgroup peaks and Slurm's accounting "
+                "are unaffected); peak_source='edges' or RANKMEM_PEAK_SOURCE=edges leaves them true")
+    if scope == "edges":
+        return "peak source: edges: VmHWM is left alone, so getrusage, wait4, time -v and VmHWM pollers stay true"
+    return f"peak source: {scope}: rankmem writes no clear_refs here"
 
 
 def cgroup_line(limit: int | None, used: int | None) -> str:
@@ -210,6 +252,7 @@ def run(args: argparse.Namespace) -> int:
     text, torch = torch_line()
     lines.append(text)
     lines += device_lines(torch, args.init_device)
+    lines += attribution_lines(torch)
     lines += host_lines()
     lines.append(out_line(args.out))
     lines += extra_lines()

@@ -28,6 +28,7 @@ MEMORY_PREFIX = "mem/"
 PHASE_PREFIX = MEMORY_PREFIX + "phase/"
 PHASE_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 OUTSIDE_PHASES = "(outside phases)"
+HELD = "(held from before: no phase raised it)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +43,13 @@ class KeySpec:
     """Which end is dangerous: ``high`` for usage and peaks, ``low`` for headroom and available memory."""
     phase_suffix: str | None = None
     """For a step peak, the per-phase key ``mem/phase/P/<suffix>`` that holds the same peak inside P."""
+    rise_suffix: str | None = None
+    """For a step peak, the per-phase key ``mem/phase/P/<rise_suffix>``: how far P rose to its own peak
+    from where it began (peak minus the value at P's start). A phase that only held the peak rose 0."""
+    noise: float = 0.0
+    """GiB: two readings of this key closer than this are the same to the probe (page and allocator
+    granularity, the interpreter's own churn between edges): the tolerance of "reached the peak" and
+    "rose"."""
     leak: bool = False
     """A leak baseline: what a leak grows (peaks and reserved memory follow, with more noise)."""
     phase_delta: str | None = None
@@ -64,8 +72,10 @@ class KeySpec:
 CATALOGUE: tuple[KeySpec, ...] = (
     KeySpec("mem/host/rss_gib", "rss", "GiB", leak=True, phase_delta="rss_delta_gib", headline="rss", plot=True,
             verl="perf/cpu_memory_used_gb"),
-    KeySpec("mem/host/peak_rss_gib", "peak_rss", "GiB", phase_suffix="peak_rss_gib", headline="peak_rss",
-            summary=True, plot=True),
+    # RSS between two edges moves by up to ~1 MiB with nothing of the user's happening (pymalloc arenas,
+    # rankmem's own dicts): 2 MiB apart is "the same" to this probe. The allocator's figures are exact.
+    KeySpec("mem/host/peak_rss_gib", "peak_rss", "GiB", phase_suffix="peak_rss_gib", rise_suffix="peak_rss_rise_gib",
+            noise=2 / 1024, headline="peak_rss", summary=True, plot=True),
     KeySpec("mem/host/lifetime_peak_rss_gib", "lifetime_peak_rss", "GiB"),
     # Summed child RSS counts pages forked workers share with this process once per worker; the console
     # and the summary show what the workers add (USS). RSS stays the leak baseline: it is read every
@@ -82,15 +92,21 @@ CATALOGUE: tuple[KeySpec, ...] = (
     KeySpec("mem/device/allocated_gib", "allocated", "GiB", leak=True, phase_delta="allocated_delta_gib"),
     KeySpec("mem/device/reserved_gib", "reserved", "GiB"),
     KeySpec("mem/device/peak_allocated_gib", "peak_allocated", "GiB", phase_suffix="peak_allocated_gib",
-            summary=True, verl="perf/max_memory_allocated_gb"),
+            rise_suffix="peak_allocated_rise_gib", summary=True, verl="perf/max_memory_allocated_gb"),
     KeySpec("mem/device/peak_reserved_gib", "peak_reserved", "GiB", phase_suffix="peak_reserved_gib",
-            headline="dev_peak_res", summary=True, plot=True, verl="perf/max_memory_reserved_gb"),
+            rise_suffix="peak_reserved_rise_gib", headline="dev_peak_res", summary=True, plot=True, verl="perf/max_memory_reserved_gb"),
     KeySpec("mem/device/lifetime_peak_reserved_gib", "lifetime_peak_reserved", "GiB"),
     KeySpec("mem/device/inactive_split_gib", "inactive_split", "GiB"),
     KeySpec("mem/device/used_gib", "used", "GiB", summary=True),
     KeySpec("mem/device/other_gib", "other", "GiB"),
     KeySpec("mem/device/total_gib", "total", "GiB"),
     KeySpec("mem/device/headroom_gib", "headroom", "GiB", worse="low", headline="dev_headroom", summary=True),
+    # `other` by owner (docs/device-attribution.md): NVML's processes on the device, every ~10 s.
+    KeySpec("mem/device/nontorch_gib", "device_nontorch", "GiB"),
+    KeySpec("mem/device/siblings_gib", "device_siblings", "GiB"),
+    KeySpec("mem/device/descendants_gib", "device_descendants", "GiB"),
+    KeySpec("mem/device/foreign_gib", "device_foreign", "GiB"),
+    KeySpec("mem/device/unattributed_gib", "device_unattributed", "GiB"),
     KeySpec("mem/device/alloc_retries", "alloc_retries", "count"),
     KeySpec("mem/device/ooms", "ooms", "count"),
 )
@@ -101,8 +117,18 @@ PHASE_CATALOGUE: tuple[KeySpec, ...] = (
     KeySpec("peak_allocated_gib", "peak_allocated", "GiB"),
     KeySpec("peak_reserved_gib", "peak_reserved", "GiB"),
     KeySpec("allocated_delta_gib", "allocated_delta", "GiB"),
+    KeySpec("descendants_gib", "device_descendants", "GiB"),
 )
 """Per phase ``P``: the keys ``mem/phase/P/<key>`` (a :class:`~rankmem.core.records.PhaseBytes` field each)."""
+
+PHASE_RISE_CATALOGUE: tuple[KeySpec, ...] = (
+    KeySpec("peak_rss_rise_gib", "peak_rss_rise", "GiB"),
+    KeySpec("peak_allocated_rise_gib", "peak_allocated_rise", "GiB"),
+    KeySpec("peak_reserved_rise_gib", "peak_reserved_rise", "GiB"),
+)
+"""Per phase ``P``: how far P rose to its own peak (``mem/phase/P/peak_*_rise_gib``), what tells the phase
+that *raised* a step's peak from those that only held it (:func:`peak_phase`). Documented in
+docs/phase-attribution.md rather than README's key table: they serve the verdicts, not the reader."""
 
 SPECS: dict[str, KeySpec] = {s.key: s for s in CATALOGUE}
 LEAK_KEYS = tuple(s.key for s in CATALOGUE if s.leak)
@@ -112,6 +138,7 @@ HEADLINE = tuple((s.headline, s) for s in CATALOGUE if s.headline)
 LOW_IS_BAD = tuple(s.key for s in CATALOGUE if s.worse == "low")
 PHASE_SUFFIX = {s.key: s.phase_suffix for s in CATALOGUE if s.phase_suffix}
 PHASE_DELTA = {s.key: s.phase_delta for s in CATALOGUE if s.phase_delta}
+RISE_SUFFIX = {s.key: s.rise_suffix for s in CATALOGUE if s.rise_suffix}
 VERL_KEYS = {s.verl: f"{s.key}/max" for s in CATALOGUE if s.verl}
 """verl's name -> the aggregated key whose value it carries, with the corrected meaning (DESIGN.md)."""
 
@@ -121,7 +148,7 @@ def spec(key: str) -> KeySpec | None:
     found = SPECS.get(key)
     if found is None and key.startswith(PHASE_PREFIX):
         suffix = key.rsplit("/", 1)[-1]
-        found = next((s for s in PHASE_CATALOGUE if s.key == suffix), None)
+        found = next((s for s in (*PHASE_CATALOGUE, *PHASE_RISE_CATALOGUE) if s.key == suffix), None)
     return found
 
 
@@ -159,7 +186,13 @@ def phase_names(keys: Iterable[str]) -> list[str]:
     return sorted({k.split("/")[2] for k in keys if k.startswith(PHASE_PREFIX) and k.count("/") >= 3})
 
 
+_PHASE_KEYS = (*PHASE_CATALOGUE, *PHASE_RISE_CATALOGUE)
 _WINDOW_FIELDS = tuple((s.key, s.field, s.unit == "GiB") for s in CATALOGUE)
+
+
+ATTRIBUTION_FIELDS = {"device_" + part: part for part in
+                      ("nontorch", "siblings", "descendants", "foreign", "unattributed")}
+"""WindowBytes field -> the part of a device split (:class:`rankmem.probe.attribution.Attribution`)."""
 
 
 def window_metrics(w: WindowBytes, out: dict[str, float]) -> None:
@@ -173,7 +206,7 @@ def window_metrics(w: WindowBytes, out: dict[str, float]) -> None:
 def phase_metrics(name: str, p: PhaseBytes, out: dict[str, float]) -> None:
     """Add phase ``name``'s keys ``mem/phase/<name>/...`` of ``p`` to ``out``."""
     prefix = f"{PHASE_PREFIX}{name}/"
-    for s in PHASE_CATALOGUE:
+    for s in _PHASE_KEYS:
         value = getattr(p, s.field)
         if value is not None:
             out[prefix + s.key] = value / GIB
@@ -184,27 +217,81 @@ def verl_metrics(aggregated: Mapping[str, float]) -> dict[str, float]:
     return {verl: aggregated[ours] for verl, ours in VERL_KEYS.items() if ours in aggregated}
 
 
-def phase_of_peak(key: str, value: float, rank_values: Mapping[str, float | None]) -> str | None:
-    """The phase that set one rank's step peak ``value`` of ``key``.
+Verdict = Literal["rose", "held", "tie", "outside"]
 
-    The ``P`` whose ``mem/phase/P/<phase_suffix>`` equals it; :data:`OUTSIDE_PHASES` when phases were
-    measured but none holds it; None when ``key`` has no phase counterpart or ``rank_values`` (that
-    rank's values on that step by key, None or NaN where absent; other keys ignored) has no phase keys.
-    The one rule for ``rankmem report`` and ``rankmem train``'s summary, so both name the same phase.
+
+@dataclass(frozen=True, slots=True)
+class PeakPhase:
+    """Which phase made one rank's step peak, as every verdict (report, summary, plot, HTML) says it.
+
+    ``rose``: ``phases`` holds the one phase in which memory rose to the peak. ``tie``: several rose to it
+    within the probe's noise (``phases`` names them). ``held``: phases reached the peak but none raised it
+    (it was held from before: the allocator kept it); ``phases`` names those that held it. ``outside``: no
+    phase reached it (it was set between phases).
     """
-    suffix = PHASE_SUFFIX.get(key)
-    if suffix is None:
+
+    verdict: Verdict
+    phases: tuple[str, ...] = ()
+
+    @property
+    def label(self) -> str:
+        """The phase's name when one raised the peak; otherwise a parenthesised verdict that names no
+        single phase."""
+        if self.verdict == "rose":
+            return self.phases[0]
+        if self.verdict == "tie":
+            return f"(tie: {', '.join(self.phases)} rose to it)"
+        if self.verdict == "held":
+            return HELD
+        return OUTSIDE_PHASES
+
+
+def peak_phase(key: str, value: float, rank_values: Mapping[str, float | None]) -> PeakPhase | None:
+    """The phase(s) in which one rank's step peak ``value`` of ``key`` was reached by a rise.
+
+    ``rank_values`` is that rank's values on that step by key (None or NaN where absent; other keys
+    ignored). A phase reached the peak when its own peak (``mem/phase/P/<phase_suffix>``) is within the
+    key's :attr:`KeySpec.noise` of ``value``; it raised it when, besides, it rose more than that noise from
+    where it began (``mem/phase/P/<rise_suffix>``). Logs written before the rise keys existed fall back to
+    the phases whose peak is bit-equal to ``value``, one of them named, several a tie. None when ``key`` has
+    no phase counterpart or the step has no phase keys. The one rule of ``rankmem report``, ``rankmem
+    train``'s summary, the plot's markers and the HTML page.
+    """
+    entry = SPECS.get(key)
+    if entry is None or entry.phase_suffix is None:
         return None
+    peaks: dict[str, float] = {}
+    rises: dict[str, float] = {}
     measured = False
-    best: tuple[float, str] | None = None
     for k, v in rank_values.items():
         if not k.startswith(PHASE_PREFIX):
             continue
         measured = True
-        # The step peak is the max of its phases' peaks and the gaps: bit-equal when a phase set it.
-        if (k.endswith("/" + suffix) and v is not None and math.isfinite(v)
-                and math.isclose(v, value, rel_tol=1e-9, abs_tol=1e-12) and (best is None or v > best[0])):
-            best = (v, k[len(PHASE_PREFIX) : -len(suffix) - 1])
+        if v is None or not math.isfinite(v):
+            continue
+        phase, _, suffix = k[len(PHASE_PREFIX):].rpartition("/")
+        if suffix == entry.phase_suffix:
+            peaks[phase] = v
+        elif suffix == entry.rise_suffix:
+            rises[phase] = v
     if not measured:
         return None
-    return best[1] if best else OUTSIDE_PHASES
+    if not rises:  # an older log: the bit-equal rule, and a tie where several phases hold the peak
+        reached = sorted(p for p, v in peaks.items() if math.isclose(v, value, rel_tol=1e-9, abs_tol=1e-12))
+        if not reached:
+            return PeakPhase("outside")
+        return PeakPhase("rose" if len(reached) == 1 else "tie", tuple(reached))
+    reached = sorted(p for p, v in peaks.items() if v >= value - entry.noise - 1e-12)
+    if not reached:
+        return PeakPhase("outside")
+    rose = tuple(p for p in reached if rises.get(p, 0.0) > entry.noise)
+    if not rose:
+        return PeakPhase("held", tuple(reached))
+    return PeakPhase("rose" if len(rose) == 1 else "tie", rose)
+
+
+def phase_of_peak(key: str, value: float, rank_values: Mapping[str, float | None]) -> str | None:
+    """:func:`peak_phase`'s label: the phase that raised the peak, or a verdict naming none; None when
+    not applicable."""
+    found = peak_phase(key, value, rank_values)
+    return None if found is None else found.label

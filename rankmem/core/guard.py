@@ -9,8 +9,7 @@ An exception inside becomes one ``RuntimeWarning`` per topic and a fallback valu
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from rankmem.core.warnings import WarnOnce
@@ -30,15 +29,11 @@ class Guard:
         self.failures += 1
         self.warn_once(topic, f"{what}: {exc!r}", stacklevel=4)
 
-    @contextlib.contextmanager
-    def scope(self, topic: str, what: str) -> Iterator[None]:
-        """``with guard.scope("sink", "the run log failed"):`` ... an exception inside ends the block."""
-        try:
-            yield
-        except RankmemError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the one place telemetry failures are caught
-            self.failed(topic, what, exc)
+    def scope(self, topic: str, what: str) -> Scope:
+        """``with guard.scope("sink", "the run log failed"):`` ... an exception inside ends the block.
+        The scope is an object that can be kept and entered again (the window edges keep theirs: a
+        ``with`` on it costs a fraction of a call)."""
+        return Scope(self, topic, what)
 
     def call(self, topic: str, what: str, fn: Callable[..., T], *args: Any, default: T) -> T:
         """``fn(*args)``, or ``default`` (after one warning per topic) when it raises."""
@@ -49,6 +44,25 @@ class Guard:
         except Exception as exc:  # noqa: BLE001
             self.failed(topic, what, exc)
             return default
+
+
+class Scope:
+    """A guarded block: an :class:`Exception` inside (not a :class:`RankmemError`) ends the block with one
+    warning per topic; anything else passes through."""
+
+    __slots__ = ("_guard", "_topic", "_what")
+
+    def __init__(self, guard: Guard, topic: str, what: str) -> None:
+        self._guard, self._topic, self._what = guard, topic, what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> bool:
+        if exc is None or not isinstance(exc, Exception) or isinstance(exc, RankmemError):
+            return False
+        self._guard.failed(self._topic, self._what, exc)  # the one place telemetry failures are caught
+        return True
 
 
 def attempt(fn: Callable[..., T], *args: Any, default: T, **kwargs: Any) -> T:

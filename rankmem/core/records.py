@@ -104,6 +104,12 @@ class WindowBytes:
     inactive_split: int | None = None
     pinned: int | None = None
     lifetime_peak_pinned: int | None = None
+    # Device used by owner (rankmem.probe.attribution), from the last NVML split: up to its refresh old.
+    device_nontorch: int | None = None
+    device_siblings: int | None = None
+    device_descendants: int | None = None
+    device_foreign: int | None = None
+    device_unattributed: int | None = None
 
     @classmethod
     def of(cls, host: HostReading | None, device: DeviceReading | None) -> WindowBytes:
@@ -153,6 +159,13 @@ class PhaseBytes:
     peak_reserved: int | None = None
     rss_delta: int | None = None
     allocated_delta: int | None = None
+    device_descendants: int | None = None
+    """The descendants' device memory when last seen inside this phase (an engine asleep or not)."""
+    peak_rss_rise: int | None = None
+    """``peak_rss`` minus RSS at the start of the run of the phase that holds that peak: what the phase
+    itself raised (0 where it only held memory from before)."""
+    peak_allocated_rise: int | None = None
+    peak_reserved_rise: int | None = None
 
 
 @dataclass(slots=True)
@@ -166,8 +179,12 @@ class RankInfo:
     device: str
     """The backend (``cuda``/``npu``/``xpu``/``none``) and the device's name where known."""
     peak_rss_scope: str
-    """``"window"`` where the host peak resets per window, ``"lifetime"`` where it cannot, ``"sampled"``
-    off Linux (the max of the RSS read at window edges)."""
+    """``"window"`` where the host peak resets per window, ``"edges"`` where rankmem leaves it alone
+    (``peak_source="edges"``: exact where a window set a new lifetime high, else its edges' max),
+    ``"lifetime"`` where it cannot reset, ``"sampled"`` off Linux (the max of the RSS read at window edges)."""
+    device_uuid: str | None = None
+    """The device's UUID as NVIDIA's tools spell it (``GPU-...``, the DCGM exporter's ``UUID`` label),
+    where the backend gives one."""
 
 
 @dataclass(slots=True)

@@ -6,6 +6,7 @@ can build its parser without it.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 from typing import Any
@@ -47,6 +48,10 @@ JOB_OPTIONS: list[tuple[str, dict[str, Any]]] = [
     ("--peak-tflops", dict(type=float, default=None, help="peak TFLOP/s per device for MFU (default 989 cuda, 0.1 cpu)")),
     ("--pg-timeout-s", dict(type=float, default=120.0, help="process-group collective timeout (default 120 s)")),
     ("--no-progress", dict(action="store_true", help="plain log lines instead of a progress bar")),
+    ("--sink", dict(action="append", default=None, metavar="NAME",
+                    help="a sink besides the run log, e.g. prometheus or console (repeat for more)")),
+    ("--sink-option", dict(action="append", default=None, metavar="NAME.KEY=VALUE",
+                           help="an option of a --sink, e.g. prometheus.port=9465 (repeat for more)")),
     ("--fail-at-step", dict(type=int, default=None, help=argparse.SUPPRESS)),
     ("--fail-rank", dict(type=int, default=0, help=argparse.SUPPRESS)),
 ]
@@ -65,6 +70,9 @@ def job_argv(args: argparse.Namespace) -> list[str]:
         if kwargs.get("action") == "store_true":
             if value:
                 argv.append(flag)
+        elif kwargs.get("action") == "append":
+            for item in value or ():
+                argv += [flag, str(item)]
         elif value is not None:
             argv += [flag, str(value)]
     return argv
@@ -108,8 +116,35 @@ def resolve_job_options(args: argparse.Namespace) -> None:
         raise RankmemError(f"--seed must be in 0..{SEED_MAX}, got {args.seed}")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise RankmemError(f"--out {args.out} is a file: it names the run directory (the run log is OUT/rankmem.jsonl)")
+    sink_options(args)
     if args.fail_at_step is not None and args.fail_rank < 0:
         raise RankmemError(f"--fail-rank must be >= 0, got {args.fail_rank}")
+
+
+def sink_options(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """``--sink-option NAME.KEY=VALUE`` as the Monitor's ``sink_options``, checked against ``--sink``
+    and the sinks' own options. A value reads as JSON where it is JSON (``9465``, ``true``), else as text."""
+    from rankmem.sinks import check_sink_specs, make_sink
+
+    sinks = list(args.sink or ())
+    options: dict[str, dict[str, Any]] = {}
+    for item in args.sink_option or ():
+        name, dot, rest = item.partition(".")
+        key, eq, text = rest.partition("=")
+        if not (dot and eq and name and key):
+            raise RankmemError(f"--sink-option {item!r}: write NAME.KEY=VALUE, e.g. prometheus.port=9465")
+        try:
+            value: Any = json.loads(text)
+        except ValueError:
+            value = text
+        options.setdefault(name, {})[key] = value
+    try:
+        check_sink_specs(["jsonl", *sinks], args.out, options)
+        for name, given in options.items():
+            make_sink(name, args.out, **given)  # a constructor checks its values and opens nothing
+    except RankmemError as exc:
+        raise RankmemError(f"--sink/--sink-option: {exc}") from None
+    return options
 
 
 def _flag(dest: str) -> str:

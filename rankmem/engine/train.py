@@ -30,7 +30,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from rankmem.core.catalogue import SUMMARY_KEYS, key_of, phase_of_peak, worst_stat
 from rankmem.engine.model import GPT, GPTConfig
-from rankmem.engine.options import add_job_arguments, resolve_job_options
+from rankmem.engine.options import add_job_arguments, resolve_job_options, sink_options
 from rankmem.engine.output import say
 from rankmem.engine.tasks import task_steps, vocab_size
 from rankmem.engine.worker import TrainingWorker, WorkerConfig
@@ -68,7 +68,7 @@ def run_task(worker: TrainingWorker, args: argparse.Namespace, on_step: StepCall
 # ---- the logging rank's view: progress and summary ----------------------------------------------------
 # The summary names the run's worst value of the catalogue's SUMMARY_KEYS at the catalogue's worse end
 # (the max, or the min where low is bad); the phase comes from the rule `rankmem report` uses
-# (_catalogue.phase_of_peak).
+# (catalogue.peak_phase: the phase memory rose in, or a verdict naming none).
 
 
 @dataclass
@@ -108,7 +108,9 @@ class PeakTracker:
         for key, p in self.peaks.items():
             if p.stat == "max" and p.value < NOTHING_GIB:  # e.g. no dataloader workers: zeros say nothing
                 continue
-            out.append(f"  {key:<32} {p.stat} {p.value:8.3f} GiB  rank {p.rank}  step {p.step}  phase {p.phase}")
+            # A verdict that names no single phase ("(held from before: ...)", "(tie: ...)") stands alone.
+            phase = p.phase if p.phase.startswith("(") else f"phase {p.phase}"
+            out.append(f"  {key:<32} {p.stat} {p.value:8.3f} GiB  rank {p.rank}  step {p.step}  {phase}")
         return out
 
 
@@ -195,7 +197,8 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     config = WorkerConfig(engine=args.engine, lr=args.lr, total_steps=args.steps,
                           micro_batch_size=args.micro_batch_size, peak_tflops=args.peak_tflops)
     run_config = {**vars(args), "params": model.num_params(), "worker": asdict(config)}
-    monitor = Monitor(out_dir=args.out, sinks=("jsonl",), run_config=run_config)
+    monitor = Monitor(out_dir=args.out, sinks=("jsonl", *(args.sink or ())), sink_options=sink_options(args),
+                      run_config=run_config)
     try:
         worker = TrainingWorker(model, config, device=device, monitor=monitor)
         torch.manual_seed(args.seed * 1000 + worker.rank + 1)  # different sampling per rank, same init

@@ -31,6 +31,21 @@ def rank_and_world(group: Any = None) -> tuple[int, int]:
     return int(dist.get_rank(group)), int(dist.get_world_size(group))
 
 
+def launcher_world() -> int | None:
+    """The world size the launcher announced (``WORLD_SIZE``: torchrun, Ray Train and rankmem's Ray
+    launcher all set it), when it says several ranks and no process group is initialised; else None."""
+    raw = os.environ.get("WORLD_SIZE", "")
+    if not raw.strip().isdigit() or int(raw) < 2:
+        return None
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return int(raw)
+    if dist.is_available() and dist.is_initialized():
+        return None
+    return int(raw)
+
+
 def global_rank() -> int:
     """This process's rank in the world (``RANK`` before the process group exists), for per-rank files."""
     rank, _ = rank_and_world(None)

@@ -29,7 +29,7 @@ from rankmem.exchange.aggregate import (
     union_matrix,
 )
 from rankmem.exchange.dist import all_gather_objects, rank_and_world
-from rankmem.exchange.packed import PackedGather, Schema, schema_signature
+from rankmem.exchange.packed import PackedGather, Schema
 from rankmem.exchange.reduce import PackedReduce, Reduced, matrix_quantiles
 
 
@@ -98,14 +98,12 @@ class Exchange:
             row = [values[k] for k in schema]
         step_f = math.nan if step is None else float(step)
         packed = self.packed
-        if (packed._world or (packed._setup() and packed._world)) > self.reduce_above and packed._setup():
+        if packed.ready() and packed.world > self.reduce_above:
             # The same collect count on every rank: every rank asks for the detail on the same collects.
             want = detail or self._collects % self.detail_every == 0
             self._collects += 1
-            if schema != packed._last_schema:
-                packed._last_schema, packed._last_sig = schema, schema_signature(schema)
             array = np.asarray(row, dtype=np.float64)
-            reduced = self.reduce.reduce(packed._last_sig, array, absent_mask(array), step_f, want)
+            reduced = self.reduce.reduce(packed.signature(schema), array, absent_mask(array), step_f, want)
             if reduced is not None:
                 return self._from_reduced(schema, reduced)
             schemas, rows = self.packed.fallback(schema, row, self.reduce.need)
@@ -118,7 +116,7 @@ class Exchange:
     def _from_reduced(self, schema: tuple[str, ...], reduced: Reduced) -> Gathered:
         keys: Sequence[str] = schema
         stats, counts, matrix, quantiles = reduced.stats, reduced.counts, reduced.detail, reduced.quantiles
-        world = self.packed._world
+        world = self.packed.world
         mixed = bool(self._layout) and bool((counts < world).any())
         if mixed:
             kept = counts > 0  # keys of the agreed layout that no rank has this time
@@ -191,14 +189,15 @@ class Exchange:
                         f"ranks reported different keys {list(differing)}; each is aggregated over the ranks that have it")
 
 
-def run_header(group: Any, log_rank: int, config: dict[str, Any], device: str, peak_scope: str) -> RunHeader:
+def run_header(group: Any, log_rank: int, config: dict[str, Any], device: str, peak_scope: str,
+               device_uuid: str | None = None) -> RunHeader:
     """Who every rank is, once per run, at the first collect (pickled: two collectives, not worth a
     packed layout). A collective; a ``log_rank`` outside the group raises on every rank alike."""
     rank, world = rank_and_world(group)
     if log_rank >= world:  # every rank knows the world size: all raise together
         raise RankmemError(f"log_rank={log_rank} but the group has {world} rank(s): use 0..{world - 1}")
     me = RankInfo(rank=rank, local_rank=int(os.environ.get("LOCAL_RANK", "0")), host=socket.gethostname(),
-                  pid=os.getpid(), device=device, peak_rss_scope=peak_scope)
+                  pid=os.getpid(), device=device, peak_rss_scope=peak_scope, device_uuid=device_uuid)
     ranks = [RankInfo(**info) for info in all_gather_objects(asdict(me), group)]
     return RunHeader(world_size=world, ranks=ranks, config=config, started=time.time())
 

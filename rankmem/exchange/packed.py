@@ -54,7 +54,7 @@ class PackedGather:
         self._on_device = False
         self._where: tuple[str, int | None] | None = None
         self._device: Any = None
-        self._warn_once = WarnOnce()
+        self.warn_once = WarnOnce()
         self._last_schema: Schema | None = None
         self._last_sig = 0.0
         self._width = -1
@@ -64,29 +64,32 @@ class PackedGather:
         self._out: Any = None
         self._out_np: np.ndarray | None = None  # the output as numpy, where it lives on the CPU
 
-    def _module(self) -> tuple[str, Any] | None:
-        """The device type and module of device tensors; None when there is no device to gather on."""
-        if self.device_module is not None:
-            return self.device_type or "cuda", self.device_module
-        import torch
+    @property
+    def world(self) -> int:
+        """The group's size, once :meth:`ready` has resolved it (0 before, or with nothing to gather)."""
+        return self._world
 
-        if self.device_type is not None:
-            module = getattr(torch, self.device_type, None)
-            return None if module is None else (self.device_type, module)
-        return ("cuda", torch.cuda) if torch.cuda.is_available() else None
+    @property
+    def device(self) -> Any:
+        """The ``torch.device`` the gathers run on, once :meth:`ready` has resolved it."""
+        return self._device
+
+    def ready(self) -> bool:
+        """Resolve the group (once) and the device (every call); False when there is nothing to gather."""
+        return self._setup()
+
+    def signature(self, schema: Schema) -> float:
+        """The layout checksum of ``schema``, cached for the steady state (one layout, every step)."""
+        if schema != self._last_schema:
+            self._last_schema, self._last_sig = schema, schema_signature(schema)
+        return self._last_sig
+
+    def _module(self) -> tuple[str, Any] | None:
+        return device_module_of(self.device_type, self.device_module)
 
     def resolve_device(self, backend: str) -> tuple[str, int | None]:
-        """``(type, index)`` of the tensors for a group of ``backend``, read now: ``("cpu", None)`` for
-        gloo and MPI (they gather CPU tensors), else the current device of the device type (NCCL, HCCL
-        and XCCL gather device tensors only, on the device the rank set for itself)."""
-        backend = backend.lower()
-        found = None if "gloo" in backend or "mpi" in backend else self._module()
-        if found is None:
-            return "cpu", None
-        kind, module = found
-        # The first collect is a collective of the rank's own group, after its set_device: reading
-        # the current device here (which initialises CUDA) is what the collective itself would do.
-        return kind, int(module.current_device())
+        """``(type, index)`` of the tensors for a group of ``backend``, read now (:func:`device_for`)."""
+        return device_for(backend, self.device_type, self.device_module)
 
     def _follow_device(self) -> None:
         """Put the tensors on the device :meth:`resolve_device` names, moving them when it changed."""
@@ -104,7 +107,7 @@ class PackedGather:
             count = int(found[1].device_count()) if found is not None else 0
             message = _check_local_device(kind, index, count)
             if message is not None:
-                self._warn_once(f"local:{kind}:{index}", message)
+                self.warn_once(f"local:{kind}:{index}", message)
 
     def _setup(self) -> bool:
         """Resolve the group's size once and the tensors' device at every call (the current device
@@ -139,12 +142,11 @@ class PackedGather:
         """Pack, one all-gather, check. Every rank's vector as a ranks x width view of the reused output
         buffer (copy what you keep) and each rank's value count; or, when layouts differ or values outgrow
         the capacity, the count the pickled fallback must make room for (every rank returns it alike)."""
-        if schema != self._last_schema:
-            self._last_schema, self._last_sig = schema, schema_signature(schema)
+        sig = self.signature(schema)
         n, world, width = len(values), self._world, self.capacity + _HEAD
         self._buffers(width)
         send = self._send_np
-        send[0], send[1], send[2] = self._last_sig, n, step
+        send[0], send[1], send[2] = sig, n, step
         if n <= self.capacity:
             send[_HEAD : _HEAD + n] = values
             if n < self.capacity:
@@ -160,10 +162,10 @@ class PackedGather:
         head = block[:, :_HEAD].tolist()
         lengths = [int(h[1]) for h in head]
         self._check_steps([h[2] for h in head])
-        sig = head[0][0]
+        first = head[0][0]
         # Equal layouts may still carry different numbers of values (per-rank list lengths inside
         # the payload); all that must hold is that every rank's values fit.
-        if all(h[0] == sig for h in head) and max(lengths) <= self.capacity:
+        if all(h[0] == first for h in head) and max(lengths) <= self.capacity:
             return block, lengths
         return max(lengths)
 
@@ -220,10 +222,36 @@ class PackedGather:
             if s == s:
                 at.setdefault(int(s), []).append(r)
         detail = "; ".join(f"rank(s) {ranks} at step {s}" for s, ranks in sorted(at.items()))
-        self._warn_once("steps", f"ranks met in one collect() at different steps ({detail}): a rank called collect() "
+        self.warn_once("steps", f"ranks met in one collect() at different steps ({detail}): a rank called collect() "
                         "more or fewer times than the others; the last one to call it waits for the process-group "
                         "timeout")
 
 
 _HEAD = 3
 """The header of each rank's packed vector: layout checksum, value count, the caller's step."""
+
+
+def device_module_of(device_type: str | None, device_module: Any) -> tuple[str, Any] | None:
+    """The device type and module of device tensors; None when there is no device to gather on."""
+    if device_module is not None:
+        return device_type or "cuda", device_module
+    import torch
+
+    if device_type is not None:
+        module = getattr(torch, device_type, None)
+        return None if module is None else (device_type, module)
+    return ("cuda", torch.cuda) if torch.cuda.is_available() else None
+
+
+def device_for(backend: str, device_type: str | None, device_module: Any) -> tuple[str, int | None]:
+    """``(type, index)`` of the tensors for a group of ``backend``, read now: ``("cpu", None)`` for
+    gloo and MPI (they gather CPU tensors), else the current device of the device type (NCCL, HCCL
+    and XCCL gather device tensors only, on the device the rank set for itself)."""
+    backend = backend.lower()
+    found = None if "gloo" in backend or "mpi" in backend else device_module_of(device_type, device_module)
+    if found is None:
+        return "cpu", None
+    kind, module = found
+    # The first collect is a collective of the rank's own group, after its set_device: reading
+    # the current device here (which initialises CUDA) is what the collective itself would do.
+    return kind, int(module.current_device())

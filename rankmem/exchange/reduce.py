@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
+
+from rankmem.exchange.packed import PackedGather
 
 _HEAD = 6
 """``[sig, -sig, n, step, -step, detail]`` ahead of the values in the MAX vector."""
@@ -46,18 +48,6 @@ QUANTILES = (0.5, 0.9, 0.99)
 QUANTILE_NAMES = ("p50", "p90", "p99")
 
 
-class _Group(Protocol):
-    """What this module reads of :class:`rankmem.exchange.exchange.PackedGather` (typed structurally: the
-    exchange layer imports this module, not the other way round)."""
-
-    group: Any
-    capacity: int
-    _world: int
-    _device: Any
-
-    def _warn_once(self, key: str, message: str, stacklevel: int = 3) -> None: ...
-
-
 class PackedReduce:
     """Three fixed-size all-reduces over a :class:`PackedGather`'s group, device and learned capacity.
 
@@ -65,7 +55,7 @@ class PackedReduce:
     collectives have the same shape even when their layouts differ.
     """
 
-    def __init__(self, packed: _Group, detail_rank: int = 0, bins: int = 32) -> None:
+    def __init__(self, packed: PackedGather, detail_rank: int = 0, bins: int = 32) -> None:
         self.packed = packed
         self.detail_rank = detail_rank
         self.bins = bins
@@ -86,7 +76,7 @@ class PackedReduce:
 
             host = np.empty(size, dtype=np.float64)
             staging = torch.from_numpy(host)
-            device = self.packed._device
+            device = self.packed.device
             sent = staging if device.type == "cpu" else staging.to(device)
             entry = self._bufs[name] = (host, staging, sent)
         host, staging, sent = entry
@@ -189,7 +179,7 @@ class PackedReduce:
         import torch.distributed as dist
 
         packed = self.packed
-        cap, n, world = packed.capacity, values.size, packed._world
+        cap, n, world = packed.capacity, values.size, packed.world
         rank = float(dist.get_rank(packed.group))
         low, buf = self._buffer("min", 3 * cap)
         low[:] = world
@@ -208,7 +198,7 @@ class PackedReduce:
         import torch.distributed as dist
 
         self.details += 1
-        group, world = self.packed.group, self.packed._world
+        group, world = self.packed.group, self.packed.world
         me = dist.get_rank(group)
         send, buf = self._buffer("detail", cap)
         send[:] = math.nan
@@ -226,7 +216,7 @@ class PackedReduce:
     def _check_steps(self, latest: float, earliest: float) -> None:
         # Only the range is known here (no per-rank steps travel): enough to say that ranks drifted.
         if math.isfinite(latest) and math.isfinite(earliest) and latest != earliest:
-            self.packed._warn_once("steps", f"ranks met in one collect() at different steps (from {earliest:.0f} "
+            self.packed.warn_once("steps", f"ranks met in one collect() at different steps (from {earliest:.0f} "
                                    f"to {latest:.0f}): a rank called collect() more or fewer times than the "
                                    "others; the last one to call it waits for the process-group timeout")
 

@@ -5,7 +5,10 @@
   leaves a step or phase window, with the figures at that instant; on CUDA, the allocator's
   out-of-memory observer adds the requested size and free memory as the allocator saw them, and with
   ``oom_history`` on, a snapshot file of the allocation history next to the event;
-- the node's near-OOM watch (one per node: the lowest local rank), which writes ``near_oom`` events.
+- the node's near-OOM watch (one per node: the lowest local rank), which writes ``near_oom`` events;
+- in every ``oom`` and ``near_oom`` event, the device used split by owner (``device.attribution``),
+  taken fresh by the attribution thread (:mod:`rankmem.probe.nvmlwatch`) within half a second, or the
+  last split, whose ``time`` says how old it is.
 
 No collective and no device synchronisation on these paths: the other ranks may be inside one, and a
 rank that runs out of memory must not wait for them. The user's exception always goes on unchanged
@@ -26,6 +29,8 @@ from rankmem.forensics.heartbeat import Heartbeat, heartbeat_dir
 from rankmem.forensics.nearoom import NearOomWatch
 from rankmem.probe.device import DeviceBackend
 from rankmem.probe.host import HostProbe
+from rankmem.probe.nvmlwatch import DeviceAttribution
+from rankmem.probe.pidmap import pid_view
 from rankmem.windows import Where
 
 _RECORDED = "_rankmem_recorded"
@@ -41,13 +46,15 @@ class Forensics:
 
     def __init__(self, out_dir: str | None, rank: int, host: HostProbe, device: DeviceBackend | None, *,
                  oom_history: int = 0, near_oom_watch: bool = True,
-                 flush: Callable[[], object] | None = None) -> None:
+                 flush: Callable[[], object] | None = None, attribution: DeviceAttribution | None = None) -> None:
         self.rank = rank
         self._host = host
         self._device = device
+        self._attribution = attribution
         self._events = EventWriter(out_dir, rank) if out_dir is not None else None
         beats = heartbeat_dir(out_dir)
-        self._heartbeat = Heartbeat(beats, rank) if beats is not None else None
+        # Its host PID too, where /proc shows it: the sibling ranks' attribution joins NVML's PIDs by it.
+        self._heartbeat = Heartbeat(beats, rank, pid_view().host_pid) if beats is not None else None
         self._history = max(int(oom_history), 0)
         self._hooked = device is None  # the observer and history wait for the backend's initialisation
         self._tag: tuple[int | None, str | None] | None = None
@@ -121,6 +128,10 @@ class Forensics:
             event.setdefault("observer", observed.get("observer"))
             if event.get("requested_bytes") is None:
                 event["requested_bytes"] = observed["observer"]["alloc_bytes"]
+        if event.get("where") == "device" and self._attribution is not None:
+            if not isinstance(event.get("device"), dict):
+                event["device"] = {}  # the observer's event, of an OOM caught inside the window
+            event["device"]["attribution"] = self._split()
         if self._history and self._device is not None and self._events is not None:
             event["snapshot"] = attempt(self._write_snapshot, default=None)  # the event matters more
         if self._events is not None:
@@ -157,7 +168,16 @@ class Forensics:
                 "free_bytes": d.free, "total_bytes": d.total, "top_segments": self._device.segments(top=5)}
 
     # ---- near-OOM ----------------------------------------------------------------------------------
+    def _split(self) -> dict[str, Any] | None:
+        """The device split for an event: a fresh one where the thread gives it in time; None without NVML."""
+        if self._attribution is None:
+            return None
+        split = attempt(self._attribution.fresh, 0.5, default=None)
+        return split.to_event() if split is not None else None
+
     def _near_oom(self, info: dict[str, Any]) -> None:
+        if self._attribution is not None:
+            info.setdefault("device", {})["attribution"] = self._split()
         if self._events is not None:
             self._events.write(info)
         if self._flush is not None:

@@ -14,10 +14,15 @@ Record layout (little-endian, :data:`RECORD_SIZE` bytes)::
 
     magic b"RMHB", version u16, flags u16 (bit 0: clean exit), pid u32, rank i32, seq u64,
     step i64 (-2**63: none yet; a step may be negative), rss i64 (-1: unknown), time f64 (Unix seconds),
-    phase 32 bytes (UTF-8, NUL-padded, truncated), seq u64 again
+    phase 32 bytes (UTF-8, NUL-padded, truncated), seq u64 again,
+    (version 3) host_pid u32 (0: not mapped), boot_id 16 bytes (zeros: unknown), seq u64 a third time
 
-``seq`` appears twice: a reader that sees two different values read the record while it was being
-written (a store into the page is not atomic against a concurrent ``read``) and reads again.
+``seq`` appears at the end of each part: a reader that sees different values read the record while it
+was being written (a store into the page is not atomic against a concurrent ``read``) and reads again.
+Version 3 adds what device attribution needs to tell a sibling rank's GPU memory from a stranger's:
+the rank's PID in the host's namespace, where this rank can see it (:mod:`rankmem.probe.pidmap`), and
+the node's ``/proc/sys/kernel/random/boot_id`` (one per booted machine, shared by its containers), so
+that only ranks of this node are matched against this node's PIDs. Versions 1 and 2 read as before.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ __all__ = ["ENV_DIR", "Heartbeat", "HeartbeatRecord", "heartbeat_dir", "heartbea
 
 ENV_DIR = "RANKMEM_HEARTBEAT_DIR"
 MAGIC = b"RMHB"
-VERSION = 2
+VERSION = 3
 NO_STEP = -(2**63)
 """The step field before the first step (version 1 used -1, which hid negative steps)."""
 PHASE_BYTES = 32
@@ -46,7 +51,18 @@ MAX_RANKS = 1 << 20
 """Highest rank a heartbeat may name, as many as a run log's header may claim."""
 _CLEAN = 1
 _RECORD = struct.Struct(f"<4sHHIiQqqd{PHASE_BYTES}sQ")
-RECORD_SIZE = _RECORD.size
+_NODE = struct.Struct("<I16sQ")  # version 3: host_pid, boot_id, seq
+RECORD_SIZE = _RECORD.size + _NODE.size
+BOOT_ID = "/proc/sys/kernel/random/boot_id"
+
+
+def boot_id(path: str = BOOT_ID) -> bytes:
+    """This machine's boot id (16 bytes; zeros where unreadable): equal on the ranks of one node."""
+    try:
+        with open(path, "rb") as f:
+            return bytes.fromhex(f.read(64).decode("ascii").strip().replace("-", ""))[:16].ljust(16, b"\0")
+    except (OSError, ValueError):
+        return bytes(16)
 
 
 def heartbeat_dir(out_dir: str | None) -> str | None:
@@ -85,6 +101,10 @@ class HeartbeatRecord:
     """Beats so far: every rank beats at the same edges, so a rank whose count lags stopped early."""
     clean: bool
     """The rank closed its heartbeat: it exited normally, not by a signal."""
+    host_pid: int | None = None
+    """The rank's PID in the host's namespace, where it could see it (version 3); None: not mapped."""
+    boot_id: bytes | None = None
+    """The rank's node (its boot id, version 3); None where unknown."""
 
 
 class Heartbeat:
@@ -94,10 +114,12 @@ class Heartbeat:
     to its rank even when it dies before its first step.
     """
 
-    def __init__(self, directory: str, rank: int) -> None:
+    def __init__(self, directory: str, rank: int, host_pid: int | None = None) -> None:
         self.path = heartbeat_path(directory, rank)
         self._rank = rank
         self._pid = os.getpid()
+        self._host_pid = host_pid or 0
+        self._boot = boot_id()
         self._seq = 0
         self._step = NO_STEP
         self._phase = b""
@@ -144,11 +166,12 @@ class Heartbeat:
         if self._map is not None:
             _RECORD.pack_into(self._map, 0, MAGIC, VERSION, flags, self._pid, self._rank, self._seq, self._step,
                               self._rss, time.time(), self._phase, self._seq)
+            _NODE.pack_into(self._map, _RECORD.size, self._host_pid, self._boot, self._seq)
             return
         if self._fd is None:
             return
         record = _RECORD.pack(MAGIC, VERSION, flags, self._pid, self._rank, self._seq, self._step, self._rss,
-                              time.time(), self._phase, self._seq)
+                              time.time(), self._phase, self._seq) + _NODE.pack(self._host_pid, self._boot, self._seq)
         try:
             os.pwrite(self._fd, record, 0)
         except OSError as exc:
@@ -162,16 +185,26 @@ class Heartbeat:
 
 def unpack_record(data: bytes) -> HeartbeatRecord | None:
     """The record in ``data``, or None for a short, foreign, newer-version or half-written one."""
-    if len(data) < RECORD_SIZE:
+    if len(data) < _RECORD.size:
         return None
     magic, version, flags, pid, rank, seq, step, rss, t, phase, seq2 = _RECORD.unpack_from(data)
-    if magic != MAGIC or version not in (1, VERSION) or seq != seq2:
+    if magic != MAGIC or version not in (1, 2, VERSION) or seq != seq2:
         return None
+    host_pid: int | None = None
+    node: bytes | None = None
+    if version >= 3:
+        if len(data) < RECORD_SIZE:
+            return None
+        host, node, seq3 = _NODE.unpack_from(data, _RECORD.size)
+        if seq3 != seq:
+            return None
+        host_pid, node = host or None, node if any(node) else None
     # Version 1 (a rank of an older rankmem on another node) wrote -1 for "no step yet".
     none = step == NO_STEP or (version == 1 and step < 0)
     return HeartbeatRecord(pid=pid, rank=rank, step=None if none else step,
                            phase=phase.rstrip(b"\0").decode("utf-8", "replace"),
-                           rss_bytes=None if rss < 0 else rss, time=t, seq=seq, clean=bool(flags & _CLEAN))
+                           rss_bytes=None if rss < 0 else rss, time=t, seq=seq, clean=bool(flags & _CLEAN),
+                           host_pid=host_pid, boot_id=node)
 
 
 def read_heartbeats(directory: str) -> dict[int, HeartbeatRecord]:
@@ -194,3 +227,43 @@ def read_heartbeats(directory: str) -> dict[int, HeartbeatRecord]:
                 and 0 <= record.rank < MAX_RANKS and math.isfinite(record.time):
             out[record.rank] = record
     return out
+
+
+def node_siblings(directory: str | None, rank: int, translated: bool,
+                  local_world: int | None = None) -> tuple[set[int], str | None]:
+    """The PIDs of this node's other live ranks, by their heartbeats: host PIDs (their namespace's
+    when ``translated``), and why some are unknown (None when every one is known). ``local_world``:
+    how many ranks this node runs (torchrun's ``LOCAL_WORLD_SIZE``, read when not given)."""
+    if local_world is None:
+        local_world = _env_int("LOCAL_WORLD_SIZE")
+    if directory is None:
+        if local_world in (None, 1) and _env_int("WORLD_SIZE") in (None, 1):
+            return set(), None  # a single process: no sibling to look for
+        return set(), "no heartbeats to find the sibling ranks by (no out_dir)"
+    here = boot_id()
+    if not any(here):
+        return set(), f"this node's boot id ({BOOT_ID}) is unreadable: sibling ranks cannot be told apart"
+    pids: set[int] = set()
+    unknown: list[int] = []
+    found = 0
+    for other, record in read_heartbeats(directory).items():
+        if other == rank or record.clean or record.boot_id != here:
+            continue  # itself, a rank that has exited, or a rank of another node
+        found += 1
+        pid = record.pid if translated else record.host_pid
+        if pid is None:
+            unknown.append(other)
+        else:
+            pids.add(pid)
+    if unknown:
+        return pids, f"the host PID of rank(s) {', '.join(map(str, sorted(unknown)))} is unknown (its /proc shows none)"
+    if local_world is not None and found < local_world - 1:
+        return pids, f"{found} of this node's {local_world - 1} other rank(s) have a heartbeat yet"
+    return pids, None
+
+
+def _env_int(name: str) -> int | None:
+    try:
+        return int(os.environ[name])
+    except (KeyError, ValueError):
+        return None

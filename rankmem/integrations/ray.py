@@ -34,11 +34,12 @@ import importlib.util
 import os
 from typing import Any
 
+from rankmem.core.cadence import Every
 from rankmem.core.records import HostReading
 from rankmem.errors import RankmemError
 from rankmem.monitor import Monitor
 from rankmem.probe import procfs as _procfs
-from rankmem.probe.host import Every, HostProbe, make_host_probe
+from rankmem.probe.host import HostProbe, make_host_probe, peak_source_default
 
 __all__ = ["RayAwareHostProbe", "actor_monitor", "is_ray_process", "ray_charged_bytes"]
 
@@ -73,11 +74,11 @@ class RayAwareHostProbe:
     ms; Ray's processes and their subtrees pruned); each kept child's RSS is read on every ``read``.
     """
 
-    def __init__(self, children: bool = True, children_refresh_s: float = 5.0) -> None:
+    def __init__(self, children: bool = True, children_refresh_s: float = 5.0, reset_peaks: bool = True) -> None:
         import psutil
 
         self._psutil = psutil
-        self._inner: HostProbe = make_host_probe(children=False)
+        self._inner: HostProbe = make_host_probe(children=False, reset_peaks=reset_peaks)
         self._children_enabled = children
         self._children: list[Any] = []  # psutil.Process
         self._children_due = Every(children_refresh_s)
@@ -92,8 +93,8 @@ class RayAwareHostProbe:
     def edge(self) -> tuple[int | None, int | None]:
         return self._inner.edge()
 
-    def read(self) -> HostReading:
-        return dataclasses.replace(self._inner.read(), children_rss=self.children_rss())
+    def read(self, process: bool = True) -> HostReading:
+        return dataclasses.replace(self._inner.read(process), children_rss=self.children_rss())
 
     def children_rss(self) -> int | None:
         if not self._children_enabled:
@@ -152,7 +153,8 @@ def actor_monitor(*, out_dir: str | None = None, group: Any = None, **options: A
         raise RankmemError("actor_monitor() needs this actor's process group: call "
                            "torch.distributed.init_process_group first (the Monitor's rank and world size are the group's)")
     probe = RayAwareHostProbe(children=options.get("children", True),
-                              children_refresh_s=options.get("children_refresh_s", 5.0))
+                              children_refresh_s=options.get("children_refresh_s", 5.0),
+                              reset_peaks=options.get("peak_source", peak_source_default()) == "window")
     return Monitor(out_dir=out_dir, group=group, host_probe=probe, **options)
 
 

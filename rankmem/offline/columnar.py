@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from rankmem.core.files import NotRegularFile, open_regular
-from rankmem.errors import RankmemError
+from rankmem.errors import MissingExtraError, RankmemError
 from rankmem.runlog.checksum import HEADER_KEY, frame, header_crc, sealed
 from rankmem.runlog.layout import DETAIL_AGGREGATES, DETAIL_COLUMNS, LOG_OFFSET, WORLD_KEY
 
@@ -84,8 +84,8 @@ def read_detail(path: str, world: int, header_line: bytes | None = None) -> Deta
     try:
         import pyarrow as pa
     except ImportError:
-        raise RankmemError(f"{path} holds the run's per-rank values in Arrow format: pip install pyarrow "
-                           "(or pip install rankmem, which depends on it) to read it") from None
+        raise MissingExtraError(f"reading {path} (the run's per-rank values, Arrow format)", "", "pyarrow",
+                                "pip install pyarrow (a dependency of rankmem)") from None
     try:
         data = _mapped(path, pa)
     except OSError as exc:

@@ -1,9 +1,10 @@
 """``rankmem plot``: one panel per key, one line per rank against step, drawn with matplotlib (Agg).
 
-- **Which phase**: where a phase's own peak (``mem/phase/P/peak_*``) is the step's peak on a rank,
-  a marker sits on that rank's line, in the rank's colour, one shape per phase; on each rank's
-  :data:`MARKS_PER_RANK` highest steps only, so a run of 400+ steps shows which phase made its
-  spikes instead of a carpet of markers.
+- **Which phase**: where memory rose to a rank's step peak inside one phase (the rule of
+  :func:`rankmem.core.catalogue.peak_phase`, the report's too), a marker sits on that rank's line, in the
+  rank's colour, one shape per phase; where no phase raised it (held from before) or several tie, a
+  grey marker says so and names none. On each rank's :data:`MARKS_PER_RANK` highest steps only, so a run
+  of 400+ steps shows which phase made its spikes instead of a carpet of markers.
 - **How close to OOM**: the capacity that bounds the key (:mod:`rankmem.offline.capacity`: device total,
   node total, cgroup limit) is a dashed line. Within :data:`NEAR` times the data the panel runs from
   0 to just above it; further away it would flatten the data into the floor, so it stays off the
@@ -27,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from rankmem.core.catalogue import PHASE_PREFIX, PHASE_SUFFIX, PLOT_KEYS, phase_key, worse
+from rankmem.core.catalogue import PHASE_PREFIX, PHASE_SUFFIX, PLOT_KEYS, peak_phase, worse
 from rankmem.core.text import printable
 from rankmem.errors import MissingExtraError, RankmemError
 from rankmem.offline import Run
@@ -173,34 +174,47 @@ def _draw_every_step(ax: Any, run: Run, key: str, low: bool) -> None:
                 label=f"{stat} over ranks, every step")
 
 
+_NO_SINGLE = {"held": ("o", "no phase raised the step peak (held from before)"),
+              "tie": ("X", "several phases rose to the step peak (tie)")}
+"""Grey markers of the verdicts that name no single phase: the shape, the legend entry."""
+
+
 def _draw_phase_peaks(ax: Any, run: Run, key: str, phases: Sequence[str], colors: Sequence[Any]) -> None:
-    """A marker where a phase's own peak is the rank's step peak, on that rank's highest
-    :data:`MARKS_PER_RANK` steps: which phase set the spikes, per rank, without burying a long run."""
+    """A marker where memory rose to the rank's step peak in one phase (grey where none or several did),
+    on that rank's highest :data:`MARKS_PER_RANK` steps: which phase made the spikes, per rank, without
+    burying a long run."""
     suffix = PHASE_SUFFIX.get(key)
     if suffix is None:
         return
     steps, matrix = run.steps, run.series[key]
-    top = np.zeros(matrix.shape, dtype=bool)
+    phase_series = {k: m for k, m in run.series.items() if k.startswith(PHASE_PREFIX)}
+    if not phase_series:
+        return
+    shapes = {p: _MARKERS[i % len(_MARKERS)] for i, p in enumerate(phases)}
+    hits: dict[str, list[tuple[int, int]]] = {}
     for rank in range(matrix.shape[1]):
         values = np.where(np.isfinite(matrix[:, rank]), matrix[:, rank], -np.inf)
-        top[np.argsort(-values, kind="stable")[:MARKS_PER_RANK], rank] = True
-    top &= np.isfinite(matrix)
-    for i, p in enumerate(phases):
-        col = run.series.get(phase_key(p, suffix))
-        if col is None:
+        for row in np.argsort(-values, kind="stable")[:MARKS_PER_RANK].tolist():
+            if not np.isfinite(matrix[row, rank]):
+                continue
+            found = peak_phase(key, float(matrix[row, rank]), {k: float(m[row, rank]) for k, m in phase_series.items()})
+            if found is not None and found.verdict != "outside":
+                hits.setdefault(found.phases[0] if found.verdict == "rose" else found.verdict, []).append((row, rank))
+    for what, cells in hits.items():
+        rows, ranks = np.array([c[0] for c in cells]), np.array([c[1] for c in cells])
+        if what in _NO_SINGLE:
+            marker, label = _NO_SINGLE[what]
+            ax.scatter(steps[rows], matrix[rows, ranks], marker=marker, s=30, facecolors="none",
+                       edgecolors="dimgray", linewidths=1.0, zorder=3, label=label)
             continue
-        marker = _MARKERS[i % len(_MARKERS)]
-        with np.errstate(invalid="ignore"):
-            # The step peak is the max of its phases' peaks and the gaps: bit-equal where the phase set it.
-            set_peak = top & np.isfinite(col) & np.isclose(col, matrix, rtol=1e-9, atol=1e-12)
-        for rank in range(matrix.shape[1]):
-            hit = set_peak[:, rank]
-            if hit.any():
-                # A dark edge: a marker in the rank's colour would vanish on the rank's own line.
-                ax.scatter(steps[hit], matrix[hit, rank], marker=marker, s=22, color=colors[rank],
-                           edgecolors="black", linewidths=0.5, zorder=3)
+        marker = shapes.get(what, "o")
+        for rank in sorted(set(ranks.tolist())):
+            mine = rows[ranks == rank]
+            # A dark edge: a marker in the rank's colour would vanish on the rank's own line.
+            ax.scatter(steps[mine], matrix[mine, rank], marker=marker, s=22, color=colors[rank],
+                       edgecolors="black", linewidths=0.5, zorder=3)
         # One legend entry per phase, in grey: the colour belongs to the rank.
-        ax.scatter([], [], marker=marker, s=22, color="dimgray", label=_shown(f"phase {p} set the step peak"))
+        ax.scatter([], [], marker=marker, s=22, color="dimgray", label=_shown(f"phase {what} set the step peak"))
 
 
 def _draw_capacity_and_range(ax: Any, steps: np.ndarray, matrix: np.ndarray, caps: Sequence[Capacity],

@@ -23,12 +23,12 @@ import numpy as np
 
 from rankmem.core.catalogue import (
     HEADLINE,
-    OUTSIDE_PHASES,
     PHASE_PREFIX,
     PHASE_SUFFIX,
+    PeakPhase,
     is_memory_key,
     key_of,
-    phase_of_peak,
+    peak_phase,
     worst_stat,
 )
 from rankmem.core.scalars import json_safe, to_float
@@ -51,9 +51,20 @@ class KeyReport:
     step: int
     rank: int
     phase: str | None
-    """The phase whose own peak equals this step's peak on this rank; ``None`` when not applicable."""
+    """The phase in which memory rose to this step's peak on this rank; where none did (the peak was held
+    from before) or several did, a parenthesised verdict that names no single phase
+    (:attr:`rankmem.core.catalogue.PeakPhase.label`); ``None`` when not applicable."""
     imbalance: float | None
     """max over mean, across ranks, of each rank's peak over the run (1.0 = balanced)."""
+    phase_verdict: str | None = None
+    """``rose`` (``phase`` raised it), ``tie``, ``held`` or ``outside``; ``None`` when not applicable."""
+    phases: list[str] = field(default_factory=list)
+    """The phases the verdict is about: the one that rose, those tied, or those that only held it."""
+
+    def attribute(self, found: PeakPhase | None) -> None:
+        self.phase = None if found is None else found.label
+        self.phase_verdict = None if found is None else found.verdict
+        self.phases = [] if found is None else list(found.phases)
 
 
 @dataclass
@@ -113,6 +124,10 @@ class Report:
     """Why per-rank values are missing beyond that (a damaged or missing side file)."""
     limits: list[Limit] = field(default_factory=list)
     """Device total, node total, cgroup limit, where measured, with the least headroom under each."""
+    peak_rss_scope: str | None = None
+    """How the ranks' per-window host peaks were taken (the header's ``peak_rss_scope``): ``window``
+    (reset per window), ``edges`` (``peak_source="edges"``: never reset), ``lifetime``, ``sampled``;
+    several joined by ``/`` where ranks differ; None for a log that does not say."""
 
     def worst(self) -> list[tuple[str, KeyReport]]:
         """(headline label, report) of the catalogue's headline keys present: who is closest to trouble."""
@@ -144,11 +159,11 @@ def memory_keys(run: Run) -> list[str]:
     return sorted(k for k in keys if is_memory_key(k))
 
 
-def _phase_of(run: Run, key: str, row: int, rank: int, value: float) -> str | None:
+def _phase_of(run: Run, key: str, row: int, rank: int, value: float) -> PeakPhase | None:
     if key not in PHASE_SUFFIX:
         return None
     rank_values = {k: float(m[row, rank]) for k, m in run.series.items() if k.startswith(PHASE_PREFIX)}
-    return phase_of_peak(key, value, rank_values)
+    return peak_phase(key, value, rank_values)
 
 
 def _worst_logged(run: Run, key: str, low: bool) -> tuple[float, int, int] | None:
@@ -181,7 +196,8 @@ def key_report(run: Run, key: str) -> KeyReport | None:
                          imbalance=None)
     report = _key_report_detail(run, key, matrix, worst)
     if logged is not None and (logged[0] < report.value if worst == "min" else logged[0] > report.value):
-        report.value, report.step, report.rank, report.phase = logged[0], logged[1], logged[2], None
+        report.value, report.step, report.rank = logged[0], logged[1], logged[2]
+        report.attribute(None)
     return report
 
 
@@ -198,15 +214,10 @@ def _key_report_detail(run: Run, key: str, matrix: np.ndarray, worst: str) -> Ke
         per_rank = per_rank[np.isfinite(per_rank)]
         mean = float(per_rank.mean()) if per_rank.size else math.nan
         imbalance = float(per_rank.max()) / mean if per_rank.size and mean > 0 else None
-    return KeyReport(
-        key=key,
-        worst=worst,
-        value=value,
-        step=int(run.steps[row]),
-        rank=rank,
-        phase=_phase_of(run, key, row, rank, value),
-        imbalance=imbalance,
-    )
+    report = KeyReport(key=key, worst=worst, value=value, step=int(run.steps[row]), rank=rank, phase=None,
+                       imbalance=imbalance)
+    report.attribute(_phase_of(run, key, row, rank, value))
+    return report
 
 
 def growth(run: Run, key: str) -> Growth | None:
@@ -257,6 +268,8 @@ def _tables(run: Run) -> Report:
         events_skipped=events.skipped,
         detail_steps=int(run.steps.size) if run.logged is not None else None,
         detail_note=run.detail_note,
+        peak_rss_scope="/".join(sorted({str(r["peak_rss_scope"]) for r in run.header.get("ranks", [])
+                                        if isinstance(r, dict) and r.get("peak_rss_scope")})) or None,
     )
     for key in memory_keys(run):
         kr = key_report(run, key)
@@ -423,11 +436,11 @@ def describe_event(e: Mapping[str, Any]) -> str:
             what += f"; device free {free} of {total} GiB"
         if (rss_text := _gib(_mapping(e.get("host")).get("rss_bytes"))) is not None:
             what += f"; RSS {rss_text} GiB"
-        return f"{where}: {what}"
+        return f"{where}: {what}{owners_text(device.get('attribution'))}"
     if kind == "near_oom":
         reasons = e.get("reasons")
         shown = [event_field(r) for r in (reasons[:8] if isinstance(reasons, list) else [])]
-        return f"{where}: {', '.join(shown) or 'low headroom'}"
+        return f"{where}: {', '.join(shown) or 'low headroom'}{owners_text(_mapping(e.get('device')).get('attribution'))}"
     rss = _gib(e.get("last_rss_bytes"))
     last = f", last RSS {rss} GiB" if rss is not None else ""
     if kind == "killed":
@@ -439,13 +452,33 @@ def describe_event(e: Mapping[str, Any]) -> str:
     return where
 
 
+OWNER_PARTS = ("reserved", "nontorch", "siblings", "descendants", "foreign", "unattributed")
+
+
+def owners_text(table: Any) -> str:
+    """``; device by owner (GiB): reserved 1.000, nontorch 0.400, ... foreign ? (why)``: an event's
+    ``device.attribution`` table (docs/device-attribution.md); "" without one. Unknown is ``?``, never 0."""
+    if not isinstance(table, Mapping):
+        return ""
+    reasons = _mapping(table.get("reasons"))
+    parts = []
+    for part in OWNER_PARTS:
+        value = table.get(f"{part}_bytes")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            parts.append(f"{part} {value / 2**30:.3f}")
+        else:
+            parts.append(f"{part} ?")
+    why = sorted({str(r) for r in reasons.values()})
+    return f"; device by owner (GiB): {', '.join(parts)}" + (f" (unknown: {'; '.join(why)})" if why else "")
+
+
 def worst_lines(report: Report) -> list[str]:
     """The worst rank of each headline key, one line each: ``worst peak_rss: rank 2, max 4.500 GiB at
     step 7 (phase update)``."""
     lines = []
     for label, k in report.worst():
         unit = " GiB" if k.key.endswith("_gib") else ""
-        phase = "" if not k.phase else f" ({k.phase})" if k.phase == OUTSIDE_PHASES else f" (phase {k.phase})"
+        phase = "" if not k.phase else f" (phase {k.phase})" if k.phase_verdict == "rose" else f" {k.phase}"
         lines.append(f"worst {label}: rank {k.rank}, {k.worst} {_fmt(k.value, k.key)}{unit} at step {k.step}{phase}")
     return lines
 
@@ -467,12 +500,24 @@ def summary_lines(report: Report) -> list[str]:
                      "their aggregates: max, min, mean and the ranks holding them); worst values from all steps")
     if report.detail_note:
         lines.append(f"note: {report.detail_note}")
+    note = PEAK_SCOPE_NOTES.get(report.peak_rss_scope or "window")
+    if note:
+        lines.append(f"peak RSS per window: {note}")
     if report.corrupt or report.truncated:
         lines.append(
             f"skipped: {report.corrupt} corrupt line{'s' if report.corrupt != 1 else ''}, "
             f"{'a truncated last line' if report.truncated else 'no truncated last line'}"
         )
     return lines + limit_lines(report)
+
+
+PEAK_SCOPE_NOTES = {
+    "edges": "sampled at window edges (peak_source='edges', VmHWM never reset): exact where a window set a new "
+             "lifetime high, else the max RSS at its edges; lifetime peaks are exact",
+    "lifetime": "lifetime peaks (the kernel could not reset VmHWM): a window's peak is the process's so far",
+    "sampled": "sampled at window edges (no resettable high-water mark on this platform)",
+}
+"""The line the report prints where per-window host peaks are not exact (``window`` needs none)."""
 
 
 HEADROOM_LABELS = {"node total": "node available", "cgroup limit": "cgroup headroom (limit - used)"}

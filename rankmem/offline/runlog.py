@@ -35,7 +35,7 @@ import numpy as np
 from rankmem.core.catalogue import phase_names
 from rankmem.core.files import is_regular, kind_of, open_binary
 from rankmem.core.scalars import to_float_or_nan
-from rankmem.errors import RankmemError
+from rankmem.errors import MissingExtraError, RankmemError
 from rankmem.offline.columnar import Detail, empty_detail, read_detail
 from rankmem.runlog.layout import (
     DETAIL_AGGREGATES,
@@ -468,9 +468,9 @@ def _read_columnar(path: str, header: dict[str, Any], name: str, metrics: bool) 
     else:
         try:
             detail = read_detail(side, world, _first_line(path))
+        except MissingExtraError:
+            raise  # pyarrow is needed to read it: say so, rather than read the lines silently
         except RankmemError as exc:
-            if "pip install" in str(exc):
-                raise
             note = f"{exc}; the aggregates are read from the run log's lines"
     if detail is None:
         detail = empty_detail(world)

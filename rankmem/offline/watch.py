@@ -44,6 +44,8 @@ COLUMNS = (
     ("dev peak", "peak_reserved"),
     ("headroom", "headroom"),
     ("children", "children_rss"),
+    ("dev children", "device_descendants"),  # device memory by owner (docs/device-attribution.md)
+    ("dev foreign", "device_foreign"),
 )
 # What bounds the ranks, for the title: (label, field); the least over ranks binds first.
 CAPACITY = (("device total", "total"), ("node available", "node_available"), ("cgroup limit", "cgroup_limit"))

@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from rankmem.core.warnings import WarnOnce
+from rankmem.core.guard import Guard
 from rankmem.probe import procfs as _procfs
 
 _ROLLUP_BUF = 4096  # smaps_rollup is ~1 KB
@@ -41,7 +41,8 @@ class ChildrenUss:
         self._value: int | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._warn_once = WarnOnce()
+        self._guard = Guard()
+        self._warn_once = self._guard.warn_once
         self.supported = os.path.exists(f"{proc}/self/smaps_rollup")  # exists, unread: reading it costs ms
         """False on kernels without ``smaps_rollup`` (Linux < 4.14): the figure is then unavailable."""
         self.pass_s = 0.0
@@ -62,10 +63,8 @@ class ChildrenUss:
 
     def _run(self) -> None:
         while not self._stop.wait(self._refresh_s):
-            try:
+            with self._guard.scope("pass", "reading the private memory of child processes failed"):
                 self._pass()
-            except Exception as exc:  # noqa: BLE001 - telemetry never kills training
-                self._warn_once("pass", f"reading the private memory of child processes failed: {exc!r}")
 
     def _pass(self) -> None:
         start = time.perf_counter()

@@ -119,6 +119,9 @@ class DeviceBackend:
         self._flat_stats = getattr(module, "memory_stats", None)
         self._mem_get_info = getattr(module, "mem_get_info", None)
         self._with_context: set[int] = set()
+        self.last_index: int | None = None
+        """The device the last read found (with a context): what another thread reads, its own current
+        device being another (CUDA's current device is per thread)."""
 
     # ---- which device, if any --------------------------------------------------------------------
     def initialised(self) -> bool:
@@ -137,10 +140,12 @@ class DeviceBackend:
             return None
         index = int(index)
         if index in self._with_context or self._hooks.has_context is None:
+            self.last_index = index
             return index
         if not attempt(self._hooks.has_context, index, default=False):
             return None
         self._with_context.add(index)  # a primary context lives as long as the process: ask once
+        self.last_index = index
         return index
 
     def device_name(self) -> str:
@@ -152,6 +157,20 @@ class DeviceBackend:
             return self.name
         model = attempt(self.module.get_device_name, index, default=None)
         return f"{self.name}:{index}" if model is None else f"{self.name}:{index} {model}"
+
+    def device_uuid(self) -> str | None:
+        """The device's UUID as ``nvidia-smi -L`` and DCGM spell it (``GPU-...``); None where the backend has
+        none, or before it is initialised (``get_device_properties`` needs no context, but an index)."""
+        if not self.initialised():
+            return None
+        index = self._index if self._index is not None else attempt(self.module.current_device, default=None)
+        get = getattr(self.module, "get_device_properties", None)
+        props = None if index is None or get is None else attempt(get, index, default=None)
+        uuid = getattr(props, "uuid", None)
+        if uuid is None:
+            return None
+        text = str(uuid)
+        return text if text.startswith(("GPU-", "MIG-")) else "GPU-" + text
 
     # ---- window edges ------------------------------------------------------------------------------
     def reset_peaks(self) -> None:

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from typing import Protocol
 
+from rankmem.core.cadence import Every
+from rankmem.core.guard import attempt
 from rankmem.core.records import HostReading
 from rankmem.core.warnings import WarnOnce
 from rankmem.probe import procfs as _procfs
@@ -20,25 +21,6 @@ from rankmem.probe.children import ChildrenUss
 _STATUS_BUF = 4096  # /proc/self/status is ~1.4 KB; VmHWM sits in its first half
 _MEMINFO_BUF = 8192
 
-
-
-class Every:
-    """A refresh cadence: :meth:`due` is True at the first call, then at most once per ``seconds``."""
-
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-        self._at = -float("inf")
-
-    def due(self) -> bool:
-        now = time.monotonic()
-        if now - self._at < self.seconds:
-            return False
-        self._at = now
-        return True
-
-    def expire(self) -> None:
-        """Make the next :meth:`due` True (after a fork, the children are another process's)."""
-        self._at = -float("inf")
 
 class LinuxHostProbe:
     """Reads ``/proc`` and cgroup files through descriptors kept open for the life of the probe.
@@ -49,8 +31,11 @@ class LinuxHostProbe:
     private memory (USS) is summed at the same cadence on a daemon thread (:class:`ChildrenUss`).
     """
 
-    def __init__(self, children: bool = True, children_refresh_s: float = 5.0, proc: str = "/proc") -> None:
+    def __init__(self, children: bool = True, children_refresh_s: float = 5.0, proc: str = "/proc",
+                 reset_peaks: bool = True) -> None:
         self._proc = proc
+        self._reset_peaks = reset_peaks
+        self._last_hwm = 0  # peak_source="edges": the VmHWM seen at the last edge
         self._pid = os.getpid()
         self._page = os.sysconf("SC_PAGE_SIZE")
         self._children_enabled = children
@@ -66,7 +51,21 @@ class LinuxHostProbe:
         self._statm = _procfs.open_ro(f"{me}/statm")
         self._status = _procfs.open_ro(f"{me}/status")
         self._meminfo = _procfs.open_ro(f"{self._proc}/meminfo")
-        self._clear_refs: int | None
+        self._clear_refs: int | None = None
+        if not self._reset_peaks:
+            # peak_source="edges": VmHWM stays the process's true lifetime peak, for getrusage, a parent's
+            # wait4, /usr/bin/time -v and anything polling VmHWM (docs/peak-source.md).
+            self.peak_is_lifetime = True
+        else:
+            self._open_clear_refs(me)
+        try:
+            with open(f"{me}/cgroup") as f:
+                files = _procfs.find_cgroup_files(f.read())
+        except OSError:
+            files = None
+        self._cgroup = _procfs.CgroupReader(files) if files is not None else None
+
+    def _open_clear_refs(self, me: str) -> None:
         try:
             # Writing "5" resets VmHWM to the current RSS (Linux >= 4.0). Opening does not reset; the
             # first reset_peak() that fails marks the peak as a lifetime peak.
@@ -76,12 +75,6 @@ class LinuxHostProbe:
         self.peak_is_lifetime = self._clear_refs is None
         if self.peak_is_lifetime:
             self._lifetime_warning()
-        try:
-            with open(f"{me}/cgroup") as f:
-                files = _procfs.find_cgroup_files(f.read())
-        except OSError:
-            files = None
-        self._cgroup = _procfs.CgroupReader(files) if files is not None else None
 
     def check_fork(self) -> None:
         # Descriptors opened on /proc/PID follow the PID, not the caller: a forked child must reopen.
@@ -101,7 +94,10 @@ class LinuxHostProbe:
 
     @property
     def peak_scope(self) -> str:
-        """``window`` when VmHWM resets at each window edge, ``lifetime`` where it cannot."""
+        """``window`` when VmHWM resets at each window edge, ``lifetime`` where it cannot, ``edges`` where
+        rankmem leaves it alone (``peak_source="edges"``)."""
+        if not self._reset_peaks:
+            return "edges"
         return "lifetime" if self.peak_is_lifetime else "window"
 
     def rss_and_peak(self) -> tuple[int | None, int | None]:
@@ -117,6 +113,13 @@ class LinuxHostProbe:
         """The window-edge read: current RSS and the peak since the last edge, then the peak reset."""
         self.check_fork()
         rss, peak = self.rss_and_peak()
+        if not self._reset_peaks:
+            # Never reset, VmHWM only says something of this window where it rose since the last edge:
+            # then the window reached exactly it. Otherwise the window's peak is its edges' RSS (a floor).
+            if peak is None or peak <= self._last_hwm:
+                return rss, None
+            self._last_hwm = peak
+            return rss, peak
         self.reset_peak()
         return rss, peak
 
@@ -191,16 +194,11 @@ class LinuxHostProbe:
         """``(used, limit, working set)``, all ``None`` when no memory limit applies."""
         return self._cgroup.read() if self._cgroup is not None else (None, None, None)
 
-    def read(self) -> HostReading:
-        """The slow read, once per collect: every figure, node, cgroup and children included."""
+    def read(self, process: bool = True) -> HostReading:
+        """Every figure, node, cgroup and children included; without ``process`` (a collect, right after
+        the window's closing edge read them) this process's RSS and peak are left ``None``."""
         self.check_fork()
-        return read_host(self)
-
-    def read_node(self) -> HostReading:
-        """What a collect adds to the window edges' reads: node, cgroup and children; this process's
-        own RSS and peak are not read (``None``): the window's closing edge has just read them."""
-        self.check_fork()
-        return read_host(self, process=False)
+        return read_host(self, process)
 
     def close(self) -> None:
         if self._children_uss is not None:
@@ -209,13 +207,8 @@ class LinuxHostProbe:
         if self._cgroup is not None:
             self._cgroup.close()
             self._cgroup = None
-        fds = [self._statm, self._status, self._meminfo, self._clear_refs]
-        for fd in [*fds, *self._children_fds.values()]:
-            if fd is not None:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+        for fd in [self._statm, self._status, self._meminfo, self._clear_refs, *self._children_fds.values()]:
+            _procfs.close_fd(fd)
         self._children_fds.clear()
         self._statm = self._status = self._meminfo = self._clear_refs = None
 
@@ -236,10 +229,7 @@ class PsutilHostProbe:
         self._peak: int | None = None
 
     def rss(self) -> int | None:
-        try:
-            return int(self._proc.memory_info().rss)
-        except Exception:
-            return None
+        return attempt(lambda: int(self._proc.memory_info().rss), default=None)
 
     def peak_rss(self) -> int | None:
         """Our own max of the RSS seen at window edges (``sampled``): psutil has no resettable
@@ -266,17 +256,9 @@ class PsutilHostProbe:
         if not self._children_enabled:
             return None
         if self._children_due.due():
-            try:
-                self._children = self._proc.children(recursive=True)
-            except Exception:
-                self._children = []
-        total = 0
-        for child in self._children:
-            try:
-                total += int(child.memory_info().rss)
-            except Exception:
-                continue
-        return total
+            self._children = attempt(self._proc.children, recursive=True, default=[])
+        # A child that exited since the refresh counts 0.
+        return sum(attempt(lambda c=child: int(c.memory_info().rss), default=0) for child in self._children)
 
     def children_uss(self) -> int | None:
         return None  # smaps_rollup is Linux-only; psutil's USS walks every mapping on the caller's thread
@@ -288,11 +270,10 @@ class PsutilHostProbe:
     def cgroup(self) -> tuple[int | None, int | None, int | None]:
         return None, None, None  # cgroups are Linux-only
 
-    def read(self) -> HostReading:
+    def read(self, process: bool = True) -> HostReading:
+        # Always read in full: peak_rss() folds the RSS it reads into the sampled peak, and a collect's
+        # read is part of what the sampled peak has always seen.
         return read_host(self)
-
-    # No read_node(): peak_rss() folds the RSS it reads into the sampled peak, and a collect's full read
-    # is part of what the sampled peak has always seen.
 
     def check_fork(self) -> None:
         pass  # psutil.Process() follows no descriptors
@@ -315,17 +296,18 @@ class HostProbe(Protocol):
         then reset that peak."""
         ...
 
-    def read(self) -> HostReading:
-        """Every host figure now (node, cgroup and children included)."""
+    def read(self, process: bool = True) -> HostReading:
+        """Every host figure now (node, cgroup and children included). A collect passes
+        ``process=False``: its window's closing edge has just read this process's RSS and peak, which
+        a probe may then leave ``None``."""
         ...
-
-    # Optional: ``read_node() -> HostReading``, the figures of ``read`` other than this process's RSS and
-    # peak (left ``None``), read once per collect when present; probes without it are read in full.
 
     def close(self) -> None: ...
 
 
-class _PeakSource(Protocol):
+class _Figures(Protocol):
+    """The per-figure reads both platform probes have, which :func:`read_host` assembles."""
+
     peak_is_lifetime: bool
 
     def rss(self) -> int | None: ...
@@ -336,7 +318,7 @@ class _PeakSource(Protocol):
     def cgroup(self) -> tuple[int | None, int | None, int | None]: ...
 
 
-def read_host(probe: _PeakSource, process: bool = True) -> HostReading:
+def read_host(probe: _Figures, process: bool = True) -> HostReading:
     """Every host figure of ``probe`` at one instant; without ``process``, RSS and peak are ``None``."""
     total, available = probe.node()
     cg_used, cg_limit, cg_working = probe.cgroup()
@@ -354,8 +336,19 @@ def read_host(probe: _PeakSource, process: bool = True) -> HostReading:
     )
 
 
-def make_host_probe(children: bool = True, children_refresh_s: float = 5.0) -> HostProbe:
-    """The host probe for this platform, chosen once."""
+PEAK_SOURCES = ("window", "edges")
+PEAK_SOURCE_ENV = "RANKMEM_PEAK_SOURCE"
+
+
+def peak_source_default() -> str:
+    """``$RANKMEM_PEAK_SOURCE`` where set (a job's environment can choose without a code change), else
+    ``window``."""
+    return os.environ.get(PEAK_SOURCE_ENV, "").strip() or "window"
+
+
+def make_host_probe(children: bool = True, children_refresh_s: float = 5.0, reset_peaks: bool = True) -> HostProbe:
+    """The host probe for this platform, chosen once. ``reset_peaks=False``: never write
+    ``/proc/self/clear_refs`` (``peak_source="edges"``)."""
     if sys.platform.startswith("linux") and os.path.exists(f"/proc/{os.getpid()}/statm"):
-        return LinuxHostProbe(children=children, children_refresh_s=children_refresh_s)
+        return LinuxHostProbe(children=children, children_refresh_s=children_refresh_s, reset_peaks=reset_peaks)
     return PsutilHostProbe(children=children, children_refresh_s=children_refresh_s)

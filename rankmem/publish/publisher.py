@@ -34,7 +34,7 @@ from rankmem.core.warnings import WarnOnce, warn
 from rankmem.exchange.aggregate import Gathered
 from rankmem.sinks import SafeSink, Sink
 
-_Item = tuple[int, float, Gathered] | RunHeader
+_Item = tuple[int, float, Gathered, dict[str, float]] | RunHeader
 
 
 class Publisher:
@@ -65,6 +65,14 @@ class Publisher:
         self.dropped = 0
         """Records dropped because the sinks fell more than :data:`MAX_PENDING` behind."""
         self.opened = False
+        self.header: RunHeader | None = None
+        """The run header, on every rank once :meth:`start` has been given it."""
+
+    def start(self, header: RunHeader, logging: bool) -> None:
+        """At the first collect, on every rank: keep the header; the logging rank opens its sinks."""
+        self.header = header
+        if logging:
+            self.open(header)
 
     def open(self, header: RunHeader) -> None:
         """On the logging rank, at the first collect: open every sink with the run header."""
@@ -73,9 +81,11 @@ class Publisher:
             _live.add(self)  # flushed at exit (and by flush_all), with or without the thread
         self._submit(header)
 
-    def publish(self, step: int, when: float, gathered: Gathered) -> None:
-        """Hand one collect to the sinks and the leak watch (on the background thread by default)."""
-        self._submit((step, when, gathered))
+    def publish(self, step: int, when: float, gathered: Gathered, metrics: dict[str, float] | None = None) -> None:
+        """Hand one collect to the sinks and the leak watch (on the background thread by default):
+        ``metrics`` are the aggregates with what the facade derived from them (verl's keys; default
+        the aggregates alone)."""
+        self._submit((step, when, gathered, gathered.aggregated if metrics is None else metrics))
 
     def _submit(self, item: _Item) -> None:
         if os.getpid() != self._pid:  # a forked child: the thread and the files' state are the parent's
@@ -133,13 +143,13 @@ class Publisher:
                 sink.open(item)
                 self._sinks.append(sink)
             return
-        step, when, gathered = item
+        step, when, gathered, metrics = item
         if self._leak_check:
             self._check_leaks(step, gathered)
         if self._sinks:
             # The matrix as it is: the run log's side file takes it whole, and a sink that wants
             # per-rank lists builds them (StepRecord.columns()).
-            record = StepRecord(step, when, gathered.aggregated, keys=gathered.keys, matrix=gathered.matrix)
+            record = StepRecord(step, when, metrics, keys=gathered.keys, matrix=gathered.matrix)
             for sink in self._sinks:
                 sink.write(record)
 

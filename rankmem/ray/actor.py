@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from rankmem.engine.model import GPT, GPTConfig
+from rankmem.engine.options import sink_options
 from rankmem.engine.tasks import TaskSteps, task_steps, vocab_size
 from rankmem.engine.train import PeakTracker
 from rankmem.engine.worker import TrainingWorker, WorkerConfig
@@ -44,7 +45,8 @@ class EngineActor(RankActor):
         config = WorkerConfig(engine=job.engine, lr=job.lr, total_steps=job.steps,
                               micro_batch_size=job.micro_batch_size, peak_tflops=job.peak_tflops)
         run_config = {**vars(job), "params": model.num_params(), "worker": asdict(config), "launch": launch}
-        self.monitor = actor_monitor(out_dir=job.out, sinks=("jsonl",), run_config=run_config)
+        self.monitor = actor_monitor(out_dir=job.out, sinks=("jsonl", *(job.sink or ())),
+                                     sink_options=sink_options(job), run_config=run_config)
         self.worker = TrainingWorker(model, config, device=self.device, monitor=self.monitor)
         torch.manual_seed(job.seed * 1000 + self.rank + 1)  # different sampling per rank, same init
         self.steps = task_steps(self.worker, job)

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rankmem.core.guard import attempt
 from rankmem.errors import RankmemError
 
 FAILURE_GRACE_S = 3.0
@@ -194,22 +195,14 @@ class WorkerGroup:
         from ray.util.placement_group import remove_placement_group
 
         if self.actors and self._flushes and flush_s > 0:
-            try:
-                refs = [actor.flush_telemetry.remote(flush_s) for actor in self.actors]
-                ray.wait(refs, num_returns=len(refs), timeout=flush_s + 1.0)
-            except Exception:  # noqa: BLE001 - the cluster is going away: kill regardless
-                pass
+            # Whatever fails here, the cluster is going away: kill regardless.
+            refs: list[Any] = attempt(lambda: [actor.flush_telemetry.remote(flush_s) for actor in self.actors], default=[])
+            attempt(ray.wait, refs, num_returns=len(refs), timeout=flush_s + 1.0, default=None)
         for actor in self.actors:
-            try:
-                ray.kill(actor, no_restart=True)
-            except Exception:  # noqa: BLE001 - already dead, or the cluster is going away
-                pass
+            attempt(ray.kill, actor, no_restart=True, default=None)  # already dead, or the cluster going away
         self.actors = []
         if self.pg is not None:
-            try:
-                remove_placement_group(self.pg)
-            except Exception:  # noqa: BLE001
-                pass
+            attempt(remove_placement_group, self.pg, default=None)
             self.pg = None
 
 

@@ -48,11 +48,10 @@ aggregates (64 MiB is ~290 collects at 1,024 ranks x 28 keys, ~37,000 at 8 ranks
 
 
 def pyarrow_available() -> bool:
-    try:
-        import pyarrow  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Whether pyarrow can be imported, without importing it (~45 MiB of the logging rank's RSS)."""
+    import importlib.util
+
+    return importlib.util.find_spec("pyarrow") is not None
 
 
 @functools.lru_cache(maxsize=8)
@@ -203,6 +202,12 @@ class DetailWriter:
             self._pending_bytes -= 0 if gone.matrix is None else gone.matrix.nbytes
         self._warn_once("dropped", f"{self.path} cannot be written; the per-rank values of the oldest "
                                    "collects are dropped to bound the memory they hold")
+
+    def flush_due(self) -> None:
+        """Write the pending collects if the oldest has waited :data:`FLUSH_S` (for a caller that is
+        idle between collects: the writer process)."""
+        if self._pending and time.monotonic() - self._last_flush >= FLUSH_S:
+            self.flush()
 
     def flush(self) -> None:
         """Write the pending collects as one batch now (a no-op when none wait)."""

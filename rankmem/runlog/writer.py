@@ -24,6 +24,7 @@ from rankmem.core.warnings import WarnOnce, warn
 from rankmem.runlog.append import append_whole
 from rankmem.runlog.checksum import header_crc
 from rankmem.runlog.columnar import DetailWriter, pyarrow_available
+from rankmem.runlog.detail_pipe import DetailPipe
 from rankmem.runlog.layout import (
     DETAIL_NAME,
     HEADER_KIND,
@@ -97,13 +98,16 @@ class RunLogWriter:
 
     COLUMNAR = "columnar"
 
-    def __init__(self, path: str, detail: str = COLUMNAR) -> None:
+    def __init__(self, path: str, detail: str = COLUMNAR, detail_process: bool = False) -> None:
+        """``detail_process``: write the side file from a writer process (:mod:`rankmem.runlog.detail_pipe`)
+        instead of this one, which then never imports pyarrow (the Monitor's run log does so)."""
         if detail not in (self.COLUMNAR, INLINE):
             raise ValueError(f"detail must be {self.COLUMNAR!r} or {INLINE!r}, got {detail!r}")
         self.path = path
         self.detail_path = os.path.join(os.path.dirname(os.path.abspath(path)), detail_name(os.path.basename(path)))
         self._columnar = detail == self.COLUMNAR
-        self._detail: DetailWriter | None = None
+        self._detail: DetailWriter | DetailPipe | None = None
+        self._detail_process = detail_process
         self._collects = 0
         self._fd: int | None = None
         self._size = 0  # bytes of whole lines in the file: where a failed write is cut back to
@@ -137,8 +141,8 @@ class RunLogWriter:
         try:
             self._write_line(line)
             if self._columnar:
-                self._detail = DetailWriter(self.detail_path, header.world_size,
-                                            header_crc((line + "\n").encode("utf-8")))
+                kind = DetailPipe if self._detail_process else DetailWriter
+                self._detail = kind(self.detail_path, header.world_size, header_crc((line + "\n").encode("utf-8")))
                 self._detail.open()
         except OSError:
             self._close_fd()  # the next open() starts over on the empty file

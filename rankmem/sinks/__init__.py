@@ -1,14 +1,18 @@
 """Where aggregated metrics go, on the logging rank only. Sinks are chosen by name or passed in.
 
 Names follow verl's trackers where they match: ``console``, ``file``/``jsonl`` (the run log),
-``tensorboard``, ``wandb``, ``mlflow``. Each tracker is an optional extra imported only when used.
+``tensorboard``, ``wandb``, ``mlflow``; and ``prometheus``, an endpoint for a cluster's Prometheus (or
+Ray's metrics agent). Each tracker is an optional extra imported only when used. A named sink takes
+keyword options from the Monitor's ``sink_options`` (``{"prometheus": {"port": 9465}}``), checked
+against the sink's constructor here, with the sink names, before any rank starts.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
-from collections.abc import Sequence
+import inspect
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from rankmem.core.records import RunHeader, StepRecord
@@ -37,13 +41,16 @@ _REGISTRY: dict[str, tuple[str, str, str | None, str | None]] = {
     "tensorboard": ("rankmem.sinks._tensorboard", "TensorBoardSink", "tensorboard", "tensorboard"),
     "wandb": ("rankmem.sinks._wandb", "WandbSink", "wandb", "wandb"),
     "mlflow": ("rankmem.sinks._mlflow", "MlflowSink", "mlflow", "mlflow"),
+    "prometheus": ("rankmem.sinks._prometheus", "PrometheusSink", "prometheus", "prometheus_client"),
 }
 SINK_NAMES = tuple(_REGISTRY)
 _NEEDS_DIR = ("jsonl", "file", "tensorboard")
 
 
-def check_sink_specs(specs: Sequence[str | Sink], out_dir: str | None) -> None:
-    """Every check of sink names and their directory, in one place (the Monitor's config calls it)."""
+def check_sink_specs(specs: Sequence[str | Sink], out_dir: str | None,
+                     options: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+    """Every check of sink names, their directory and their options, in one place (the Monitor's
+    config calls it)."""
     for spec in specs:
         if isinstance(spec, str) and spec not in _REGISTRY:
             raise RankmemError(f"unknown sink {spec!r}: choose from {', '.join(SINK_NAMES)}")
@@ -51,6 +58,26 @@ def check_sink_specs(specs: Sequence[str | Sink], out_dir: str | None) -> None:
             raise RankmemError(f"a sink must be one of {', '.join(SINK_NAMES)} or have open/write/close; got {spec!r}")
     if out_dir is None and any(s in _NEEDS_DIR for s in specs if isinstance(s, str)):
         raise RankmemError("the jsonl/file/tensorboard sinks write to a directory: set out_dir='runs/NAME'")
+    for name, given in (options or {}).items():
+        if name not in specs:
+            named = [s for s in specs if isinstance(s, str)]
+            raise RankmemError(f"sink_options names the sink {name!r}, which is not among sinks {named}: add it to "
+                               "sinks, or drop its options")
+        if not isinstance(given, Mapping):
+            raise RankmemError(f"sink_options[{name!r}] must be a dict of keyword options, got {given!r}")
+        known = sink_option_names(name)
+        unknown = sorted(set(given) - set(known))
+        if unknown:
+            raise RankmemError(f"unknown option(s) {unknown} for the {name} sink; known: {list(known)}")
+
+
+def sink_option_names(name: str) -> tuple[str, ...]:
+    """The keyword options a named sink takes (its constructor's, less ``out_dir``). Imports the sink's
+    module, not its tracker: each imports its package only when opened."""
+    module_name, cls_name, _, _ = _REGISTRY[name]
+    cls = getattr(importlib.import_module(module_name), cls_name)
+    params = inspect.signature(cls).parameters
+    return tuple(p for p in params if p != "out_dir")
 
 
 def make_sink(spec: str | Sink, out_dir: str | None = None, **options: Any) -> Sink:

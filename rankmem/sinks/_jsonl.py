@@ -17,4 +17,5 @@ class JsonlSink(RunLogWriter):
             if out_dir is None:
                 raise RankmemError("the jsonl sink needs a directory: pass out_dir='runs/NAME' to the Monitor")
             path = os.path.join(out_dir, RUN_LOG_NAME)
-        super().__init__(path)
+        # The side file from a writer process: pyarrow (~45 MiB) stays out of the logging rank (issue 22).
+        super().__init__(path, detail_process=True)

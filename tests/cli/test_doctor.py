@@ -66,3 +66,19 @@ def test_doctor_names_the_extra_to_install(monkeypatch: pytest.MonkeyPatch, caps
     assert main(["doctor", "--out", str(tmp_path)]) == 0
     assert ("  wandb        missing wandb: pip install 'rankmem[wandb]' for the wandb sink"
             in capsys.readouterr().out.splitlines())
+
+
+def test_doctor_says_what_the_peak_source_does_to_other_tools(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("torch")
+    assert main(["doctor"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    source = next(line for line in lines if line.startswith("peak source: "))
+    if any(line.startswith("host peak RSS scope: window") for line in lines):
+        assert "getrusage, a parent's wait4, /usr/bin/time -v and VmHWM pollers" in source
+        assert "RANKMEM_PEAK_SOURCE=edges" in source
+    monkeypatch.setenv("RANKMEM_PEAK_SOURCE", "edges")  # what a job's environment chooses, doctor reports
+    assert main(["doctor"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("host peak RSS scope: edges (peak_source='edges': VmHWM never reset") for line in lines)
+    assert "peak source: edges: VmHWM is left alone, so getrusage, wait4, time -v and VmHWM pollers stay true" in lines

@@ -59,8 +59,11 @@ def test_every_entry_is_made_from_a_record_field_in_its_unit() -> None:
         assert s.field in window_fields, s
         assert s.key.endswith("_gib") == (s.unit == "GiB"), s
         assert s.phase_suffix is None or s.phase_suffix in {p.key for p in PHASE_CATALOGUE}, s
-    for p in PHASE_CATALOGUE:
+    for p in (*PHASE_CATALOGUE, *catalogue.PHASE_RISE_CATALOGUE):
         assert p.field in phase_fields and p.key.endswith("_gib") and p.unit == "GiB", p
+    for s in CATALOGUE:  # every step peak with a phase counterpart knows the phase's rise to it
+        assert (s.phase_suffix is None) == (s.rise_suffix is None), s
+        assert s.rise_suffix is None or s.rise_suffix in {p.key for p in catalogue.PHASE_RISE_CATALOGUE}, s
     labels = [label for label, _ in catalogue.HEADLINE]
     assert len(set(labels)) == len(labels)
 

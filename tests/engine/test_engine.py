@@ -109,10 +109,12 @@ def test_train_summary_names_the_peak_report_names(grpo_run: tuple[str, Path]) -
 
     stdout, out = grpo_run
     peak = next(k for k in build_report(read_run(str(out / "rankmem.jsonl"))).keys if k.key == "mem/host/peak_rss_gib")
-    assert peak.phase in ("rollout", "log_prob", "update")  # every GRPO step is inside its three phases
+    # Every GRPO step is inside its three phases: one raised the peak, or the verdict names none of them.
+    assert peak.phase_verdict in ("rose", "held", "tie") and set(peak.phases) <= {"rollout", "log_prob", "update"}
+    phase = ["phase", peak.phase] if peak.phase_verdict == "rose" else peak.phase.split()
     lines = [line.split() for line in stdout.splitlines() if line.startswith("  mem/host/peak_rss_gib ")]
     assert lines == [["mem/host/peak_rss_gib", "max", f"{peak.value:.3f}", "GiB", "rank", str(peak.rank),
-                      "step", str(peak.step), "phase", peak.phase]], stdout
+                      "step", str(peak.step), *phase]], stdout
     # What a GRPO user reads: reward, and the policy loss with digits (it is ~0 by construction);
     # a row of zeros (no dataloader workers) is left out; then what to run next.
     text = stdout.splitlines()

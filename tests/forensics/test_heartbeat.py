@@ -120,3 +120,31 @@ def test_a_version_1_record_still_reads(tmp_path: Path) -> None:
     struct.pack_into("<q", data, step_at, -1)
     path.write_bytes(bytes(data))
     assert read_heartbeats(str(tmp_path))[3].step is None
+
+
+def test_version_3_records_the_host_pid_and_the_node(tmp_path: Path) -> None:
+    hb = Heartbeat(str(tmp_path), 0, host_pid=123456)
+    hb.beat(4, "rollout", 1)
+    record = read_heartbeats(str(tmp_path))[0]
+    assert record.host_pid == 123456 and record.pid == os.getpid()
+    assert record.boot_id == _heartbeat.boot_id() and record.boot_id is not None and any(record.boot_id)
+    Heartbeat(str(tmp_path), 1).beat(1, None, None)  # a rank that cannot see its host PID
+    assert read_heartbeats(str(tmp_path))[1].host_pid is None
+
+
+def test_node_siblings_are_the_live_ranks_of_this_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    Heartbeat(str(tmp_path), 0, host_pid=100)
+    Heartbeat(str(tmp_path), 1, host_pid=101)
+    assert _heartbeat.node_siblings(str(tmp_path), 0, translated=False) == (
+        {101}, "1 of this node's 2 other rank(s) have a heartbeat yet")
+    Heartbeat(str(tmp_path), 2, host_pid=102).close()  # exited: no longer a sibling to look for
+    gone = _heartbeat.node_siblings(str(tmp_path), 0, translated=False)
+    assert gone == ({101}, "1 of this node's 2 other rank(s) have a heartbeat yet")
+    Heartbeat(str(tmp_path), 2)  # back, without a host PID
+    pids, why = _heartbeat.node_siblings(str(tmp_path), 0, translated=False)
+    assert pids == {101} and why == "the host PID of rank(s) 2 is unknown (its /proc shows none)"
+    # Translated: their namespace PIDs (in this test, all of them this process)
+    assert _heartbeat.node_siblings(str(tmp_path), 0, translated=True) == ({os.getpid()}, None)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert _heartbeat.node_siblings(None, 0, translated=False)[1] == "no heartbeats to find the sibling ranks by (no out_dir)"

@@ -19,6 +19,7 @@ from rankmem.forensics.heartbeat import Heartbeat, read_heartbeats
 from rankmem.forensics.nearoom import (
     NearOomConfig,
     NearOomWatch,
+    largest_private,
     node_oom_kill_count,
     oom_kill_count,
     process_table,
@@ -160,11 +161,12 @@ def test_process_table_from_heartbeats(root: FakeRoot, tmp_path: Path) -> None:
     table = process_table(read_heartbeats(str(hb_dir)), own_rank=0, proc=str(root.proc))
     rows = [(r["pid"], r["rank"], r["parent_pid"], r["rss_bytes"], r["uss_bytes"], r["step"], r["phase"])
             for r in table]
+    # Private memory only where it decides the largest: rank 1's 701 MiB beats every other RSS.
     assert rows == [
         (4242, 1, None, 900 * MIB, 701 * MIB, 57, "update"),
-        (4343, 1, 4242, 300 * MIB, 50 * MIB, None, None),
-        (4444, 1, 4242, 10 * MIB, MIB, None, None),
-        (os.getpid(), 0, None, 200 * MIB, 150 * MIB, None, None),
+        (4343, 1, 4242, 300 * MIB, None, None, None),
+        (4444, 1, 4242, 10 * MIB, None, None, None),
+        (os.getpid(), 0, None, 200 * MIB, None, None, None),
     ]
     assert table[1]["name"] == "pt_worker"
     # The watch's event carries the table.
@@ -172,8 +174,27 @@ def test_process_table_from_heartbeats(root: FakeRoot, tmp_path: Path) -> None:
     w = watch(root, rank=0, heartbeat_dir=hb_dir)
     info = w.check()
     assert info is not None and [r["pid"] for r in info["processes"]] == [4242, 4343, 4444, os.getpid()]
+    assert info["largest"] == {"pid": 4242, "rank": 1, "parent_pid": None, "name": info["processes"][0]["name"],
+                               "uss_bytes": 701 * MIB}
     assert info["rank"] == 0 and info["step"] is None  # this process has no heartbeat of its own
     w.stop()
+
+
+def test_private_memory_is_read_only_where_it_decides_the_largest(root: FakeRoot, tmp_path: Path) -> None:
+    """A forked worker shares most of its rank's RSS: the rank's USS is small, so the worker's (RSS above
+    it) must be read, and it holds the most; the rest (RSS under 600 MiB) cannot beat it and are not read."""
+    hb_dir = tmp_path / "hb"
+    now = time.time()
+    root.process(4242, rss=900 * MIB, uss_kb=(0, 100 * 1024), start_s=now - 60, children="4343")
+    root.process(4343, rss=800 * MIB, uss_kb=(0, 600 * 1024), start_s=now - 50, name="pt_worker")
+    root.process(5252, rss=500 * MIB, uss_kb=(0, 450 * 1024), start_s=now - 60)
+    root.process(os.getpid(), rss=200 * MIB, uss_kb=(0, 150 * 1024), start_s=now - 70)
+    _fake_heartbeat(hb_dir, rank=1, pid=4242, step=3, phase="rollout", t=now)
+    _fake_heartbeat(hb_dir, rank=2, pid=5252, step=3, phase="rollout", t=now)
+    table = process_table(read_heartbeats(str(hb_dir)), own_rank=0, proc=str(root.proc))
+    assert [(r["pid"], r["uss_bytes"]) for r in table] == [
+        (4242, 100 * MIB), (4343, 600 * MIB), (5252, None), (os.getpid(), None)]
+    assert largest_private(table) is table[1]
 
 
 def _fake_heartbeat(directory: Path, rank: int, pid: int, step: int, phase: str, t: float) -> None:

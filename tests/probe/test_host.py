@@ -136,7 +136,7 @@ def test_node_and_cgroup_match_kernel_files() -> None:
 @linux_only
 def test_a_collects_node_read_leaves_the_process_figures_to_the_edges() -> None:
     probe = LinuxHostProbe(children=True, children_refresh_s=60.0)
-    full, node = probe.read(), probe.read_node()
+    full, node = probe.read(), probe.read(process=False)
     assert node.rss is None and node.peak_rss is None  # the closing edge reads them, not the collect
     assert full.rss is not None and full.peak_rss is not None
     assert node.node_total == full.node_total == psutil.virtual_memory().total
