@@ -262,14 +262,19 @@ class Windows:
         p = self._phases.setdefault(name, PhaseBytes())
         # A phase run twice in a step: the peak, and the rise of the run that reached it (a run that only
         # held a peak an earlier run raised must not hide that rise, nor lend its own to a lower peak).
+        # Inside an open phase of the same name (a helper that opens "update" called from "update"), the
+        # outer one's delta spans this one's: summing both counted the growth twice. Peaks are a max.
+        nested = name in self._phase_stack[:-1]
         p.peak_rss, p.peak_rss_rise = _peak_and_rise(p.peak_rss, p.peak_rss_rise, window.peak_rss, window.start_rss)
-        p.rss_delta = _sum(p.rss_delta, _delta(rss, window.start_rss))
+        if not nested:
+            p.rss_delta = _sum(p.rss_delta, _delta(rss, window.start_rss))
         if dev is not None:
             p.peak_allocated, p.peak_allocated_rise = _peak_and_rise(
                 p.peak_allocated, p.peak_allocated_rise, window.peak_allocated, window.start_allocated)
             p.peak_reserved, p.peak_reserved_rise = _peak_and_rise(
                 p.peak_reserved, p.peak_reserved_rise, window.peak_reserved, window.start_reserved)
-            p.allocated_delta = _sum(p.allocated_delta, _delta(dev.allocated, window.start_allocated))
+            if not nested:
+                p.allocated_delta = _sum(p.allocated_delta, _delta(dev.allocated, window.start_allocated))
         if window.work is not None:
             window.work.into(p)
 

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 from rankmem.cli import _suggest
 from rankmem.cli._showwarning import one_line_warnings
+from rankmem.core.text import printable
 from rankmem.errors import RankmemError
 
 # name -> (module, one-line help)
@@ -77,10 +78,10 @@ def _run(args: argparse.Namespace) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except RankmemError as exc:
-        print(f"rankmem {args.command}: error: {exc}", file=sys.stderr)
+        print("\n".join(map(printable, f"rankmem {args.command}: error: {exc}".split("\n"))), file=sys.stderr)  # it may quote the run's keys
         return 2
     except (FileNotFoundError, IsADirectoryError, PermissionError) as exc:
-        print(f"rankmem {args.command}: error: {exc.strerror}: {exc.filename}", file=sys.stderr)
+        print(printable(f"rankmem {args.command}: error: {exc.strerror}: {exc.filename}"), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -6,9 +6,11 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from rankmem.core.text import printable
 from rankmem.errors import RankmemError
 from rankmem.offline.leaks import LeakConfig
 
@@ -83,3 +85,13 @@ def require_steps(run: Run, command: str) -> None:
             f"{run.path} has no logged steps: the run stopped, or its jsonl sink failed, before its first "
             f"collect() was written; see the job's output for why, and run rankmem {command} on a run log that has steps"
         )
+
+
+def note_damage(run: Run, command: str) -> None:
+    """What of the run could not be read, on stderr, one line each: a verdict or a plot drawn from a
+    damaged run says so even where stdout is JSON or a file."""
+    if run.detail_note:
+        print(printable(f"rankmem {command}: note: {run.detail_note}"), file=sys.stderr)
+    if run.corrupt or run.truncated:
+        print(f"rankmem {command}: note: skipped {run.corrupt} corrupt line(s)"
+              f"{', a truncated last line or batch' if run.truncated else ''}", file=sys.stderr)

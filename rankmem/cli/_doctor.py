@@ -41,6 +41,9 @@ EXTRAS = (
     ("ray", ("ray",), "rankmem train --launcher ray"),
     ("nvml", ("pynvml",), "device memory by owner (docs/device-attribution.md)"),
 )
+IMPORTED = ("matplotlib",)
+"""Extras doctor imports, not only finds: those rankmem's own commands import (plot, report --html).
+The trackers and frameworks are imported by the job, and take seconds to tens of seconds each here."""
 SCOPES = {
     "window": "window (VmHWM reset at each window edge through /proc/self/clear_refs)",
     "lifetime": "lifetime (this kernel cannot reset VmHWM: peak RSS is the process's lifetime peak)",
@@ -222,13 +225,31 @@ def out_line(out: str) -> str:
     return line
 
 
+def _import_failure(module: str) -> str | None:
+    """Why ``module`` fails to import (found is not enough: a broken install raises anything), or None."""
+    try:
+        if module == "matplotlib":  # what rankmem plot imports, on the backend it uses
+            import matplotlib
+
+            matplotlib.use("Agg")
+            importlib.import_module("matplotlib.pyplot")
+        else:
+            importlib.import_module(module)
+    except Exception as exc:  # noqa: BLE001 - a boundary: any failure of a foreign import is "broken"
+        return f"{type(exc).__name__}: {str(exc)[:120]}"
+    return None
+
+
 def extras_found() -> dict[str, dict[str, Any]]:
-    """Per extra: the modules it provides that are missing, and the installed ones' versions."""
+    """Per extra: the modules it provides that are missing or broken, and the installed ones' versions."""
     found: dict[str, dict[str, Any]] = {}
     for extra, modules, what in EXTRAS:
         missing = [m for m in modules if importlib.util.find_spec(m) is None]
+        broken = [] if missing else [f"{m} ({why})" for m in modules
+                                     if m in IMPORTED and (why := _import_failure(m)) is not None]
         versions = {} if missing else {m: _version(m) for m in modules}
-        found[extra] = {"installed": not missing, "missing": missing, "versions": versions, "for": what}
+        found[extra] = {"installed": not missing and not broken, "missing": missing, "broken": broken,
+                        "versions": versions, "for": what}
     return found
 
 
@@ -236,7 +257,10 @@ def extra_lines(found: dict[str, dict[str, Any]]) -> list[str]:
     lines = ["extras:"]
     for extra, info in found.items():
         what = info["for"]
-        if info["installed"]:
+        if info["broken"]:
+            lines.append(f"  {extra:<12} broken: {', '.join(info['broken'])} is installed but does not import; "
+                         f"reinstall it (pip install --force-reinstall 'rankmem[{extra}]') for {what}")
+        elif info["installed"]:
             versions = ", ".join(f"{m} {v or '(version unknown)'}" for m, v in info["versions"].items())
             lines.append(f"  {extra:<12} ok ({versions}): {what}")
         elif extra in NO_HINT:

@@ -10,8 +10,16 @@ import argparse
 import json
 from dataclasses import asdict
 
-from rankmem.cli._common import add_leak_options, add_run_argument, check_keys, leak_config, require_steps
+from rankmem.cli._common import (
+    add_leak_options,
+    add_run_argument,
+    check_keys,
+    leak_config,
+    note_damage,
+    require_steps,
+)
 from rankmem.cli._runs import resolve_run
+from rankmem.core.text import printable
 from rankmem.offline.leaks import LEAK_KEYS
 
 NO_VERDICT = 3
@@ -36,6 +44,8 @@ def run(args: argparse.Namespace) -> int:
 
     the_run = read_run(resolve_run(args.run, "leaks"))
     require_steps(the_run, "leaks")
+    if args.json or the_run.detail_note:
+        note_damage(the_run, "leaks")
     config = leak_config(args)
     if args.keys != list(LEAK_KEYS):  # the defaults are each optional (a CPU run has no device keys)
         check_keys(the_run, args.keys)
@@ -49,12 +59,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"skipped: {the_run.corrupt} corrupt line(s){', a truncated last line' if the_run.truncated else ''}")
     for t in trends if args.verbose else leaks:
         line = f"{'LEAK' if t.leak else 'ok  '} {t.describe()}"
-        print(f"{line}; not flagged: {t.reason}" if t.reason and not t.leak else line)
+        print(printable(f"{line}; not flagged: {t.reason}" if t.reason and not t.leak else line))
     if leaks:
         ranks = sorted({t.rank for t in leaks})
         worst = leaks[0]
         more = f"; worst: rank {worst.rank} {worst.key}" if len(leaks) > 1 else ""
-        print(f"leak found on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}{more}")
+        print(printable(f"leak found on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}{more}"))
     elif not trends:
         print(f"no verdict: fewer than {config.min_steps} logged steps in the window")
     else:

@@ -8,8 +8,9 @@ import json
 import os
 import warnings
 
-from rankmem.cli._common import add_json_option, add_run_argument, check_output
+from rankmem.cli._common import add_json_option, add_run_argument, check_output, note_damage
 from rankmem.cli._runs import resolve_run
+from rankmem.core.text import printable
 from rankmem.errors import RankmemError
 
 DEFAULT_NAME = "rankmem.png"
@@ -44,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
     if args.output:
         check_output(args.output, "-o")  # before the run is read and drawn
     the_run = read_run(resolve_run(args.run, "plot"))
+    note_damage(the_run, "plot")
     output = args.output or os.path.join(os.path.dirname(the_run.path), DEFAULT_NAME)
     try:
         with warnings.catch_warnings():
@@ -64,5 +66,5 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"output": output, "keys": list(keys)}, indent=1))
     else:
-        print(f"wrote {output} ({', '.join(keys)})")
+        print(printable(f"wrote {output} ({', '.join(keys)})"))
     return 0

@@ -156,9 +156,21 @@ def lock_run_dir(out: str) -> RunDirLock:
 
 
 def prepare_heartbeat_dir(out: str) -> str:
-    """``OUT/heartbeat``, created (an earlier run's heartbeats were moved aside with its other files)."""
+    """``OUT/heartbeat``, created (an earlier run's heartbeats were moved aside with its other files);
+    a plain file there is refused before anything is rotated."""
+    check_heartbeat_dir(out)
     directory = RunDir(out).heartbeat
     os.makedirs(directory, exist_ok=True)
+    return directory
+
+
+def check_heartbeat_dir(out: str) -> str:
+    """``OUT/heartbeat``; RankmemError, before anything of an earlier run is moved, when something
+    that is not a directory holds its name (a plain file: makedirs would raise FileExistsError)."""
+    directory = os.path.join(out, "heartbeat")
+    if os.path.lexists(directory) and not os.path.isdir(directory):
+        raise RankmemError(f"{directory} exists and is not a directory: rankmem train writes each rank's "
+                           "heartbeat there; move it aside (or pick another --out)")
     return directory
 
 
@@ -271,6 +283,7 @@ def claim_run_dir(args: argparse.Namespace) -> RunDirLock:
     if str(args.nnodes) != "1" and args.launcher != "ray":  # Ray: one driver, whatever the node count
         os.makedirs(args.out, exist_ok=True)
         return lock  # not held: release() is a no-op, and the ranks get no ENV_HELD
+    check_heartbeat_dir(args.out)  # before the lock and the rotation: a refused job moves nothing aside
     lock = lock_run_dir(args.out)
     rotate_earlier_run(args.out)
     return lock

@@ -7,6 +7,8 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from rankmem.core.catalogue import MEMORY_PREFIX
+
 
 def to_float(value: Any) -> float | None:
     """``value`` as a float, or None when it is not a scalar number.
@@ -30,6 +32,10 @@ def to_float(value: Any) -> float | None:
     return to_float(number) if isinstance(number, (bool, int, float)) else None
 
 
+CALLER_PREFIX = "caller/"
+"""Where a caller's metric named inside rankmem's ``mem/`` namespace goes instead."""
+
+
 def scalar_items(metrics: Any, warn_once: Callable[[str, str], None]) -> dict[str, float]:
     """The caller's metrics as ``{key: float}``: a value that is not a number, or a ``metrics`` that is
     not a dict, is left out with one warning (raising on one rank would leave the others waiting in
@@ -44,8 +50,17 @@ def scalar_items(metrics: Any, warn_once: Callable[[str, str], None]) -> dict[st
         number = to_float(value)
         if number is None:
             warn_once(f"metric:{key}", f"metric {key!r} is not a scalar ({type(value).__name__}); left out")
-        else:
-            out[str(key)] = number
+            continue
+        name = str(key)
+        if name.startswith(MEMORY_PREFIX):
+            # rankmem's own namespace: a caller's "mem/host/rss_gib" silently replaced the measured RSS.
+            # Renamed by name alone, so every rank renames it alike (the collective's key sets agree).
+            renamed = CALLER_PREFIX + name
+            warn_once(f"reserved:{name}", f"metric {name!r} is in rankmem's namespace {MEMORY_PREFIX!r} (what it "
+                                          f"measures); it is logged as {renamed!r} so the measured values stay; "
+                                          "name it outside 'mem/'")
+            name = renamed
+        out[name] = number
     return out
 
 

@@ -63,6 +63,8 @@ VERSION = 3
 NO_STEP = -(2**63)
 """The step field before the first step (version 1 used -1, which hid negative steps)."""
 PHASE_BYTES = 32
+MAX_RANKS = 1 << 20
+"""Highest rank a heartbeat may name, as many as a run log's header may claim."""
 _CLEAN = 1
 _COLLECTING = 2
 _V2 = struct.Struct(f"<4sHHIiQqqd{PHASE_BYTES}sQ")
@@ -298,7 +300,10 @@ def read_heartbeats(directory: str, run_id: str | None = None) -> dict[int, Hear
                 os.close(fd)
             if record is not None:
                 break
-        if record is not None and (run_id is None or record.run_id == run_id):
+        # A record is another process's bytes: its rank must be the one its name says (rank 2**31 once
+        # asked watch for two billion rows) and its time a time.
+        if record is not None and (run_id is None or record.run_id == run_id) \
+                and os.path.basename(path) == f"rank{record.rank}.hb" and math.isfinite(record.time):
             out[record.rank] = record
     return out
 

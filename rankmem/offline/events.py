@@ -8,7 +8,14 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from rankmem.core.files import NotRegularFile, open_binary
 from rankmem.core.rundir import RUN_ID_FIELD, RunDir, valid_run_id
+from rankmem.core.scalars import to_float
+
+MAX_EVENTS_BYTES = 64 << 20
+"""Bytes of one rank's event file read at most (an event is a few KB; a rank records a handful)."""
+MAX_DEPTH = 16
+"""Deepest nesting an event may have (the writer's nest three deep); a deeper line counts as corrupt."""
 
 
 @dataclass
@@ -21,6 +28,8 @@ class Events:
     foreign: int = 0
     """Events of another run (their ``run_id`` is not the log's): named, not read."""
     foreign_files: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    """Event files not read whole, each with why (a FIFO, a device, past :data:`MAX_EVENTS_BYTES`)."""
 
 
 def read_events(run_dir: str, run_id: str | None = None) -> Events:
@@ -34,11 +43,19 @@ def read_events(run_dir: str, run_id: str | None = None) -> Events:
     except OSError:
         return out
     for name in names:
+        path = os.path.join(directory, name)
         try:
-            with open(os.path.join(directory, name), "rb") as f:
-                data = f.read()
+            with open_binary(path) as f:  # a FIFO here blocked report and watch in open()
+                data = f.read(MAX_EVENTS_BYTES + 1)
+        except NotRegularFile as exc:
+            out.skipped.append(str(exc))
+            continue
         except OSError:
             continue
+        if len(data) > MAX_EVENTS_BYTES:
+            out.skipped.append(f"{path} holds more than {MAX_EVENTS_BYTES >> 20} MiB of events; read its first "
+                               f"{MAX_EVENTS_BYTES >> 20} MiB")
+            data = data[: data.rfind(b"\n", 0, MAX_EVENTS_BYTES) + 1]
         lines = data.split(b"\n")
         # Every whole line ends in "\n": what follows the last one is a torn write (or nothing).
         if lines[-1].strip():
@@ -48,10 +65,10 @@ def read_events(run_dir: str, run_id: str | None = None) -> Events:
                 continue
             try:
                 event = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):  # not JSON; nested past the parser's depth
                 out.corrupt += 1
                 continue
-            if not isinstance(event, dict) or "kind" not in event:
+            if not isinstance(event, dict) or "kind" not in event or _depth(event) > MAX_DEPTH:
                 out.corrupt += 1
                 continue
             written = valid_run_id(event.get(RUN_ID_FIELD))
@@ -65,7 +82,20 @@ def read_events(run_dir: str, run_id: str | None = None) -> Events:
     return out
 
 
+def _depth(obj: Any) -> int:
+    """How deeply ``obj`` nests lists and objects (iteratively: a deep one must not recurse)."""
+    deepest, todo = 0, [(obj, 1)]
+    while todo:
+        item, depth = todo.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            if depth > MAX_DEPTH:
+                return depth
+            todo.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
 def _order(event: dict[str, Any]) -> tuple[float, int]:
-    t, rank = event.get("time"), event.get("rank")
-    return (float(t) if isinstance(t, (int, float)) else float("inf"),
-            rank if isinstance(rank, int) else -1)
+    t, rank = to_float(event.get("time")), event.get("rank")  # 10**400 is an int no float holds
+    return (t if t is not None and t == t else float("inf"),
+            rank if isinstance(rank, int) and abs(rank) < 2**63 else -1)

@@ -13,12 +13,16 @@ web site) is left out.
 from __future__ import annotations
 
 import base64
+import contextlib
 import html
 import importlib.util
 import io
 import math
+import os
+import tempfile
 from collections.abc import Sequence
 
+from rankmem.errors import RankmemError
 from rankmem.offline import Run
 from rankmem.offline.report import (
     Report,
@@ -162,10 +166,9 @@ def _list(lines: Sequence[str], css: str = "") -> str:
 def plot_png(run: Run, keys: Sequence[str]) -> bytes:
     """The figure of :func:`rankmem.offline.plot.draw_run` for ``keys`` as PNG bytes, without the text chunk
     that names matplotlib's web site."""
-    import matplotlib.pyplot as plt
+    from rankmem.offline.plot import draw_run, pyplot
 
-    from rankmem.offline.plot import draw_run
-
+    plt = pyplot("rankmem report --html")
     fig = draw_run(run, keys)
     try:
         buf = io.BytesIO()
@@ -193,7 +196,10 @@ def _plots(run: Run) -> str:
         return _section("plots", "Per rank against step", "<p>The plots need matplotlib: pip install 'rankmem[plot]'</p>")
     figures = []
     for family, members in families(keys).items():
-        data = base64.b64encode(plot_png(run, members)).decode("ascii")
+        try:
+            data = base64.b64encode(plot_png(run, members)).decode("ascii")
+        except RankmemError as exc:  # matplotlib found but broken: the page says so, the rest stands
+            return _section("plots", "Per rank against step", f"<p>{html.escape(str(exc))}</p>")
         figures.append(f'<figure data-family="{html.escape(family)}"><figcaption>{html.escape(family)}: '
                        f'{html.escape(", ".join(members))}</figcaption>'
                        f'<img alt="{html.escape(", ".join(members))}" src="data:image/png;base64,{data}"></figure>')
@@ -225,5 +231,22 @@ def render_html(report: Report, run: Run) -> str:
 
 
 def write_html(report: Report, run: Run, path: str) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(render_html(report, run))
+    """Write the page to ``path`` whole or not at all: to a temporary file beside it, renamed over it
+    once written and flushed (a full disk left half a page behind). RankmemError when it cannot."""
+    page = render_html(report, run).encode("utf-8")
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        fd, temp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    except OSError as exc:
+        raise RankmemError(f"cannot write {path}: {exc.strerror or exc}") from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(page)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(temp, 0o644)
+        os.replace(temp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise RankmemError(f"cannot write {path}: {exc.strerror or exc}; {path} is as it was") from None

@@ -12,6 +12,7 @@ its names are re-exported here, so ``rankmem.offline.leaks`` is the one public p
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 
@@ -25,6 +26,7 @@ from rankmem.trend.trend import (
     mann_kendall,
     outlook,
     phase_delta_keys,
+    regression_axis,
     theil_sen,
     trend,
     trends,
@@ -66,24 +68,26 @@ def detect_leaks(run: Run, keys: Sequence[str] = LEAK_KEYS, config: LeakConfig |
     context = [{k: _latest(run.series[k][:, r]) if k in run.series else None for k in _outlook.CONTEXT_KEYS}
                for r in range(world)]
     found: list[Trend] = []
+    x, axis = regression_axis(run.steps)
     for key in present:
         matrix = run.series[key]
         caps = [_outlook.capacity_gib(key, context[r], sharing[r]) for r in range(matrix.shape[1])]
-        found += trends(run.steps, matrix, key, range(matrix.shape[1]), config, caps)
+        found += [t if axis == "step" else replace(t, axis=axis)
+                  for t in trends(x, matrix, key, range(matrix.shape[1]), config, caps)]
     if not any(t.leak for t in found):
         return found
 
     def rows(t: Trend) -> np.ndarray:
-        return (run.steps >= t.first_step) & (run.steps <= t.last_step)
+        return (x >= t.first_step) & (x <= t.last_step)
 
     def current(t: Trend) -> float | None:
         where = rows(t)
-        return _outlook.fitted_last(run.steps[where], run.series[t.key][where, t.rank], t.slope_mib, t.last_step)
+        return _outlook.fitted_last(x[where], run.series[t.key][where, t.rank], t.slope_mib, t.last_step)
 
     def deltas(t: Trend) -> dict[str, np.ndarray]:
         return {p: run.series[k][rows(t), t.rank] for p, k in phase_delta_keys(t.key, list(run.series)).items()}
 
-    window = run.steps[-max(t.n for t in found):]
+    window = x[-max(t.n for t in found):]
     gaps = np.diff(window)
     rows_per_step = 1.0 / float(np.median(gaps)) if gaps.size and np.median(gaps) > 0 else 1.0
     pace = _outlook.seconds_per_step(window, run.times[-window.size:])

@@ -31,10 +31,12 @@ from typing import Any
 import numpy as np
 
 from rankmem.core.catalogue import PHASE_PREFIX, PHASE_SUFFIX, PLOT_KEYS, peak_phase, worse
+from rankmem.core.text import printable
 from rankmem.errors import MissingExtraError, RankmemError
 from rankmem.offline import Run
 from rankmem.offline.capacity import Capacity, capacities, for_key
 from rankmem.offline.events import read_events
+from rankmem.offline.report import event_field
 
 _MARKERS = "o^sDv<>Px*"
 _DPI = 100
@@ -52,14 +54,40 @@ def default_keys(run: Run) -> list[str]:
     return [k for k in PLOT_KEYS if k in run.series]
 
 
+def _shown(text: str) -> str:
+    """A run's string as figure text: control characters escaped, and ``$`` too (matplotlib would
+    parse what lies between two as mathtext, and refuse a figure whose key holds one)."""
+    return printable(text).replace("$", r"\$")
+
+
 def _label(key: str) -> str:
     return f"{key} (GiB)" if key.endswith("_gib") else key
 
 
+def pyplot(feature: str = "rankmem plot") -> Any:
+    """``matplotlib.pyplot`` on the Agg backend, imported: MissingExtraError when it is not installed,
+    RankmemError naming the failure when it is but does not import (a broken install, a numpy it was
+    not built for): finding the package is not enough."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise MissingExtraError(feature, "plot", "matplotlib")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display needed; must precede pyplot's first import
+        import matplotlib.pyplot as plt
+    except Exception as exc:  # noqa: BLE001 - whatever a broken install raises is one line
+        raise RankmemError(f"{feature} needs matplotlib, which is installed but fails to import ({exc!r:.200}): "
+                           "reinstall it (pip install --force-reinstall matplotlib)") from None
+    return plt
+
+
 def plot_run(run: Run, output: str, keys: Sequence[str] | None = None, size: tuple[int, int] | None = None) -> list[str]:
     """Write a PNG of ``keys`` (default: the catalogue's ``PLOT_KEYS`` present in the run); returns the keys drawn."""
-    if importlib.util.find_spec("matplotlib") is None:
-        raise MissingExtraError("rankmem plot", "plot", "matplotlib")
+    plt = pyplot()
+    if run.steps.size == 0 and run.logged is not None and run.logged.steps.size:
+        raise RankmemError(f"{run.path} has {run.logged.steps.size} logged steps but no per-rank values to plot "
+                           f"({run.detail_note or 'its steps carry their aggregates only'}); "
+                           "rankmem report reads the aggregates")
     if run.steps.size == 0:  # first: a log without steps has no keys either, and no key is the wrong hint
         raise RankmemError(
             f"{run.path} has no logged steps to plot: the run stopped, or its jsonl sink failed, before its first "
@@ -71,8 +99,6 @@ def plot_run(run: Run, output: str, keys: Sequence[str] | None = None, size: tup
         available = ", ".join(k for k in sorted(run.series) if not k.startswith(PHASE_PREFIX))
         raise RankmemError(f"no such key(s) in the run log: {', '.join(missing) or '(none chosen)'}; choose from: {available}")
     fig = draw_run(run, chosen, size)
-    import matplotlib.pyplot as plt
-
     try:
         # No bbox_inches="tight": the PNG must be exactly the size asked for.
         fig.savefig(output, dpi=_DPI, format="png")
@@ -89,15 +115,14 @@ def draw_run(run: Run, chosen: Sequence[str], size: tuple[int, int] | None = Non
     """The matplotlib figure of :func:`plot_run` (the caller closes it)."""
     width, height = size or (1200, 360 * len(chosen))
 
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display needed; must precede pyplot's first import
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib.ticker import MaxNLocator
 
     fig, axes = plt.subplots(len(chosen), 1, figsize=(width / _DPI, height / _DPI), dpi=_DPI, sharex=True, squeeze=False)
     phases = run.phases()
-    events = [e for e in read_events(run.path).events if isinstance(e.get("step"), int)]
+    # A step no int64 holds (another process wrote the line) cannot be drawn at any x.
+    events = [e for e in read_events(run.path).events
+              if isinstance(e.get("step"), int) and not isinstance(e.get("step"), bool) and abs(e["step"]) < 2**63]
     caps = capacities(run)
     for ax, key in zip(axes[:, 0], chosen, strict=True):
         _draw_key(ax, run, key, phases, events, for_key(caps, key), plt)
@@ -131,12 +156,12 @@ def _draw_key(ax: Any, run: Run, key: str, phases: Sequence[str], events: Sequen
     for n, e in enumerate(events):
         # A vertical line at each event's step, labelled once per kind and rank in the legend.
         ax.axvline(e["step"], color="red", linestyle="--", linewidth=1.0, alpha=0.8,
-                   label=f"{e.get('kind')} rank {e.get('rank')}" if n < 8 else None)
+                   label=_shown(f"{event_field(e.get('kind'))} rank {event_field(e.get('rank'))}") if n < 8 else None)
     unit = " GiB" if key.endswith("_gib") else ""
     _draw_capacity_and_range(ax, steps, matrix, caps, key.endswith("_gib"))
     if worst >= 0:
-        ax.set_title(f"{key}: worst rank {worst}, {'min' if low else 'peak'} {worst_per_rank[worst]:.3f}{unit}")
-    ax.set_ylabel(_label(key))
+        ax.set_title(f"{_shown(key)}: worst rank {worst}, {'min' if low else 'peak'} {worst_per_rank[worst]:.3f}{unit}")
+    ax.set_ylabel(_shown(_label(key)))
     ax.grid(True, alpha=0.3)
     # Outside the axes, to their right: inside, "best" still covers some rank's line somewhere.
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize="small",
@@ -196,7 +221,7 @@ def _draw_phase_peaks(ax: Any, run: Run, key: str, phases: Sequence[str], colors
                        edgecolors="black", linewidths=0.5, zorder=3)
         # One legend entry per phase: its shape, hollow; filled, a mark takes the colour of its rank's line.
         ax.scatter([], [], marker=marker, s=22, facecolors="none", edgecolors="black", linewidths=0.8,
-                   label=f"phase {what} raised the step peak (in the rank's colour)")
+                   label=_shown(f"phase {what} raised the step peak (in the rank's colour)"))
 
 
 def _marker_gap_steps(ax: Any, steps: np.ndarray) -> float:

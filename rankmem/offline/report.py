@@ -32,7 +32,8 @@ from rankmem.core.catalogue import (
     worst_stat,
 )
 from rankmem.core.rundir import RUN_ID_FIELD, valid_run_id
-from rankmem.core.scalars import json_safe
+from rankmem.core.scalars import json_safe, to_float
+from rankmem.core.text import printable
 from rankmem.offline import Run
 from rankmem.offline.capacity import capacities
 from rankmem.offline.events import read_events
@@ -116,6 +117,8 @@ class Report:
     corrupt_events: int = 0
     foreign_events: int = 0
     """Events of another run found beside this one (an earlier attempt's): counted, not shown."""
+    events_skipped: list[str] = field(default_factory=list)
+    """Event files not read (a FIFO, a device) or not whole (too large), each with why."""
     phases: list[PhaseRow] = field(default_factory=list)
     """Per phase and key: the worst value, its step and rank, the per-step mean, a delta's total."""
     detail_steps: int | None = None
@@ -271,6 +274,7 @@ def _tables(run: Run) -> Report:
         events=events.events,
         corrupt_events=events.corrupt,
         foreign_events=events.foreign,
+        events_skipped=events.skipped,
         detail_steps=int(run.steps.size) if run.logged is not None else None,
         detail_note=run.detail_note,
         peak_rss_scope="/".join(sorted({str(r["peak_rss_scope"]) for r in run.header.get("ranks", [])
@@ -343,11 +347,13 @@ def render(report: Report) -> None:
     """Print the report with rich: a summary, one table row per key, then headroom, growth and leaks."""
     from rich import box
     from rich.table import Table
+    from rich.text import Text
 
     console = stdout_console(120)
     # What happened, whether anything leaks, and who is worst come first: they are why it is opened.
+    # Every string is the run log's (keys, phases, messages): Text of printable(), never markup.
     for line in [*event_lines(report), *leak_lines(report), *worst_lines(report), *summary_lines(report)]:
-        console.print(line, markup=False, soft_wrap=True)  # an event or a verdict is one line, whatever its length
+        console.print(Text(printable(line)), soft_wrap=True)  # an event or a verdict is one line, whatever its length
     for title, (columns, rows) in (("", key_table(report)), ("per phase", phase_table(report))):
         if not rows:
             continue
@@ -356,12 +362,12 @@ def render(report: Report) -> None:
         for name, justify in columns:
             table.add_column(name, justify=justify)  # type: ignore[arg-type]
         for row in rows:
-            table.add_row(*row)
+            table.add_row(*(Text(printable(cell)) for cell in row))
         console.print()
         console.print(table)
     console.print()
     for line in verdict_lines(report):
-        console.print(line, markup=False, soft_wrap=True)  # a leak's verdict is one line, whatever its length
+        console.print(Text(printable(line)), soft_wrap=True)  # a leak's verdict is one line, whatever its length
 
 
 Columns = list[tuple[str, str]]
@@ -399,6 +405,7 @@ def event_lines(report: Report) -> list[str]:
     if report.foreign_events:
         lines.append(f"events: {report.foreign_events} event(s) of another run (its run id differs from this "
                      "log's) not shown")
+    lines += [f"events: {why}" for why in report.events_skipped]
     return lines
 
 
@@ -406,33 +413,57 @@ def _mapping(value: Any) -> Mapping[str, Any]:
     return value if isinstance(value, Mapping) else {}
 
 
+_FIELD_CHARS = 200
+"""Characters of one event field shown at most (an OOM message is a line; a field can be megabytes)."""
+
+
+def event_field(value: Any) -> str:
+    """An event field as text: another process wrote it, so any type, any size (a 4,000-digit integer,
+    a list nested 900 deep: shown by type) is one short string."""
+    if isinstance(value, bool) or value is None or isinstance(value, float):
+        text = str(value)
+    elif isinstance(value, int):
+        text = str(value) if abs(value) < 10**30 else f"(an integer of {len(str(abs(value)))} digits)"
+    elif isinstance(value, str):
+        text = value
+    else:
+        text = f"({type(value).__name__})"
+    return text if len(text) <= _FIELD_CHARS else text[:_FIELD_CHARS] + f"... ({len(text)} characters)"
+
+
+def _gib(value: Any) -> str | None:
+    number = to_float(value)
+    return None if number is None or not math.isfinite(number) else f"{number / 2**30:.3f}"
+
+
 def describe_event(e: Mapping[str, Any]) -> str:
-    where = f"{e.get('kind')} rank {e.get('rank')} step {e.get('step')} phase {e.get('phase') or '-'}"
+    """One line for an event; every field is bounded and typed here (see :func:`_field`)."""
+    where = (f"{event_field(e.get('kind'))} rank {event_field(e.get('rank'))} step {event_field(e.get('step'))} "
+             f"phase {event_field(e.get('phase') or '-')}")
     kind = e.get("kind")
     if kind == "oom":
-        what = f"{e.get('where')} {e.get('error') or ''}".strip()
-        requested = e.get("requested_bytes")
-        if isinstance(requested, (int, float)):
-            what += f"; requested {requested / 2**30:.3f} GiB"
+        what = f"{event_field(e.get('where'))} {event_field(e.get('error') or '')}".strip()
+        if (requested := _gib(e.get("requested_bytes"))) is not None:
+            what += f"; requested {requested} GiB"
         device = _mapping(e.get("device"))  # an event line is another process's writing: trust no type
-        if isinstance(device.get("free_bytes"), (int, float)) and isinstance(device.get("total_bytes"), (int, float)):
-            what += f"; device free {device['free_bytes'] / 2**30:.3f} of {device['total_bytes'] / 2**30:.3f} GiB"
-        host = _mapping(e.get("host"))
-        if isinstance(host.get("rss_bytes"), (int, float)):
-            what += f"; RSS {host['rss_bytes'] / 2**30:.3f} GiB"
+        free, total = _gib(device.get("free_bytes")), _gib(device.get("total_bytes"))
+        if free is not None and total is not None:
+            what += f"; device free {free} of {total} GiB"
+        if (rss_text := _gib(_mapping(e.get("host")).get("rss_bytes"))) is not None:
+            what += f"; RSS {rss_text} GiB"
         return f"{where}: {what}{owners_text(device.get('attribution'))}"
     if kind == "near_oom":
         reasons = e.get("reasons")
-        text = ", ".join(map(str, reasons if isinstance(reasons, list) else [])) or "low headroom"
-        return f"{where}: {text}{owners_text(_mapping(e.get('device')).get('attribution'))}"
-    rss = e.get("last_rss_bytes")
-    last = f", last RSS {rss / 2**30:.3f} GiB" if isinstance(rss, (int, float)) else ""
+        shown = [event_field(r) for r in (reasons[:8] if isinstance(reasons, list) else [])]
+        return f"{where}: {', '.join(shown) or 'low headroom'}{owners_text(_mapping(e.get('device')).get('attribution'))}"
+    rss = _gib(e.get("last_rss_bytes"))
+    last = f", last RSS {rss} GiB" if rss is not None else ""
     if kind == "killed":
-        return f"{where}: killed by {e.get('signal')}{last}; cause {e.get('cause')}"
+        return f"{where}: killed by {event_field(e.get('signal'))}{last}; cause {event_field(e.get('cause'))}"
     if kind == "stalled":
-        age = e.get("heartbeat_age_s")
-        age_text = f"{age:.0f} s" if isinstance(age, (int, float)) else "?"
-        return f"{where}: no heartbeat for {age_text}{last}; process state {e.get('process_state')}"
+        age = to_float(e.get("heartbeat_age_s"))
+        age_text = f"{age:.0f} s" if age is not None and math.isfinite(age) else "?"
+        return f"{where}: no heartbeat for {age_text}{last}; process state {event_field(e.get('process_state'))}"
     return where
 
 

@@ -17,19 +17,23 @@ needs numpy, never torch.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
+import io
 import itertools
 import json
 import math
 import os
+import stat
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import numpy as np
 
 from rankmem.core.catalogue import phase_names
+from rankmem.core.files import is_regular, kind_of, open_binary
 from rankmem.core.rundir import valid_run_id
 from rankmem.core.scalars import to_float_or_nan
 from rankmem.errors import MissingExtraError, RankmemError
@@ -119,31 +123,62 @@ class Run:
 
 
 def resolve_run_path(path: str) -> str:
-    """A run directory or the ``.jsonl`` itself -> the run log's path; RankmemError when there is none.
-    In a directory, ``rankmem.jsonl`` is looked for first, then ``rankmem.jsonl.gz``."""
+    """A run directory or the ``.jsonl`` itself -> the run log's path; RankmemError when there is none
+    (or it is not a regular file: a FIFO would block the read). In a directory, ``rankmem.jsonl`` is
+    looked for first, then ``rankmem.jsonl.gz``."""
     if os.path.isdir(path):
         candidate = os.path.join(path, RUN_LOG_NAME)
-        if not os.path.isfile(candidate) and os.path.isfile(candidate + ".gz"):
+        if not os.path.lexists(candidate) and is_regular(candidate + ".gz"):
             return candidate + ".gz"
-        if not os.path.isfile(candidate):
+        _regular_or_raise(candidate)
+        if not is_regular(candidate):
             raise RankmemError(f"no run log in {path}: expected {candidate} (the Monitor writes it with sinks=('jsonl',))")
         return candidate
-    if not os.path.isfile(path):
+    _regular_or_raise(path)
+    if not is_regular(path):
         raise RankmemError(f"no run log at {path}: pass a run directory holding {RUN_LOG_NAME}, or the .jsonl file")
     return path
 
 
-def _open_log(path: str) -> IO[str]:
+def _regular_or_raise(path: str) -> None:
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return
+    if not stat.S_ISREG(mode):
+        raise RankmemError(f"{path} is {kind_of(mode)}, not a regular file: a run log must be a file "
+                           "the run wrote; move it aside")
+
+
+@contextlib.contextmanager
+def _open_log(path: str) -> Iterator[IO[str]]:
     """The log as text: plain, or gzip'd (by its magic bytes, whatever its name)."""
-    with open(path, "rb") as f:
-        magic = f.read(6)
-    if magic.startswith(b"\x1f\x8b"):
-        return gzip.open(path, "rt", encoding="utf-8", errors="replace")
-    for prefix, (name, tool) in _COMPRESSED.items():
-        if magic.startswith(prefix):
-            raise RankmemError(f"{path} is {name}-compressed: rankmem reads plain and gzip'd run logs; "
-                               f"decompress it first ({tool} -k {path})")
-    return open(path, encoding="utf-8", errors="replace")
+    with _open_bytes(path) as f:
+        magic = f.peek(6)[:6] if isinstance(f, io.BufferedReader) else b""
+        for prefix, (name, tool) in _COMPRESSED.items():
+            if magic.startswith(prefix):
+                raise RankmemError(f"{path} is {name}-compressed: rankmem reads plain and gzip'd run logs; "
+                                   f"decompress it first ({tool} -k {path})")
+        text = io.TextIOWrapper(cast(IO[bytes], f), encoding="utf-8", errors="replace")
+        try:
+            yield text
+        finally:
+            text.detach()
+
+
+@contextlib.contextmanager
+def _open_bytes(path: str) -> Iterator[io.BufferedIOBase]:
+    """The log's bytes, gunzipped when it is gzip'd; opened as a regular file only (a FIFO swapped in
+    since :func:`resolve_run_path` would block a plain open)."""
+    handle = open_binary(path)
+    try:
+        if handle.peek(2)[:2] == b"\x1f\x8b":
+            with gzip.GzipFile(fileobj=handle, mode="rb") as unzipped:
+                yield unzipped
+        else:
+            yield handle
+    finally:
+        handle.close()
 
 
 def _short(value: Any) -> str:
@@ -427,11 +462,14 @@ def _read_columnar(path: str, header: dict[str, Any], name: str, metrics: bool) 
     side = detail_path(path, name)
     detail: Detail | None = None
     note = None
-    if not os.path.isfile(side):
+    if not os.path.lexists(side):
         note = f"{side} is missing: no per-rank values; the aggregates are read from the run log's lines"
+    elif not is_regular(side):
+        note = (f"{side} is {kind_of(os.stat(side).st_mode)}, not a regular file: skipped, no per-rank values; "
+                "the aggregates are read from the run log's lines")
     else:
         try:
-            detail = read_detail(side, world, valid_run_id(header.get(RUN_ID_FIELD)))
+            detail = read_detail(side, world, valid_run_id(header.get(RUN_ID_FIELD)), _first_line(path))
         except MissingExtraError:
             raise  # pyarrow is needed to read it: say so, rather than read the lines silently
         except RankmemError as exc:
@@ -440,7 +478,7 @@ def _read_columnar(path: str, header: dict[str, Any], name: str, metrics: bool) 
         detail = empty_detail(world)
     elif detail.error:
         note = (f"{side} is damaged after collect {detail.steps.size} ({detail.error}); the later collects' "
-                "aggregates come from the run log's lines")
+                "aggregates come from the run log's lines, without per-rank values")
     tail = _Tail(path, detail.log_offset, first_lineno=2 + detail.steps.size)
     has = np.r_[detail.has_detail, np.zeros(len(tail.steps), dtype=bool)]
     steps = np.r_[detail.steps, np.asarray(tail.steps, dtype=np.int64)].astype(np.int64)
@@ -491,8 +529,7 @@ class _Tail:
         self.metrics: list[dict[str, Any]] = []
         self.corrupt: list[int] = []
         self.truncated = False
-        opener = gzip.open if _is_gzip(path) else open
-        with opener(path, "rb") as f:
+        with _open_bytes(path) as f:
             try:
                 if offset:
                     f.seek(offset)
@@ -523,6 +560,11 @@ class _Tail:
         self.metrics.append(metrics if isinstance(metrics, dict) else {})
 
 
-def _is_gzip(path: str) -> bool:
-    with open(path, "rb") as f:
-        return f.read(2) == b"\x1f\x8b"
+def _first_line(path: str) -> bytes | None:
+    """The log's header line as written (newline included), for the side file's header check; None when
+    it cannot be read."""
+    try:
+        with _open_bytes(path) as f:
+            return f.readline(1 << 24)
+    except (OSError, EOFError, zlib.error):
+        return None

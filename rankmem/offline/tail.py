@@ -15,25 +15,39 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from rankmem.core.files import open_binary
 from rankmem.runlog.layout import HEADER_KIND, STEP_KIND
+
+_BAD_JSON = (ValueError, RecursionError)  # json.loads: not JSON; nested past the interpreter's depth
 
 FIRST_BLOCK = 64 * 1024
 MAX_BLOCK = 256 * 1024 * 1024
 """Reading back stops here: a log whose last N step lines do not fit in 256 MiB is not a run log."""
 
 
-def read_header(path: str) -> dict[str, Any] | None:
-    """The header line of ``path``; None when it is missing, not yet whole, or not a header."""
+MAX_HEADER = 1 << 24
+"""Bytes of a header line read at most (a header is a few KB per rank)."""
+
+
+def read_header_line(path: str) -> bytes | None:
+    """The header line of ``path`` as written, newline included; None when it is missing, not yet whole
+    or not a regular file (a FIFO would block the read)."""
     try:
-        with open(path, "rb") as f:
-            first = f.readline()
+        with open_binary(path) as f:
+            first = f.readline(MAX_HEADER)
     except OSError:
         return None
-    if not first.endswith(b"\n"):
+    return first if first.endswith(b"\n") else None
+
+
+def read_header(path: str) -> dict[str, Any] | None:
+    """The header line of ``path``; None when it is missing, not yet whole, or not a header."""
+    first = read_header_line(path)
+    if first is None:
         return None
     try:
         header = json.loads(first)
-    except ValueError:
+    except _BAD_JSON:
         return None
     return header if isinstance(header, dict) and header.get("kind") == HEADER_KIND else None
 
@@ -41,7 +55,7 @@ def read_header(path: str) -> dict[str, Any] | None:
 def _step(line: bytes) -> dict[str, Any] | None:
     try:
         obj = json.loads(line)
-    except ValueError:
+    except _BAD_JSON:
         return None
     # A step line with its per-rank values (schema 1, inline) or with the aggregates alone (schema 2).
     # What the reader counts as corrupt is skipped here too: a step that is not an integer, a "ranks"
@@ -62,7 +76,7 @@ def read_last_steps(path: str, count: int = 2, size: int | None = None) -> tuple
     ``size``: read as if the file ended there (a caller that has just stat'ed it). Corrupt lines and the
     header are skipped; fewer than ``count`` come back when the log has fewer.
     """
-    with open(path, "rb") as f:
+    with open_binary(path) as f:
         end = os.fstat(f.fileno()).st_size if size is None else size
         block = FIRST_BLOCK
         while True:

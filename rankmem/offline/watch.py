@@ -32,7 +32,7 @@ from rankmem.offline.capacity import DEVICE, HOST, NODE
 from rankmem.offline.columnar import DetailFollower
 from rankmem.offline.events import read_events
 from rankmem.offline.runlog import header_world_size
-from rankmem.offline.tail import Tail, TailFollower
+from rankmem.offline.tail import Tail, TailFollower, read_header_line
 from rankmem.runlog.layout import INLINE, detail_path
 
 # (column label, WindowBytes field): what a rank row shows, in this order, where the log has it.
@@ -100,6 +100,8 @@ class Frame:
     detail_step: int | None = None
     """The step of the per-rank values shown, when they come from the side file (its last batch may be
     up to a second behind the newest line; past the crossover, the last collect that carried them)."""
+    detail_note: str | None = None
+    """Why the side file is no longer followed (a damaged batch, another run's file), or None."""
 
 
 def _vector(step: dict[str, Any], key: str, world: int) -> list[float | None]:
@@ -241,6 +243,8 @@ class Watcher:
         self._events_stamp: tuple[tuple[str, int, int], ...] = ()
         self._events: list[dict[str, Any]] = []
         self._detail_follower: DetailFollower | None = None
+        self.events_skipped: list[str] = []
+        """Event files not read (a FIFO, a device), each with why: the title says so."""
 
     def _read_events(self, run_id: str | None) -> list[dict[str, Any]]:
         directory = RunDir(self.run_dir).events
@@ -249,7 +253,8 @@ class Watcher:
         except OSError:
             stamp = ()
         if stamp != self._events_stamp:  # a new or grown events file: read them again (they are small)
-            self._events_stamp, self._events = stamp, read_events(self.run_dir, run_id).events
+            read = read_events(self.run_dir, run_id)
+            self._events_stamp, self._events, self.events_skipped = stamp, read.events, read.skipped
         return self._events
 
     def _detail(self, header: dict[str, Any] | None) -> tuple[int, dict[str, list[float | None]]] | None:
@@ -259,6 +264,7 @@ class Watcher:
         path = detail_path(self.log_path, name)
         if self._detail_follower is None or self._detail_follower.path != path:
             self._detail_follower = DetailFollower(path)
+        self._detail_follower.header_line = read_header_line(self.log_path)  # a restart writes a new one
         return self._detail_follower.poll()
 
     def frame(self, now: float | None = None) -> Frame:
@@ -266,5 +272,16 @@ class Watcher:
         # This run's heartbeats and events only: an earlier run's (not moved aside) are not its ranks.
         run_id = valid_run_id((tail.header or {}).get(RUN_ID_FIELD))
         beats = read_heartbeats(RunDir(self.run_dir).heartbeat, run_id)
-        return build_frame(self.run_dir, tail, beats, self._read_events(run_id), now, detail=self._detail(tail.header))
+        frame = build_frame(self.run_dir, tail, beats, self._read_events(run_id), now, detail=self._detail(tail.header))
+        follower = self._detail_follower
+        if tail.header is None and tail.steps:
+            frame.detail_note = f"{self.log_path}: its first line is not a rankmem header (damaged): world size unknown"
+        elif follower is not None and follower.damaged:
+            frame.detail_note = f"{follower.path}: {follower.damaged}; not followed further"
+        elif follower is not None:
+            frame.detail_note = follower.check_lines([(s.get("step"), s.get("time")) for s in tail.steps])
+        if self.events_skipped:
+            skipped = "; ".join(self.events_skipped)
+            frame.detail_note = f"{frame.detail_note}; {skipped}" if frame.detail_note else skipped
+        return frame
 

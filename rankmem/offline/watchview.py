@@ -17,6 +17,8 @@ import time
 from dataclasses import asdict
 from typing import Any
 
+from rankmem.core.scalars import to_float
+from rankmem.core.text import printable
 from rankmem.offline.report import describe_event
 from rankmem.offline.watch import Frame, RankRow
 
@@ -78,7 +80,8 @@ def frame_json(frame: Frame, stale_s: float = 30.0) -> dict[str, Any]:
 
 def _clock(t: Any) -> str:
     """An event's time as HH:MM:SS; ``?`` for one that is not a time (another process wrote the line)."""
-    if not isinstance(t, (int, float)) or not math.isfinite(t):
+    t = to_float(t)  # None for a string, or an int no float holds (10**4000)
+    if t is None or not math.isfinite(t):
         return "?"
     try:
         return time.strftime("%H:%M:%S", time.localtime(t))
@@ -101,7 +104,7 @@ def _where(run_dir: str) -> str:
 
 def title_lines(frame: Frame, width: int | None = None) -> list[str]:
     """The title; with ``width``, the run directory is shortened in its middle so the line fits it."""
-    where = _where(frame.run_dir)
+    where = printable(_where(frame.run_dir))  # the run's own strings are shown as text, escaped
     parts = [f"rankmem watch {where}", f"{frame.world_size} ranks"]
     if frame.hosts:
         parts.append(f"{len(frame.hosts)} host{'s' if len(frame.hosts) != 1 else ''}")
@@ -119,6 +122,8 @@ def title_lines(frame: Frame, width: int | None = None) -> list[str]:
         keep = len(where) - over - 1
         short = where[: keep // 2] + "…" + where[len(where) - (keep - keep // 2):]
         lines[0] = " · ".join([f"rankmem watch {short}", *parts[1:]])
+    if frame.detail_note:
+        lines.append(printable(f"note: {frame.detail_note}"))
     if frame.capacity:
         lines.append("limits: " + " · ".join(f"{label} {value:.1f} GiB" for label, value in frame.capacity))
     return lines
@@ -140,7 +145,7 @@ def _phase_cell(row: RankRow) -> Any:
         return Text("dead", "bold red")  # a killed rank is a danger: the one red a healthy job never shows
     if row.exited:
         return Text("exited", "dim")
-    return Text("?" if row.phase is None else row.phase or "-")
+    return Text(printable("?" if row.phase is None else row.phase or "-"))
 
 
 def _bar(value: float | None) -> Any:
@@ -164,7 +169,8 @@ class _Title:
         from rich.text import Text
 
         for line in title_lines(self.frame, options.max_width):
-            yield Text(line, no_wrap=True, overflow="ellipsis")
+            # The title fits the width; a note (damage, a skipped file) wraps: its end says what happened.
+            yield Text(line) if line.startswith("note: ") else Text(line, no_wrap=True, overflow="ellipsis")
 
 
 def _rank_row(frame: Frame, row: RankRow, step: int | None, stale_s: float) -> list[Any]:
@@ -212,7 +218,7 @@ def render_frame(frame: Frame, stale_s: float = 30.0) -> Any:
     if frame.event_count:
         parts.append(Text(f"events ({frame.event_count}, newest last):"))
         for e in frame.events:
-            parts.append(Text(f"  {_clock(e.get('time'))} {describe_event(e)}",
+            parts.append(Text(printable(f"  {_clock(e.get('time'))} {describe_event(e)}"),
                               "red" if e.get("kind") in ("oom", "killed") else ""))
     else:
         parts.append(Text("events: none"))

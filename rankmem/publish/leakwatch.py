@@ -17,7 +17,7 @@ from rankmem.core.records import StepRecord
 from rankmem.core.warnings import warn
 from rankmem.errors import RankmemError
 from rankmem.trend import outlook as _outlook
-from rankmem.trend.trend import LeakConfig, Trend, _window, outlook, phase_delta_keys, trends
+from rankmem.trend.trend import LeakConfig, Trend, _window, outlook, phase_delta_keys, regression_axis, trends
 
 
 class _LeakRing:
@@ -216,7 +216,7 @@ class LeakWatch:
     def _judge(self, ranks_of: dict[int, list[int]], take: int) -> list[Trend]:
         """Test the given ranks of the given keys (by index) on the last ``take`` buffered collects."""
         order = self._ring.last(take)
-        steps = self._ring.steps[order]
+        steps, axis = self._axis(order)
         new: list[Trend] = []
         for k, ranks in ranks_of.items():
             key = self.keys[k]
@@ -226,6 +226,7 @@ class LeakWatch:
             columns = self._ring.values[order[:, None], k, np.asarray(todo)]
             caps = [_outlook.capacity_gib(key, self._rank_context(r), self.ranks_per_node) for r in todo]
             for t in trends(steps, columns, key, todo, self._judging, caps):
+                t = t if axis == "step" else replace(t, axis=axis)
                 if t.leak:
                     self.flagged[(key, t.rank)] = t
                     new.append(t)
@@ -237,6 +238,10 @@ class LeakWatch:
             warn(f"rankmem: possible memory leak on {t.describe()}", stacklevel=4)
         return new
 
+    def _axis(self, order: np.ndarray) -> tuple[np.ndarray, str]:
+        """The buffered collects' steps, or their places in the run where the steps do not rise."""
+        return regression_axis(self._ring.steps[order], first=self._ring.fed - order.size)
+
     def _rank_context(self, rank: int) -> dict[str, float | None]:
         return {k: float(self._ring.context[i, rank]) for i, k in enumerate(_outlook.CONTEXT_KEYS)}
 
@@ -244,7 +249,7 @@ class LeakWatch:
         """Phase and exhaustion of the newly flagged trends; the node's rate counts every host leak
         flagged on it so far."""
         ring = self._ring
-        steps, times = ring.steps[order], ring.times[order]
+        (steps, _), times = self._axis(order), ring.times[order]
         gaps = np.diff(steps)
         rows_per_step = 1.0 / float(np.median(gaps)) if gaps.size and np.median(gaps) > 0 else 1.0
         earlier = [t for t in self.flagged.values() if t not in new]

@@ -33,6 +33,7 @@ from rankmem.core.records import StepRecord
 from rankmem.core.rundir import open_regular
 from rankmem.core.warnings import WarnOnce
 from rankmem.runlog.append import append_whole
+from rankmem.runlog.checksum import CHECKSUM_KEY, HEADER_KEY, PLACEHOLDER, seal
 from rankmem.runlog.layout import DETAIL_AGGREGATES, DETAIL_COLUMNS, LOG_OFFSET, RUN_KEY, WORLD_KEY
 
 FLUSH_S = 1.0
@@ -55,27 +56,30 @@ def pyarrow_available() -> bool:
 
 
 @functools.lru_cache(maxsize=8)
-def detail_schema(world: int, run_id: str | None = None) -> Any:
-    """The side file's Arrow schema for ``world`` ranks (columns: :data:`DETAIL_COLUMNS`), with the
-    run's identity (:data:`RUN_KEY`) in its metadata: the reader pairs it with its log by it."""
+def detail_schema(world: int, run_id: str | None = None, header: str = "") -> Any:
+    """The side file's Arrow schema for ``world`` ranks (columns: :data:`DETAIL_COLUMNS`); its metadata
+    holds the world size, the run's identity (:data:`RUN_KEY`), the CRC-32 of the run log's header line (``header``, when given) and the
+    schema message's own seal (:mod:`rankmem.runlog.checksum`)."""
     import pyarrow as pa
 
     types = {"collect": pa.int64(), "step": pa.int64(), "time": pa.float64(), "key": pa.string(),
              "max_rank": pa.int32(), "min_rank": pa.int32(), "ranks": pa.list_(pa.float64())}
     fields = [pa.field(name, types.get(name, pa.float64()), nullable=name == "ranks") for name in DETAIL_COLUMNS]
-    metadata = {WORLD_KEY: str(world).encode()}
+    metadata = {WORLD_KEY: str(world).encode(), CHECKSUM_KEY: PLACEHOLDER}
     if run_id is not None:
         metadata[RUN_KEY] = run_id.encode("ascii")
+    if header:
+        metadata[HEADER_KEY] = header.encode()
     return pa.schema(fields, metadata=metadata)
 
 
-def _schema_message(world: int, run_id: str | None) -> bytes:
-    """The stream's schema message alone: what a stream writer closed before any batch wrote, less its
-    8-byte end-of-stream marker."""
+def _schema_message(world: int, run_id: str | None, header: str) -> bytes:
+    """The stream's schema message alone, unsealed: what a stream writer closed before any batch wrote,
+    less its 8-byte end-of-stream marker."""
     import pyarrow as pa
 
     sink = _Bytes()
-    pa.ipc.new_stream(sink, detail_schema(world, run_id)).close()
+    pa.ipc.new_stream(sink, detail_schema(world, run_id, header)).close()
     return bytes(sink.data[:-8])
 
 
@@ -116,10 +120,13 @@ class DetailWriter:
     warns once); the JSON lines go on regardless.
     """
 
-    def __init__(self, path: str, world: int, run_id: str | None = None) -> None:
+    def __init__(self, path: str, world: int, run_id: str | None = None, header_crc: str = "") -> None:
         self.path = path
         self.world = world
         self.run_id = run_id
+        self.header_crc = header_crc
+        """CRC-32 of the run log's header line (:func:`rankmem.runlog.checksum.header_crc`): the reader
+        pairs the two files by it and by the run id."""
         self.dropped = 0
         """Collects whose per-rank values were dropped because the disk refused them too long."""
         self._fd: int | None = None
@@ -144,10 +151,12 @@ class DetailWriter:
         # pyarrow writes the schema with the first batch; if that write were refused (a full disk), the
         # schema would be gone for good and the file unreadable. So it goes to disk now, on its own, and
         # the copy the stream writer emits with its first batch is cut off in _commit.
-        schema = _schema_message(self.world, self.run_id)
-        self._size += append_whole(self._fd, schema, 0, self.path)  # a failure is the caller's open() failing
+        schema = _schema_message(self.world, self.run_id, self.header_crc)
+        sealed = bytearray(schema)
+        seal(sealed, 0, len(sealed))
+        self._size += append_whole(self._fd, bytes(sealed), 0, self.path)  # a failure is the caller's open() failing
         self._schema_pending = schema
-        self._stream = pa.ipc.new_stream(self._sink, detail_schema(self.world, self.run_id))
+        self._stream = pa.ipc.new_stream(self._sink, detail_schema(self.world, self.run_id, self.header_crc))
 
     def add(self, collect: int, record: StepRecord, log_offset: int) -> None:
         """Queue one collect whose JSON line ends at byte ``log_offset`` of the run log; write a batch when due."""
@@ -239,18 +248,21 @@ class DetailWriter:
         self._pending_bytes = 0
 
     def _write_batch(self) -> None:
-        batch = _batch(self._pending, self.world)
-        self._stream.write_batch(batch, custom_metadata={LOG_OFFSET: str(self._log_offset).encode()})
+        batch = _batch(self._pending, self.world, self.header_crc)
+        self._stream.write_batch(batch, custom_metadata={LOG_OFFSET: str(self._log_offset).encode(),
+                                                         CHECKSUM_KEY: PLACEHOLDER})
         self._commit()
 
     def _commit(self) -> None:
-        """One write of what the stream writer produced; cut back to the last whole batch if it fails."""
-        data, self._sink.data = bytes(self._sink.data), bytearray()
+        """One write of what the stream writer produced, sealed; cut back to the last whole batch if it fails."""
+        data, self._sink.data = self._sink.data, bytearray()
         if self._schema_pending and data.startswith(self._schema_pending):
-            data = data[len(self._schema_pending) :]  # already on disk (open)
+            del data[: len(self._schema_pending)]  # already on disk (open)
         self._schema_pending = b""
+        if len(data) > 8:  # a batch's message (the end-of-stream marker alone is 8 bytes, and has no seal)
+            seal(data, 0, len(data))
         assert self._fd is not None
-        self._size += append_whole(self._fd, data, self._size, self.path)
+        self._size += append_whole(self._fd, bytes(data), self._size, self.path)
 
     def close(self) -> None:
         self.flush()
@@ -293,7 +305,7 @@ def _matrix(record: StepRecord, keys: tuple[str, ...], world: int) -> np.ndarray
     return out
 
 
-def _batch(pending: list[_Pending], world: int) -> Any:
+def _batch(pending: list[_Pending], world: int, header: str) -> Any:
     """The pending collects as one record batch, one row per (collect, key), ordered key by key (then by
     collect): a reader then copies each key's per-rank values of the batch as one block."""
     import pyarrow as pa
@@ -327,4 +339,4 @@ def _batch(pending: list[_Pending], world: int) -> Any:
             col = np.where(np.isfinite(col), col, -1).astype(np.int32)
         columns.append(pa.array(col))
     columns.append(pa.ListArray.from_arrays(pa.array(offsets), pa.array(values.ravel()), mask=pa.array(~valid)))
-    return pa.record_batch(columns, schema=detail_schema(world))
+    return pa.record_batch(columns, schema=detail_schema(world, header))

@@ -26,8 +26,8 @@ from rankmem.runlog.detail_pipe import ADD, ADD_HEAD, CLOSE, FLUSH, KEYS, read_f
 from rankmem.runlog.layout import DETAIL_AGGREGATES
 
 
-def serve(path: str, world: int, rfd: int, wfd: int, run_id: str | None = None) -> None:
-    writer = DetailWriter(path, world, run_id)
+def serve(path: str, world: int, rfd: int, wfd: int, run_id: str | None = None, header_crc: str = "") -> None:
+    writer = DetailWriter(path, world, run_id, header_crc)
     writer.open()
     keysets: list[tuple[tuple[str, ...], list[str]]] = []
     buffer = bytearray()
@@ -72,9 +72,10 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     path, world = argv[0], int(argv[1])
     run_id = argv[2] if len(argv) > 2 and argv[2] else None
+    header = argv[3] if len(argv) > 3 else ""  # the run log header's CRC-32 (rankmem.runlog.checksum)
     started = time.monotonic()
     try:
-        serve(path, world, sys.stdin.fileno(), sys.stdout.fileno(), run_id)
+        serve(path, world, sys.stdin.fileno(), sys.stdout.fileno(), run_id, header)
     except BrokenPipeError:
         return 0  # the rank stopped reading acknowledgements: it is gone
     except Exception as exc:  # noqa: BLE001 - said once on the rank's stderr; the run log's lines go on

@@ -72,10 +72,11 @@ def read_frames(buffer: bytearray) -> Iterator[tuple[bytes, bytes]]:
 class DetailPipe:
     """:class:`~rankmem.runlog.columnar.DetailWriter`'s interface, writing through the writer process."""
 
-    def __init__(self, path: str, world: int, run_id: str | None = None) -> None:
+    def __init__(self, path: str, world: int, run_id: str | None = None, header_crc: str = "") -> None:
         self.path = path
         self.world = world
         self.run_id = run_id
+        self.header_crc = header_crc
         self.dropped = 0
         """Collects whose per-rank values never reached the writer (queue full, or the writer gone)."""
         self._proc: subprocess.Popen[bytes] | None = None
@@ -90,7 +91,8 @@ class DetailPipe:
     def open(self) -> None:
         # -m, not a fork: a fork would copy the rank (torch, CUDA state) to run a few hundred lines.
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "rankmem.runlog.detail_child", self.path, str(self.world), self.run_id or ""],
+            [sys.executable, "-m", "rankmem.runlog.detail_child", self.path, str(self.world), self.run_id or "",
+             self.header_crc],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
         assert self._proc.stdin is not None
         os.set_blocking(self._proc.stdin.fileno(), False)

@@ -23,6 +23,7 @@ from rankmem.core.scalars import json_safe
 from rankmem.core.warnings import WarnOnce, warn
 from rankmem.errors import RankmemError
 from rankmem.runlog.append import append_whole
+from rankmem.runlog.checksum import header_crc
 from rankmem.runlog.columnar import DetailWriter, pyarrow_available
 from rankmem.runlog.detail_pipe import DetailPipe
 from rankmem.runlog.layout import (
@@ -117,7 +118,8 @@ class RunLogWriter:
             self._write_line(line)
             if self._columnar:
                 kind = DetailPipe if self._detail_process else DetailWriter
-                self._detail = kind(self.detail_path, header.world_size, header.run_id)
+                self._detail = kind(self.detail_path, header.world_size, header.run_id,
+                                    header_crc((line + "\n").encode("utf-8")))
                 self._detail.open()
         except OSError:
             self._close_fd()  # the next open() starts over on the empty file

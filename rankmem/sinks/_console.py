@@ -9,6 +9,7 @@ from typing import IO
 
 from rankmem.core.catalogue import HEADLINE
 from rankmem.core.records import RunHeader, StepRecord
+from rankmem.core.text import printable
 
 
 def headline(metrics: Mapping[str, float]) -> str:
@@ -38,10 +39,12 @@ class ConsoleSink:
 
     def open(self, header: RunHeader) -> None:
         hosts = sorted({r.host for r in header.ranks})
-        print(f"[rankmem] world_size={header.world_size} hosts={','.join(hosts)}", file=self._stream or sys.stdout)
+        hosts_text = printable(",".join(hosts))  # host names are whatever the ranks said: escaped
+        print(f"[rankmem] world_size={header.world_size} hosts={hosts_text}", file=self._stream or sys.stdout)
 
     def write(self, record: StepRecord) -> None:
-        print(f"[rankmem] step {record.step} {headline(record.metrics)}", file=self._stream or sys.stdout, flush=True)
+        print(printable(f"[rankmem] step {record.step} {headline(record.metrics)}"), file=self._stream or sys.stdout,
+              flush=True)
 
     def close(self) -> None:
         pass

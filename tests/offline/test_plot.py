@@ -156,8 +156,8 @@ def test_phase_peaks_sit_on_each_rank_in_its_colour(tmp_path: Path) -> None:
             xs = np.sort(np.concatenate([ax.transData.transform(c.get_offsets())[:, 0] for c in collections]))
             assert np.diff(xs).min() >= MARK_GAP_PX * 0.75, (rank, np.diff(xs).min())
         legend = [t.get_text() for t in ax.get_legend().get_texts()]
-        assert "rollout set the peak (in the rank's colour)" in legend
-        assert "update set the peak (in the rank's colour)" in legend
+        assert "phase rollout raised the step peak (in the rank's colour)" in legend
+        assert "phase update raised the step peak (in the rank's colour)" in legend
     finally:
         plt.close(fig)
 

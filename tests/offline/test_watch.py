@@ -184,7 +184,13 @@ def test_watch_follows_a_real_job(tmp_path: Path) -> None:
         try:
             time.sleep(0.3)
             last = read_last_steps(str(out / RUN_LOG_NAME), 1)[0][-1]
-            # The per-rank values: the side file's newest collect (its batch may be a second behind).
+            # The per-rank values: the side file's newest collect (its batch may be a second behind). Its
+            # writer is a process of its own, not stopped with the ranks: wait until it has written all.
+            settled = time.monotonic() + 10
+            size = -1
+            while time.monotonic() < settled and (out / DETAIL_NAME).stat().st_size != size:
+                size = (out / DETAIL_NAME).stat().st_size
+                time.sleep(1.5)
             detail = DetailFollower(str(out / DETAIL_NAME)).poll()
             beats = read_heartbeats(str(out / "heartbeat"))
             once = subprocess.run([sys.executable, "-m", "rankmem", "watch", "--once", "--json", str(out)], cwd=REPO,

@@ -22,6 +22,7 @@ from rankmem.offline import read_run
 from rankmem.offline.report import build_report
 from rankmem.runlog import RUN_LOG_NAME
 from rankmem.runlog import columnar as _columnar
+from rankmem.runlog.checksum import CHECKSUM_KEY, PLACEHOLDER, seal
 from rankmem.runlog.layout import DETAIL_NAME
 from tests.conftest import REPO
 from tests.runlog_helpers import write_run
@@ -278,10 +279,13 @@ def test_a_batch_with_lists_of_another_length_ends_the_read_there(tmp_path: Path
                           schema=_columnar.detail_schema(WORLD))
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, bad.schema) as writer:
-        writer.write_batch(bad)
+        writer.write_batch(bad, custom_metadata={CHECKSUM_KEY: PLACEHOLDER})
     stream = sink.getvalue().to_pybytes()
+    ends = _batch_ends_of(stream)
+    message = bytearray(stream[ends[0] : ends[1]])  # the bad batch, without its stream's own schema
+    seal(message, 0, len(message))  # sealed as the writer seals: its checksum holds, its lengths do not
     with open(side, "ab") as f:
-        f.write(stream[_batch_ends_of(stream)[0] :])  # the bad batch, without its stream's own schema
+        f.write(bytes(message))
     run = read_run(str(tmp_path))
     assert run.steps.tolist() == list(range(8)) and "not 3 long" in str(run.detail_note)
     np.testing.assert_array_equal(run.series[RSS], truth[RSS][:8])
