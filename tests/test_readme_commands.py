@@ -36,6 +36,8 @@ from tests.conftest import REPO, free_port, sigint_as_at_a_terminal
 from tests.runlog_helpers import read_log
 
 README = REPO / "README.md"
+PAGES = [README, *sorted((REPO / "docs").glob("*.md"))]
+"""What a user reads: README and the pages under docs/."""
 TRAIN_STEPS = 20
 TIMEOUT_S = 240
 NOT_RUN = ("make", "pip", "git", "bash", "cd", "export", "source")
@@ -47,7 +49,7 @@ _INLINE = re.compile(r"`((?:torchrun|python -m torch\.distributed\.run) [^`]*exa
 
 
 def readme_commands() -> list[str]:
-    text = README.read_text()
+    text = README.read_text()  # docs/'s commands: tests/test_docs_commands.py
     found: list[str] = []
     for block in _FENCE.findall(text):
         for line in block.splitlines():
@@ -201,3 +203,19 @@ def _check_verl(out: Path, stdout: str) -> None:
 
 CHECKS: dict[str, Any] = {"hf_example": _check_hf, "lightning_example": _check_lightning,
                           "quickstart": _check_quickstart, "verl_example": _check_verl}
+
+
+HISTORY = re.compile(r"\bissue \d+|\(was |\bwas \d|not lent|CI machine|\bsession \d|so README may say")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_a_page_a_user_reads_holds_no_history(page: Path) -> None:
+    """Users read what rankmem does now; how it came to be is bench/RESULTS.md's and git's."""
+    found = [m.group(0) for m in HISTORY.finditer(page.read_text())]
+    assert found == [], f"{page.name}: {found}"
+
+
+def test_readme_is_a_short_guide() -> None:
+    assert len(README.read_text().splitlines()) <= 300
+    for name in re.findall(r"`docs/([a-z-]+\.md)`", README.read_text()):
+        assert (REPO / "docs" / name).is_file(), f"README points at docs/{name}, which does not exist"

@@ -1,4 +1,4 @@
-"""The metric catalogue: README's key table holds exactly its keys; what derives from it; the phase of a peak."""
+"""The metric catalogue: docs/metrics.md's key table holds exactly its keys; what derives from it; the phase of a peak."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def _readme_keys() -> tuple[set[str], set[str]]:
     A cell names one or more keys in backticks; ``.../suffix`` repeats the prefix of the first key in
     its cell, and ``mem/phase/P/suffix`` is phase ``P``'s key.
     """
-    lines = (REPO / "README.md").read_text(encoding="utf-8").splitlines()
+    lines = (REPO / "docs" / "metrics.md").read_text(encoding="utf-8").splitlines()
     start = lines.index(TABLE_HEAD) + 2  # past the |---| row
     step_keys: set[str] = set()
     phase_suffixes: set[str] = set()
