@@ -37,6 +37,8 @@ def test_the_docs_have_commands() -> None:
 @pytest.mark.parametrize("page,command", COMMANDS)
 def test_docs_command_runs_as_shown(tmp_path: Path, page: str, command: str) -> None:
     pytest.importorskip("matplotlib")
+    if re.search(r"--nnodes[ =](?!1\b)\d", command):
+        pytest.skip("several nodes: tests/engine/test_engine.py forms a two-agent job on one machine")
     known_run(tmp_path / "runs" / "demo")
     for tree in ("bench", "examples"):
         (tmp_path / tree).symlink_to(REPO / tree)

@@ -104,7 +104,8 @@ def test_ray_launch_trains_logs_and_leaves_no_process(tmp_path: Path) -> None:
     assert "ray: 2 actors on 1 node (2 per node), 1 CPU and 0 GPU each" in lines
     assert [line.split() for line in lines if line.startswith("  mem/host/peak_rss_gib ")] == [
         ["mem/host/peak_rss_gib", "max", f"{peak.value:.3f}", "GiB", "rank", str(peak.rank), "step", str(peak.step),
-         "phase", peak.phase]]
+         # A phase that raised the peak is named; a held or tied peak is said so, in parentheses.
+         *(str(peak.phase).split() if str(peak.phase).startswith("(") else ["phase", str(peak.phase)])]]
     assert lines[-1] == f"run log: {tmp_path / 'rankmem.jsonl'}"
 
 
@@ -347,9 +348,11 @@ def test_shutdown_lets_the_actors_write_what_they_hold_before_the_kill(cluster: 
         group.call("build", job, {"launcher": "test"})
         for step in range(3):
             group.call("step", step)
-        # The publisher wrote what it found when it started (the header), then went to sleep.
+        # The publisher went to sleep after the header. A collect now waits up to 0.2 s for the record
+        # before it (so a step is on disk before the next returns), which may have let some through:
+        # what must hold is that after shutdown every step is there, below.
         lines = (tmp_path / "rankmem.jsonl").read_text().splitlines()
-        assert [json.loads(line)["step"] for line in lines[1:]] != [0, 1, 2]
+        assert json.loads(lines[0])["kind"] == "header"
     finally:
         started = time.monotonic()
         group.shutdown()

@@ -170,7 +170,9 @@ def test_leak_watch_judges_everyone_once_then_spreads_its_tests(monkeypatch: pyt
         windows.append(len(steps))
         return real(steps, columns, key, ranks, config, capacity_gib)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(trend_module, "trends", counting)
+    import rankmem.publish.leakwatch as leakwatch_module
+
+    monkeypatch.setattr(leakwatch_module, "trends", counting)  # where the watch looks it up
     world, keys = 64, sorted([RSS, ALLOC, "mem/host/children_rss_gib", "loss"])
     watch = LeakWatch(check_every=20)  # warm-up 50: the first whole window is collects 50..99
     rng = np.random.default_rng(6)
