@@ -205,7 +205,7 @@ CHECKS: dict[str, Any] = {"hf_example": _check_hf, "lightning_example": _check_l
                           "quickstart": _check_quickstart, "verl_example": _check_verl}
 
 
-HISTORY = re.compile(r"\bissue \d+|\(was |\bwas \d|not lent|CI machine|\bsession \d|so README may say")
+HISTORY = re.compile(r"\bissues?\b|\bsessions?\b|\(was |\bwas \d|not lent|CI machine|so README may say", re.I)
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
