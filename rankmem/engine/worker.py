@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rankmem.engine.data import Batch
+from rankmem.engine.hostheap import release_freed_heap
 from rankmem.engine.model import GPT
 from rankmem.engine.options import ENGINES
 from rankmem.engine.packing import pack
@@ -89,6 +90,9 @@ class WorkerConfig:
     without padding (verl's ``ppo_max_token_len_per_gpu``, a target: see :mod:`rankmem.engine.packing`)."""
     log_prob_max_token_len: int | None = None
     """The same for :meth:`TrainingWorker.infer_batch` (verl's ``log_prob_max_token_len_per_gpu``)."""
+    release_heap: bool = False
+    """After each packed step on the CPU, hand glibc's freed heap back (:mod:`rankmem.engine.hostheap`), so
+    that a step's host peak is its own and not what a larger micro-batch before it left resident."""
     peak_tflops: float | None = None
     """Peak dense TFLOP/s of one device for the MFU estimate; default 989 on CUDA (H100 bf16) and
     0.1 on CPU (roughly two cores' fp32 FMA peak)."""
@@ -261,6 +265,10 @@ class TrainingWorker:
             self.module.set_requires_gradient_sync(enabled)  # type: ignore[operator]
             yield
 
+    def _release_heap(self, batch: Batch) -> None:
+        if self.config.release_heap and "lengths" in batch and self.device.type == "cpu":
+            release_freed_heap()
+
     def _micro_batches(self, batch: Batch, budget: int | None) -> list[MicroBatch]:
         """``micro_batch_size`` padded rows each; with ``lengths`` in the batch and a token ``budget``,
         verl's balanced token-budget packing, each micro-batch one row of its sequences end to end."""
@@ -313,6 +321,7 @@ class TrainingWorker:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
+        self._release_heap(batch)
         tokens = int(batch["lengths"].sum()) if "lengths" in batch else int(batch["input_ids"].numel())
         return TrainOutput(
             loss_sum=float(loss_sum.item()),
@@ -341,6 +350,7 @@ class TrainingWorker:
             else:
                 for r, piece in zip(mb.rows, torch.split(lp[0].cpu(), [n - 1 for n in mb.lengths]), strict=True):
                     out[r, : piece.shape[0]] = piece
+        self._release_heap(batch)
         return InferOutput(out, loss_sum if loss_fn is not None else None)
 
     @torch.no_grad()
