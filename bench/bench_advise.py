@@ -175,7 +175,7 @@ def main() -> None:
     p.add_argument("--attention", choices=("sdpa", "materialized", "both"), default="both")
     p.add_argument("--out", default=None)
     p.add_argument("--seed-list", type=lambda s: [int(x) for x in s.split(",")], default=None)
-    p.add_argument("--chunk", type=int, default=10, help="seeds per torchrun launch")
+    p.add_argument("--chunk", type=int, default=5, help="seeds per torchrun launch")
     args = p.parse_args()
     if args.worker:
         worker(args)
@@ -188,10 +188,14 @@ def main() -> None:
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     out = args.out or tempfile.mkdtemp(prefix="bench_advise_")
     env = {**os.environ, "OMP_NUM_THREADS": "1", **PACKED_MALLOC_ENV}
-    for attention in (("sdpa", "materialized") if args.attention == "both" else (args.attention,)):
-        todo = [s for s in seeds if not os.path.exists(os.path.join(out, f"{attention}-{s}", "bench.json"))]
-        for i in range(0, len(todo), args.chunk):  # one launch per chunk: a failure loses one chunk, not the run
-            chunk = todo[i : i + args.chunk]
+    paths = ("sdpa", "materialized") if args.attention == "both" else (args.attention,)
+    # Chunk by chunk, the paths in turn: a run stopped early has seeds of both.
+    for i in range(0, len(seeds), args.chunk):
+        for attention in paths:
+            chunk = [s for s in seeds[i : i + args.chunk]
+                     if not os.path.exists(os.path.join(out, f"{attention}-{s}", "bench.json"))]
+            if not chunk:
+                continue  # done in an earlier run with this --out
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
                    "--rdzv-endpoint", f"127.0.0.1:{free_port()}", os.path.abspath(__file__), "--worker",
                    "--attention", attention, "--out", out, "--seed-list", ",".join(map(str, chunk))]
@@ -199,7 +203,9 @@ def main() -> None:
             if proc.returncode != 0:
                 raise SystemExit(proc.stderr[-3000:])
             print(f"{attention}: seeds {chunk[0]}..{chunk[-1]} done", flush=True)
-        report(attention, [evaluate(os.path.join(out, f"{attention}-{s}")) for s in seeds])
+    for attention in paths:
+        done = [s for s in seeds if os.path.exists(os.path.join(out, f"{attention}-{s}", "bench.json"))]
+        report(attention, [evaluate(os.path.join(out, f"{attention}-{s}")) for s in done])
     print(f"run logs: {out} (re-run with the same --out to evaluate them again without running)")
 
 

@@ -171,10 +171,12 @@ def _phase_advice(run: Run, phase: str, per_rank: list[PhaseFit], advised: list[
     mbs = micro_batch_size(binding.max_tokens, longest) if longest else None
     fit = per_rank[binding.rank].model
     shape = "quadratic" if getattr(fit, "quadratic", False) else "line"
-    bound = "at least " if binding.capped else ""
-    lines = [f"{phase}: {bound}{binding.max_tokens} tokens in the heaviest micro-batch (interval "
-             f"{binding.max_tokens}..{binding.high_tokens}, point {binding.point_tokens}); binding rank {binding.rank}, "
-             f"predicted peak {binding.predicted_peak_gib:.3f} GiB (high {binding.high_gib:.3f}); {shape} fit"]
+    # Capped, the crossing lies past what the fit may say: an interval of three equal numbers says nothing.
+    where = ("at least " if binding.capped else "") + f"{binding.max_tokens} tokens in the heaviest micro-batch"
+    if not binding.capped:
+        where += f" (interval {binding.max_tokens}..{binding.high_tokens}, point {binding.point_tokens})"
+    lines = [f"{phase}: {where}; binding rank {binding.rank}, predicted peak {binding.predicted_peak_gib:.3f} GiB "
+             f"(high {binding.high_gib:.3f}); {shape} fit"]
     if binding.capped:
         lines.append(f"  capped at {binding.cap} = 1.5x the largest T seen: run a step at T={binding.cap} first "
                      f"to advise beyond")

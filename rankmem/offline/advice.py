@@ -5,11 +5,10 @@ warm-up give ``rise = peak - baseline`` against the heaviest micro-batch's token
 lengths Q), fitted by :func:`rankmem.fit.fit_memory`:
 
 - **host** (no device keys): peak = the phase's peak RSS, baseline = the lowest RSS between steps after
-  warm-up, one figure for the run. Not each step's own: glibc keeps freed heap blocks, so the memory
-  between steps creeps up with the largest micro-batch seen while the peak, which held those blocks in
-  use, does not (measured in bench/bench_advise.py: +27 MiB of between-step RSS, peak unchanged);
-  with the mmap threshold fixed (``MALLOC_MMAP_THRESHOLD_``, as ``rankmem train`` sets it for
-  token-budget jobs) the large blocks go back at once and each window's peak is its own;
+  warm-up, one figure for the run. That needs each window's peak to be its own: glibc keeps freed blocks
+  (its mmap threshold grows; small blocks stay in the heap's free lists), so the reference worker's
+  token-budget jobs fix the mmap threshold and hand the freed heap back after each step
+  (:mod:`rankmem.engine.hostheap`; docs/advice.md says why and how to do it in a job of your own);
 - **device**: peak = the phase's peak allocated, baseline = the step's allocated at its end; set
   against capacity, the allocator's overhead (the phase's peak reserved over peak allocated) and the
   memory outside torch (``other``) are added, each the largest seen after warm-up.
