@@ -22,6 +22,7 @@ import sys
 import tempfile
 from typing import Any
 
+from rankmem.core.guard import load_optional
 from rankmem.core.rundir import RunDir
 from rankmem.core.units import GIB
 from rankmem.core.version import __version__
@@ -227,17 +228,13 @@ def out_line(out: str) -> str:
 
 def _import_failure(module: str) -> str | None:
     """Why ``module`` fails to import (found is not enough: a broken install raises anything), or None."""
-    try:
-        if module == "matplotlib":  # what rankmem plot imports, on the backend it uses
-            import matplotlib
+    if module == "matplotlib":  # what rankmem plot imports, on the backend it uses
+        from rankmem.offline.plot import agg_pyplot
 
-            matplotlib.use("Agg")
-            importlib.import_module("matplotlib.pyplot")
-        else:
-            importlib.import_module(module)
-    except Exception as exc:  # noqa: BLE001 - a boundary: any failure of a foreign import is "broken"
-        return f"{type(exc).__name__}: {str(exc)[:120]}"
-    return None
+        _, exc = load_optional(agg_pyplot)
+    else:
+        _, exc = load_optional(lambda: importlib.import_module(module))
+    return None if exc is None else f"{type(exc).__name__}: {str(exc)[:120]}"
 
 
 def extras_found() -> dict[str, dict[str, Any]]:

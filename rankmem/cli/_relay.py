@@ -10,6 +10,7 @@ import threading
 import time
 from typing import IO
 
+from rankmem.core.guard import Guard
 from rankmem.core.rundir import open_regular
 
 __all__ = ["StderrRelay", "first_traceback"]
@@ -56,6 +57,8 @@ class StderrRelay:
         self._thread.start()
 
     def _pump(self) -> None:
+        # This thread's one job is to keep draining the pipe: a line it fails to relay is said once.
+        take = Guard().contain("relay", "a line of torchrun's stderr could not be relayed (the launch log lacks it)")
         while True:
             try:
                 raw = self._source.readline()
@@ -63,10 +66,8 @@ class StderrRelay:
                 return
             if not raw:
                 return
-            try:
+            with take:
                 self._take(raw)
-            except Exception:  # noqa: BLE001 - this thread's one job is to keep draining the pipe
-                continue
 
     def _take(self, raw: bytes) -> None:
         self._log(raw)

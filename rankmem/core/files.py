@@ -37,13 +37,15 @@ def open_regular(path: str) -> int:
     """A read-only descriptor of ``path``; :class:`NotRegularFile` (an OSError) when it is not a regular
     file, OSError when it cannot be opened (a socket says ENXIO)."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    regular = False
     try:
         mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
+        regular = stat.S_ISREG(mode)
+        if not regular:
             raise NotRegularFile(path, kind_of(mode))
-    except BaseException:
-        os.close(fd)
-        raise
+    finally:
+        if not regular:
+            os.close(fd)
     return fd
 
 

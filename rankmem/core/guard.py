@@ -1,10 +1,39 @@
-"""The failure boundary: telemetry never kills training.
+"""The failure boundaries: telemetry never kills training.
 
-Every place where rankmem's own measuring, writing or watching could fail runs inside a :class:`Guard`
-(in the spirit of psutil's ``wrap_exceptions``: one place decides what a foreign exception becomes).
-An exception inside becomes one ``RuntimeWarning`` per topic and a fallback value; a
-:class:`~rankmem.errors.RankmemError` (a user error every rank meets alike) and anything that is not an
-``Exception`` (KeyboardInterrupt, SystemExit) pass through untouched.
+A boundary is a handler that catches every ``Exception``: where a failure of rankmem's own measuring,
+writing or watching stops, becomes a warning (or a figure marked unavailable) and training goes on.
+There are few, each named below; everywhere else code catches the types it expects (``OSError``,
+``ValueError``, ``pynvml.NVMLError``, ``pyarrow.ArrowException``) and tells errors apart by their type,
+never by their text. A :class:`~rankmem.errors.RankmemError` (a user error every rank meets alike)
+passes the training thread's boundaries; anything that is not an ``Exception`` (KeyboardInterrupt,
+SystemExit) passes them all. ``tests/core/test_guard.py`` finds every broad handler in the package
+(``except Exception``, ``except BaseException``, a bare ``except:``, ``contextlib.suppress(Exception)``)
+and fails for one not listed here.
+
+The boundaries (``file: function``: where it stands, why):
+
+- ``core/guard.py: Guard.call``, and its ``with`` form :meth:`Guard.scope` (:class:`Scope`): the
+  training thread. The Monitor, the windows, the publisher and the children's pass run their
+  measuring and writing inside one; a failure warns once per topic and yields a fallback. Beside it,
+  :meth:`Guard.contain` is the same scope where no caller could be told, so a RankmemError ends the
+  block too: the threads rankmem starts (device attribution, the near-OOM watch, the launcher's stderr
+  relay), the signal handler's flush, and the clean-up while a framework's own exception propagates
+  (the Hugging Face wrapper).
+- ``core/guard.py: attempt``: a call into a foreign probe (torch's allocator, psutil, the driver)
+  whose failure means "not available here", without a warning (psutil's ``wrap_exceptions`` in spirit).
+- ``core/guard.py: load_optional``: importing an installed optional dependency, which a broken install
+  makes raise anything (a numpy it was not built for, a missing shared library), not only
+  ``ImportError``: ``rankmem plot`` turns it into one error line, ``rankmem doctor`` into "broken".
+- ``sinks/__init__.py: SafeSink._call``: the second boundary of the online path, around every call
+  into a sink (a tracker's server down, a full disk): an outage, retried with backoff
+  (:class:`~rankmem.sinks.SafeSink`).
+- ``core/warnings.py: warn``: the warning channel itself (``-W error``, a logging hook that raises):
+  below the Guard, which warns through it.
+- ``runlog/detail_child.py: main``: the top level of the side file's writer process: one line on the
+  rank's stderr instead of a traceback, exit status 1; the run log's lines go on without it.
+
+Not boundaries: a handler that cleans up and re-raises (``except BaseException: ...; raise``, as in
+``windows.py`` and ``integrations/hf.py``) lets everything through.
 """
 
 from __future__ import annotations
@@ -35,33 +64,43 @@ class Guard:
         ``with`` on it costs a fraction of a call)."""
         return Scope(self, topic, what)
 
+    def contain(self, topic: str, what: str) -> Scope:
+        """:meth:`scope` for code no caller can be told about by an exception (a thread rankmem started,
+        a signal handler, clean-up while another exception propagates): a RankmemError ends the block
+        as well, with the same one warning per topic."""
+        return Scope(self, topic, what, passes=())
+
     def call(self, topic: str, what: str, fn: Callable[..., T], *args: Any, default: T) -> T:
         """``fn(*args)``, or ``default`` (after one warning per topic) when it raises."""
         try:
             return fn(*args)
         except RankmemError:
             raise
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - the training thread's boundary
             self.failed(topic, what, exc)
             return default
 
 
 class Scope:
-    """A guarded block: an :class:`Exception` inside (not a :class:`RankmemError`) ends the block with one
-    warning per topic; anything else passes through."""
+    """A guarded block: an :class:`Exception` inside (not one of ``passes``) ends the block with one
+    warning per topic; anything else passes through. :attr:`error` is what ended the last block."""
 
-    __slots__ = ("_guard", "_topic", "_what")
+    __slots__ = ("_guard", "_topic", "_what", "_passes", "error")
 
-    def __init__(self, guard: Guard, topic: str, what: str) -> None:
-        self._guard, self._topic, self._what = guard, topic, what
+    def __init__(self, guard: Guard, topic: str, what: str,
+                 passes: tuple[type[Exception], ...] = (RankmemError,)) -> None:
+        self._guard, self._topic, self._what, self._passes = guard, topic, what, passes
+        self.error: Exception | None = None
 
-    def __enter__(self) -> None:
-        return None
+    def __enter__(self) -> Scope:
+        return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> bool:
-        if exc is None or not isinstance(exc, Exception) or isinstance(exc, RankmemError):
+        if exc is None or not isinstance(exc, Exception) or isinstance(exc, self._passes):
+            self.error = None
             return False
-        self._guard.failed(self._topic, self._what, exc)  # the one place telemetry failures are caught
+        self.error = exc
+        self._guard.failed(self._topic, self._what, exc)
         return True
 
 
@@ -73,3 +112,12 @@ def attempt(fn: Callable[..., T], *args: Any, default: T, **kwargs: Any) -> T:
         return fn(*args, **kwargs)
     except Exception:  # noqa: BLE001 - any failure of a foreign probe is "unavailable"
         return default
+
+
+def load_optional(load: Callable[[], T]) -> tuple[T | None, Exception | None]:
+    """``(load(), None)``, or ``(None, the exception)`` when importing an optional dependency that is
+    installed (the caller has found it with ``find_spec``) fails: the caller says "broken" or "reinstall"."""
+    try:
+        return load(), None
+    except Exception as exc:  # noqa: BLE001 - a broken install raises anything, not only ImportError
+        return None, exc

@@ -56,7 +56,7 @@ def warn(message: str, stacklevel: int = 2) -> None:
                                    registry=_NO_CALLER_REGISTRY)
         else:
             warnings.warn(message, RuntimeWarning, stacklevel=level)
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - a boundary (rankmem.core.guard): the warning channel itself
         pass
 
 

@@ -71,7 +71,7 @@ class EventWriter:
             return False
         try:
             line = encode_event({"rank": self.rank, "time": time.time(), **event, RUN_ID_FIELD: self.run_id})
-        except Exception as exc:  # noqa: BLE001 - incl. MemoryError on the way out of a host OOM
+        except (TypeError, ValueError, RecursionError, MemoryError) as exc:  # MemoryError: on the way out of a host OOM
             self._warn_once("encode", f"cannot encode a {event.get('kind')!r} event ({exc!r}); it is skipped")
             return False
         try:

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rankmem.core.warnings import WarnOnce
+from rankmem.core.guard import Guard
 from rankmem.errors import RankmemError
 from rankmem.forensics.heartbeat import HeartbeatRecord, read_heartbeats
 from rankmem.probe import procfs as _procfs
@@ -118,7 +118,9 @@ class NearOomWatch:
         """CPU time the watch thread has used (``time.thread_time``), for the bench."""
         self._proc = proc
         self._armed = True
-        self._warn_once = WarnOnce()
+        guard = Guard()
+        self._warn_once = guard.warn_once
+        self._poll = guard.contain("nearoom", "the near-OOM watch failed")
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._meminfo = _procfs.open_ro(f"{proc}/meminfo")
@@ -159,12 +161,10 @@ class NearOomWatch:
 
     def _run(self) -> None:
         while not self._stop.wait(self.config.interval_s):
-            try:
+            with self._poll:  # telemetry never kills training
                 info = self.check()
                 if info is not None:
                     self.on_near_oom(info)
-            except Exception as exc:  # noqa: BLE001 - telemetry never kills training
-                self._warn_once("nearoom", f"the near-OOM watch failed: {exc!r}")
             self.cpu_s = time.thread_time()
 
     # ---- one poll ----------------------------------------------------------------------------------

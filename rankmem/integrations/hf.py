@@ -25,12 +25,12 @@ it and retries with a smaller batch; a failure leaving ``train()`` closes the ca
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from rankmem.core.guard import Guard
 from rankmem.errors import MissingExtraError
 from rankmem.integrations._window import StepWindow
 from rankmem.monitor import Monitor
@@ -128,18 +128,21 @@ def _recording_failures(trainer: Any, method: str, close: bool) -> Callable[...,
     the monitor the callback built (its heartbeat then says the exit was not clean). The Trainer has no
     exception hook: ``on_train_end`` never runs on a failure."""
     wrapped = getattr(trainer, method)
+    # Telemetry must not replace the Trainer's own exception: what it raised is what propagates.
+    guard = Guard()
+    closing_step = guard.contain("hf-step", f"closing the step after {method}() raised failed")
+    closing_monitor = guard.contain("hf-monitor", f"closing the monitor after {method}() raised failed")
 
     @functools.wraps(wrapped)
     def recording_failures(*args: Any, **kwargs: Any) -> Any:
         try:
             return wrapped(*args, **kwargs)
-        except BaseException as exc:
+        except BaseException as exc:  # not a boundary: it records, then re-raises whatever it caught
             for cb in [c for c in trainer.callback_handler.callbacks if isinstance(c, RankmemCallback)]:
-                # Telemetry must not replace the Trainer's own exception: what it raised is what propagates.
-                with contextlib.suppress(Exception):
+                with closing_step:
                     cb._close_step(exc)
                 if close:
-                    with contextlib.suppress(Exception):
+                    with closing_monitor:
                         cb._close_monitor()
             raise
 

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from rankmem.core.catalogue import PHASE_PREFIX, PHASE_SUFFIX, PLOT_KEYS, peak_phase, worse
+from rankmem.core.guard import load_optional
 from rankmem.core.text import printable
 from rankmem.errors import MissingExtraError, RankmemError
 from rankmem.offline import Run
@@ -70,14 +71,20 @@ def pyplot(feature: str = "rankmem plot") -> Any:
     not built for): finding the package is not enough."""
     if importlib.util.find_spec("matplotlib") is None:
         raise MissingExtraError(feature, "plot", "matplotlib")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # no display needed; must precede pyplot's first import
-        import matplotlib.pyplot as plt
-    except Exception as exc:  # noqa: BLE001 - whatever a broken install raises is one line
+    plt, exc = load_optional(agg_pyplot)
+    if exc is not None:  # whatever a broken install raises is one line
         raise RankmemError(f"{feature} needs matplotlib, which is installed but fails to import ({exc!r:.200}): "
-                           "reinstall it (pip install --force-reinstall matplotlib)") from None
+                           "reinstall it (pip install --force-reinstall matplotlib)")
+    return plt
+
+
+def agg_pyplot() -> Any:
+    """``matplotlib.pyplot`` imported on the Agg backend (no display needed), as ``rankmem plot`` uses it."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # must precede pyplot's first import
+    import matplotlib.pyplot as plt
+
     return plt
 
 

@@ -14,6 +14,8 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
+from rankmem.core.guard import attempt
+
 INSTALL = "pip install 'rankmem[nvml]'"
 _UNSUPPORTED = ("NVML_ERROR_NOT_SUPPORTED", "NVML_ERROR_NO_PERMISSION")
 
@@ -40,7 +42,7 @@ def error_text(nvml: Any, exc: BaseException) -> str:
     names = [n for n in dir(nvml) if n.startswith("NVML_ERROR_") and getattr(nvml, n, None) == value]
     try:
         text = str(exc)
-    except Exception:  # noqa: BLE001 - pynvml's __str__ asks the library, which may be gone
+    except nvml.NVMLError:  # pynvml's __str__ asks the library, which may be gone
         text = f"NVML error {value}"
     return f"{text} ({names[0]})" if names else text
 
@@ -55,13 +57,11 @@ def uuid_candidates(module: Any, index: int) -> list[str]:
     ``MIG-<uuid>``. torch's device properties carry CUDA's UUID without the prefix; NVML's indices
     ignore ``CUDA_VISIBLE_DEVICES``, so the UUID is the join, never the index."""
     props_of = getattr(module, "get_device_properties", None)
-    if props_of is None:
+    props = None if props_of is None else attempt(props_of, index, default=None)
+    uuid = getattr(props, "uuid", None)  # a build without the field
+    if uuid is None:
         return []
-    try:
-        uuid = str(props_of(index).uuid)
-    except Exception:  # noqa: BLE001 - a build without the field
-        return []
-    bare = uuid.removeprefix("GPU-").removeprefix("MIG-")
+    bare = str(uuid).removeprefix("GPU-").removeprefix("MIG-")
     return [f"GPU-{bare}", f"MIG-{bare}"]
 
 

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from rankmem.core.warnings import WarnOnce
+from rankmem.core.guard import Guard
 from rankmem.probe import nvml as _nvml
 from rankmem.probe.attribution import Attribution, Owners, split
 from rankmem.probe.device import DeviceBackend
@@ -40,7 +40,7 @@ class DeviceAttribution:
         self._siblings = siblings
         self._where = where
         self._proc = proc
-        self._warn_once = WarnOnce()
+        self._guard = Guard()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -84,27 +84,32 @@ class DeviceAttribution:
 
     # ---- the attribution thread ---------------------------------------------------------------------
     def _run(self, index: int) -> None:
+        stopped = self._guard.contain("nvml", "device attribution stopped")  # telemetry never kills training
         try:
-            nvml_device = self._open(index)
-            if nvml_device is None:
-                return
-            reader = DeviceBackend(self._device.name, self._device.module, index=index)
-            while not self._stop.is_set():
-                try:
-                    self._sample(nvml_device, reader)
-                except Exception as exc:  # noqa: BLE001 - one bad sample (a process gone mid-read), not the thread
-                    self._warn_once("sample", f"a device attribution sample failed: {exc!r}")
-                    with self._done:
-                        self._samples += 1  # a waiting event gets the last split rather than a timeout
-                        self._done.notify_all()
-                self._wake.wait(self._refresh_s)
-                self._wake.clear()
-        except Exception as exc:  # noqa: BLE001 - telemetry never kills training
-            self.status = f"stopped: {exc!r}"
-            self._warn_once("nvml", f"device attribution stopped: {exc!r}")
+            with stopped:
+                self._serve(index)
+            if stopped.error is not None:
+                self.status = f"stopped: {stopped.error!r}"
         finally:
             with self._done:
                 self._done.notify_all()
+
+    def _serve(self, index: int) -> None:
+        nvml_device = self._open(index)
+        if nvml_device is None:
+            return
+        reader = DeviceBackend(self._device.name, self._device.module, index=index)
+        # One bad sample (a process gone mid-read) costs that sample, not the thread.
+        sample = self._guard.contain("sample", "a device attribution sample failed")
+        while not self._stop.is_set():
+            with sample:
+                self._sample(nvml_device, reader)
+            if sample.error is not None:
+                with self._done:
+                    self._samples += 1  # a waiting event gets the last split rather than a timeout
+                    self._done.notify_all()
+            self._wake.wait(self._refresh_s)
+            self._wake.clear()
 
     def _open(self, index: int) -> _nvml.NvmlDevice | None:
         nvml, why = _nvml.load(self._module)

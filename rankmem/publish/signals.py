@@ -25,11 +25,14 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
+from rankmem.core.guard import Guard
+
 FLUSH_S = 2.0
 """The most a terminating signal waits for the sinks (torchrun's grace before SIGKILL is 30 s)."""
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 _installed: dict[int, Any] = {}  # signal -> the handler ours replaced
+_guard = Guard()
 _lock = threading.Lock()
 
 
@@ -53,10 +56,8 @@ def install(flush: Callable[[float], object]) -> None:
 
 def _handler(sig: int, previous: Any, flush: Callable[[float], object]) -> Callable[[int, FrameType | None], None]:
     def handle(signum: int, frame: FrameType | None) -> None:
-        try:
-            flush(FLUSH_S)
-        except Exception:  # noqa: BLE001 - the signal's own action must follow whatever the flush did
-            pass
+        with _guard.contain("signal", f"flushing the run log at {signal.Signals(signum).name} failed"):
+            flush(FLUSH_S)  # the signal's own action follows whatever the flush did
         if callable(previous):
             previous(signum, frame)
             return

@@ -218,13 +218,14 @@ class DetailWriter:
         self._last_flush = time.monotonic()
         if not self._pending or self._stream is None:
             return
+        refused = _refused()
         try:
             self._write_batch()
         except OSError as exc:
             self._warn_once("write", f"writing {self.path} failed ({exc}); its per-rank values are kept and "
                                      "written again at the next batch")
             return
-        except Exception as exc:  # noqa: BLE001 - a batch pyarrow refuses must not cost the run log's lines
+        except refused as exc:  # a batch pyarrow refuses must not cost the run log's lines
             # Again without the per-rank values: the collects' aggregates and steps still reach the reader.
             self._sink.data = bytearray()  # whatever the refused batch left half-encoded
             with_values = sum(p.matrix is not None for p in self._pending)
@@ -235,7 +236,7 @@ class DetailWriter:
                 self._write_batch()
             except OSError:
                 return  # kept, now without their per-rank values; the next batch tries again
-            except Exception as again:  # noqa: BLE001
+            except refused as again:
                 self._sink.data = bytearray()
                 self._warn_once("batch-lost", f"a batch could not be encoded for {self.path} ({again!r}): "
                                               f"{len(self._pending)} collect(s) are missing from it, so rankmem "
@@ -303,6 +304,16 @@ def _matrix(record: StepRecord, keys: tuple[str, ...], world: int) -> np.ndarray
         vec = record.ranks.get(key) or []
         out[: min(len(vec), world), j] = [math.nan if v is None else v for v in vec[:world]]
     return out
+
+
+def _refused() -> tuple[type[Exception], ...]:
+    """What encoding a batch raises when pyarrow refuses its values: an ``ArrowException`` (its
+    ``ArrowInvalid`` and ``ArrowTypeError`` are also ValueError and TypeError), or the ``ValueError`` a
+    key with a lone surrogate gives (``UnicodeEncodeError``). Anything else is a bug, for the sink's
+    boundary to report."""
+    import pyarrow as pa
+
+    return (pa.ArrowException, ValueError)
 
 
 def _batch(pending: list[_Pending], world: int, header: str) -> Any:

@@ -78,7 +78,7 @@ def main(argv: list[str]) -> int:
         serve(path, world, sys.stdin.fileno(), sys.stdout.fileno(), run_id, header)
     except BrokenPipeError:
         return 0  # the rank stopped reading acknowledgements: it is gone
-    except Exception as exc:  # noqa: BLE001 - said once on the rank's stderr; the run log's lines go on
+    except Exception as exc:  # noqa: BLE001 - a boundary (rankmem.core.guard): said once on the rank's stderr
         print(f"rankmem: the side-file writer for {path} stopped after {time.monotonic() - started:.1f} s: {exc!r}",
               file=sys.stderr)
         return 1

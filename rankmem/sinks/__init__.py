@@ -128,13 +128,22 @@ class SafeSink:
 
     def _try_open(self, step: int | None) -> bool:
         assert self._header is not None
-        try:
-            self.sink.open(self._header)
-        except Exception as exc:  # noqa: BLE001 - any sink failure must stay out of the training loop
-            self._failed("open", step, exc)
+        error = self._call(self.sink.open, self._header)
+        if error is not None:
+            self._failed("open", step, error)
             return False
         self._opened = True
         return True
+
+    @staticmethod
+    def _call(method: Any, *args: Any) -> Exception | None:
+        """The sink's ``method(*args)``; what it raised, or None. The one place a sink's failures are
+        caught (a boundary of :mod:`rankmem.core.guard`): any of them must stay out of the training loop."""
+        try:
+            method(*args)
+        except Exception as exc:  # noqa: BLE001 - the sinks' boundary
+            return exc
+        return None
 
     def write(self, record: StepRecord) -> None:
         if self.disabled or self._header is None:
@@ -147,10 +156,9 @@ class SafeSink:
             return
         if not self._opened and not self._try_open(record.step):
             return
-        try:
-            self.sink.write(record)
-        except Exception as exc:  # noqa: BLE001
-            self._failed("write", record.step, exc)
+        error = self._call(self.sink.write, record)
+        if error is not None:
+            self._failed("write", record.step, error)
             return
         if self._outage is not None:
             self._recovered(record.step)
@@ -186,18 +194,15 @@ class SafeSink:
         flush = getattr(self.sink, "flush", None)
         if flush is None or self.disabled or not self._opened:
             return
-        try:
-            flush()
-        except Exception as exc:  # noqa: BLE001
-            self._failed("flush", None, exc)
+        error = self._call(flush)
+        if error is not None:
+            self._failed("flush", None, error)
 
     def close(self) -> None:
         # A sink in an outage still holds files or a tracker run: always try to close it.
-        try:
-            self.sink.close()
-        except Exception as exc:  # noqa: BLE001
-            if not self.disabled and self._outage is None:
-                warn(f"rankmem: sink {self._name} failed in close(): {exc!r}")
+        error = self._call(self.sink.close)
+        if error is not None and not self.disabled and self._outage is None:
+            warn(f"rankmem: sink {self._name} failed in close(): {error!r}")
         if self._outage is not None and not self.disabled:
             warn(f"rankmem: sink {self._name} was still failing when closed; {self._outage.describe()}")
         self._outage = None

@@ -234,3 +234,26 @@ def test_relay_holds_the_failure_table_until_released() -> None:
         relay.release()
     out = sink.getvalue()
     assert out.index("rankmem train: rank 1 was killed") < out.index("failed (exitcode: -9)") < out.index("Root Cause")
+
+
+def test_relay_that_fails_on_a_line_warns_once_and_keeps_draining(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The relay's thread is a failure boundary (rankmem.core.guard): torchrun must never block on a full pipe."""
+    real = StderrRelay._take
+
+    def take(self: StderrRelay, raw: bytes) -> None:
+        if raw.startswith(b"bad"):
+            raise UnicodeError("a line the relay cannot take")
+        real(self, raw)
+
+    monkeypatch.setattr(StderrRelay, "_take", take)
+    r, w = os.pipe()
+    sink = io.StringIO()
+    with pytest.warns(RuntimeWarning) as caught, os.fdopen(r, "rb") as source:
+        relay = StderrRelay(source, sink)
+        os.write(w, b"one\nbad 1\ntwo\nbad 2\nthree\n")
+        os.close(w)
+        relay.wait(5)
+    assert sink.getvalue() == "one\ntwo\nthree\n"
+    assert [str(w.message) for w in caught] == [
+        "rankmem: a line of torchrun's stderr could not be relayed (the launch log lacks it): "
+        "UnicodeError('a line the relay cannot take')"]

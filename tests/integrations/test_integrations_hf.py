@@ -190,3 +190,32 @@ def test_ranks_reach_log_history_as_ints_and_the_example_is_quiet(tmp_path: Path
     history = json.loads((out / "log_history.json").read_text())
     ranks = [v for e in history for k, v in e.items() if k.endswith("_rank")]
     assert ranks and all(type(v) is int for v in ranks), history
+
+
+def test_a_failing_step_close_after_train_raised_warns_once_and_the_trainers_error_propagates(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wrapper of trainer.train is a clean-up that re-raises: telemetry failing in it (a boundary of
+    rankmem.core.guard) is one warning, and what the Trainer raised is what the caller sees."""
+    from types import SimpleNamespace
+
+    from rankmem.errors import RankmemError
+    from rankmem.integrations.hf import RankmemCallback, _recording_failures
+
+    cb = RankmemCallback(device="cpu", near_oom_watch=False)
+
+    def close_step(exc: BaseException | None = None) -> None:
+        raise RankmemError("the step's window is not open")
+
+    monkeypatch.setattr(cb, "_close_step", close_step)
+
+    def train() -> None:
+        raise ValueError("the Trainer's own error")
+
+    trainer = SimpleNamespace(train=train, callback_handler=SimpleNamespace(callbacks=[cb]))
+    wrapped = _recording_failures(trainer, "train", close=True)
+    with pytest.warns(RuntimeWarning) as caught:
+        for _ in range(2):
+            with pytest.raises(ValueError, match="the Trainer's own error"):
+                wrapped()
+    assert [str(w.message) for w in caught] == [
+        "rankmem: closing the step after train() raised failed: RankmemError(\"the step's window is not open\")"]

@@ -15,7 +15,10 @@ from pathlib import Path
 import pytest
 
 from rankmem import Monitor
+from rankmem.errors import RankmemError
 from rankmem.probe.attribution import Owners, split
+from rankmem.probe.device import DeviceBackend
+from rankmem.probe.nvmlwatch import DeviceAttribution
 from rankmem.probe.pidmap import HOST_NAMESPACE, parse_nspid, pid_namespace_inode
 from rankmem.testing import FakeCuda, FakeNvml, FakeOutOfMemoryError, NVMLError
 from tests.probe.nvml_helpers import KEYS, MIB, fixture, key, mib, run_until_split
@@ -213,8 +216,6 @@ def test_pid_view_here_is_the_host_namespace() -> None:
 
 
 def test_refresh_option_is_checked() -> None:
-    from rankmem.errors import RankmemError
-
     for bad in (0, -1, math.inf, "10", True):
         with pytest.raises(RankmemError, match="nvml_refresh_s must be"):
             Monitor(device="cpu", sinks=(), nvml_refresh_s=bad)
@@ -245,3 +246,64 @@ def test_a_near_oom_event_carries_the_split(tmp_path: Path) -> None:
     table = event["device"]["attribution"]
     assert table["unattributed_bytes"] == 128 * MIB and table["reserved_bytes"] == 512 * MIB
     assert table["nontorch_bytes"] == 300 * MIB and table["foreign_bytes"] == 0
+
+
+# ---- the attribution thread is a failure boundary (rankmem.core.guard): one warning, training goes on ----
+
+def _attribution() -> DeviceAttribution:
+    cuda = FakeCuda(context=300 * MIB)
+    device = DeviceBackend("cuda", cuda)
+    cuda.set_device(0)
+    cuda.malloc(512 * MIB)
+    device.read()  # the training thread's read finds the device; the next poll starts the thread
+    return DeviceAttribution(device, 0.01, nvml_module=FakeNvml(cuda))
+
+
+def test_a_failing_sample_warns_once_and_the_thread_samples_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    attribution = _attribution()
+    real = attribution._sample
+    failures = [RuntimeError("process gone mid-read")] * 3
+
+    def flaky(*args: object) -> None:
+        if failures:
+            raise failures.pop()
+        real(*args)
+
+    monkeypatch.setattr(attribution, "_sample", flaky)
+    with pytest.warns(RuntimeWarning) as caught:
+        attribution.poll()
+        deadline = time.monotonic() + 10
+        while attribution.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        attribution.close()
+    assert attribution.poll() is not None and not failures  # three samples failed, then it split
+    assert [str(w.message) for w in caught] == [
+        "rankmem: a device attribution sample failed: RuntimeError('process gone mid-read')"]
+
+
+def test_a_failure_that_stops_the_thread_warns_once_and_says_so_in_its_status(monkeypatch: pytest.MonkeyPatch) -> None:
+    attribution = _attribution()
+
+    def refuses(index: int) -> None:
+        raise RankmemError("a user error in a thread has no caller to reach")
+
+    monkeypatch.setattr(attribution, "_open", refuses)
+    with pytest.warns(RuntimeWarning) as caught:
+        attribution.poll()
+        assert attribution._thread is not None
+        attribution._thread.join(5)
+    assert attribution.status == "stopped: RankmemError('a user error in a thread has no caller to reach')"
+    assert attribution.fresh(0.1) is None  # the thread is gone: no wait
+    assert [str(w.message) for w in caught] == [
+        "rankmem: device attribution stopped: RankmemError('a user error in a thread has no caller to reach')"]
+
+
+def test_an_nvml_error_whose_text_needs_the_library_gone_is_named_by_its_code() -> None:
+    from rankmem.probe.nvml import error_text
+
+    class LibraryGone(NVMLError):
+        def __str__(self) -> str:
+            raise NVMLError(1)  # NVML_ERROR_UNINITIALIZED: what pynvml's nvmlErrorString raises after shutdown
+
+    nvml = FakeNvml(FakeCuda())
+    assert error_text(nvml, LibraryGone(999)) == "NVML error 999 (NVML_ERROR_UNKNOWN)"

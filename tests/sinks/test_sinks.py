@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 import time
+import types
 import warnings
 from pathlib import Path
 from typing import Any
@@ -176,6 +178,32 @@ def test_monitor_writes_tensorboard_and_run_log(tmp_path: Path) -> None:
     assert [(e.step, e.value) for e in acc.Scalars("loss/max")] == [(0, 0.0), (1, 1.0), (2, 2.0)]
     assert (tmp_path / "rankmem.jsonl").read_text().count("\n") == 4
 
+
+
+def test_a_tracker_whose_install_is_broken_costs_its_sink_not_the_run(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tracker is imported when its sink opens; a broken install raises anything there (here a RuntimeError,
+    as a package built for another numpy does). SafeSink, a boundary of rankmem.core.guard, takes it:
+    training and the run log go on, with one warning while it runs and the outage's account at close."""
+
+    class Broken(types.ModuleType):
+        def __getattr__(self, name: str) -> Any:
+            raise RuntimeError("tensorboard was built for another protobuf")
+
+    monkeypatch.setitem(sys.modules, "tensorboard.summary.writer.event_file_writer", Broken("event_file_writer"))
+    with pytest.warns(RuntimeWarning) as caught:
+        monitor = rankmem.Monitor(out_dir=str(tmp_path), sinks=("jsonl", "tensorboard"), device="cpu", children=False)
+        for step in range(5):
+            with monitor.step(step):
+                pass
+            assert monitor.collect({"loss": float(step)})["loss/max"] == step
+        assert monitor.flush(30)
+        during = [str(w.message) for w in caught]
+        monitor.close()
+    assert during == ["rankmem: sink TensorBoardSink failed in open(): RuntimeError('tensorboard was built for "
+                      "another protobuf'); retrying it with backoff (the steps lost are reported when it recovers)"]
+    assert len(caught) == 2 and "TensorBoardSink was still failing when closed" in str(caught[1].message)
+    assert (tmp_path / "rankmem.jsonl").read_text().count("\n") == 6  # the header and every step
 
 
 def test_mlflow_sink_makes_a_key_starting_with_two_dots_valid(tmp_path: Path) -> None:
