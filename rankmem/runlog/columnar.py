@@ -350,4 +350,4 @@ def _batch(pending: list[_Pending], world: int, header: str) -> Any:
             col = np.where(np.isfinite(col), col, -1).astype(np.int32)
         columns.append(pa.array(col))
     columns.append(pa.ListArray.from_arrays(pa.array(offsets), pa.array(values.ravel()), mask=pa.array(~valid)))
-    return pa.record_batch(columns, schema=detail_schema(world, header))
+    return pa.record_batch(columns, schema=detail_schema(world, header=header))
