@@ -1,18 +1,25 @@
 """The advice's accuracy on the reference worker: 2 gloo ranks, host memory standing in for the device.
 
-Run:  python bench/bench_advise.py --seeds 50                 (both attention paths, ~1 min per seed each)
+Run:  python bench/bench_advise.py --seeds 50                 (both attention paths, ~40-60 s per seed each)
       python bench/bench_advise.py --seeds 4 --attention sdpa
+      python bench/bench_advise.py --out DIR ...              (again with the same DIR: runs only the seeds
+                                                               missing there, then evaluates them all)
 (the bench launches ``python -m torch.distributed.run --nproc-per-node 2 bench/bench_advise.py --worker ...``
-itself, with glibc's mmap threshold fixed as ``rankmem train`` does for token-budget jobs).
+itself, with glibc set as ``rankmem train`` sets it for token-budget jobs, and the worker hands the freed
+heap back after each step, as the reference worker does: see docs/advice.md).
 
 Per seed (the seed draws the heavy-tailed sequence lengths and the model's init), every step is the
-update phase of packed micro-batches (``TrainingWorker.train_batch``):
+update phase of packed micro-batches (``TrainingWorker.train_batch``), on a batch of heavy-tailed
+lengths summing to just under two budgets (so the heaviest micro-batch holds about one budget):
 
-1. probe: 2 warm-up steps at the largest budget, then one step at each of 9 token budgets from 1024 to 2048 (one run log);
+1. probe: 2 warm-up steps at the smallest budget, then one step at each token budget from 1024 up to
+   2048 (6 budgets for SDPA, 10 for materialised attention, whose Q term needs more windows), each the
+   largest micro-batch yet (one run log);
 2. capacity: the bench picks the usable memory as the highest rank's baseline plus 1.25x the largest
    rise seen in the probe (so that the answer lies inside the 1.5x range the model is trusted over);
-3. bisection: the largest budget whose real step (fixed data) stays within it, 7 halvings between 2048
-   and 4096 (another run log); these steps are also the held-out windows.
+3. held out: steps at 2304 and 2816, then a bisection for the largest budget whose real step stays
+   within the usable memory on both ranks, 5 halvings between 2048 and 3072 (another run log); all
+   these steps are the held-out windows.
 
 Offline, the model is fitted on the probe's windows per rank (``rankmem.offline.advice``) and
 - predicts each held-out window's peak from its own T and Q (windows at up to 1.5x the largest T seen):
@@ -37,7 +44,12 @@ from typing import Any
 
 # From 1024: below ~1000 tokens the optimizer step's temporaries, not the heaviest micro-batch, set the
 # update phase's peak (a floor the line cannot follow; seen in the first runs of this bench).
-PROBE_BUDGETS = (1024, 1229, 1434, 1638, 1843, 2048)
+PROBE_BUDGETS = {
+    "sdpa": (1024, 1229, 1434, 1638, 1843, 2048),
+    # The Q term is a third coefficient: a fit tries it from 7 windows on, and tells it from the noise of Q/T
+    # varying between windows only with a few more.
+    "materialized": (1024, 1138, 1252, 1365, 1479, 1593, 1707, 1820, 1934, 2048),
+}
 WARMUP_BUDGET = 1024  # the smallest probe budget: every probe step is then the largest micro-batch yet
 HELD_BUDGETS = (2304, 2816)  # held out (with the bisection's steps), up to 1.5x the largest probe budget
 BISECT = (2048, 3072, 5)  # 5 halvings: 32-token steps, ~1.3% of the answer
@@ -68,7 +80,7 @@ def worker(args: argparse.Namespace) -> None:
         probe = Monitor(out_dir=os.path.join(out, "probe"), device="cpu", children=False, near_oom_watch=False,
                         leak_check=False)
         w = TrainingWorker(model, cfg, device=torch.device("cpu"), monitor=probe)
-        plan = [(WARMUP_BUDGET, 0), (WARMUP_BUDGET, 1)] + [(b, 2 + i) for i, b in enumerate(PROBE_BUDGETS)]
+        plan = [(WARMUP_BUDGET, 0), (WARMUP_BUDGET, 1)] + [(b, 2 + i) for i, b in enumerate(PROBE_BUDGETS[args.attention])]
         rows = run_steps(w, probe, draw, plan)
         probe.close()
         # Per rank: its lowest between-step RSS after warm-up plus 1.25x its largest rise; the tightest binds.
