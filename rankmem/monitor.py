@@ -159,12 +159,15 @@ def _whole(value: Any) -> bool:
 class Monitor:
     """Per-rank memory telemetry. Build it on every rank; :meth:`collect` is a collective.
 
-    ``group`` is the process group to aggregate over (default: the world, if initialised; none
-    otherwise, in which case nothing is communicated). ``device_module`` replaces the torch device
-    module of the backend (e.g. :class:`rankmem.testing.FakeCuda`); ``nvml_module`` replaces ``pynvml``
-    (e.g. :class:`rankmem.testing.FakeNvml`); ``host_probe`` replaces the host probe (any
+    ``group`` is the process group to aggregate over (default: the world, if initialised; none otherwise,
+    in which case nothing is communicated). ``device_module`` replaces the torch device module of the
+    backend (e.g. :class:`rankmem.testing.FakeCuda`); ``nvml_module`` replaces ``pynvml`` (e.g.
+    :class:`rankmem.testing.FakeNvml`); ``host_probe`` replaces the host probe (any
     :class:`rankmem.probe.host.HostProbe`). Keyword options are :class:`MonitorConfig` fields.
-    """
+
+    The layers it wires own their state; a collect is their pipeline: the exchange's turn, this rank's
+    keys (windows), the previous record settled (publish), the heartbeat's collect edges around the one
+    collective (forensics, exchange), then the result kept and handed to the sinks (publish)."""
 
     def __init__(self, config: MonitorConfig | None = None, *, group: Any = None, device_module: Any = None,
                  host_probe: HostProbe | None = None, nvml_module: Any = None, **options: Any) -> None:
@@ -250,14 +253,13 @@ class Monitor:
         return self._open_windows().phase(name)
 
     def micro_batch(self, tokens: float, sequences: float | None = None, sq_tokens: float | None = None) -> None:
-        """Tell the innermost open phase about one micro-batch: ``tokens`` it held (padding included if
-        the model computes on it), its ``sequences`` and the sum of its squared sequence lengths
-        ``sq_tokens`` (attention's quadratic term). Call it once per micro-batch inside a phase.
+        """Tell the innermost open phase about one micro-batch: ``tokens`` it held (padding included if the
+        model computes on it), its ``sequences`` and the sum of its squared sequence lengths ``sq_tokens``
+        (attention's quadratic term). Once per micro-batch, inside a phase (outside, ignored with one warning).
 
-        The phase keeps its heaviest micro-batch (by tokens) and the totals, under
-        ``mem/phase/<name>/heaviest_mb_tokens``, ``.../heaviest_mb_sequences``, ``.../heaviest_mb_sq_tokens``,
-        ``.../tokens`` and ``.../micro_batches``: what ``rankmem advise`` fits the phase's peak against.
-        Local; a few float compares. Outside a phase it is ignored, with one warning.
+        The phase keeps its heaviest micro-batch (by tokens) and the totals, under ``mem/phase/<name>/``
+        ``heaviest_mb_tokens``, ``heaviest_mb_sequences``, ``heaviest_mb_sq_tokens``, ``tokens`` and
+        ``micro_batches``: what ``rankmem advise`` fits the phase's peak against. Local; a few float compares.
         """
         if not self._open_windows().micro_batch(*work_numbers(tokens, sequences, sq_tokens)):
             self._guard.warn_once("micro_batch", "micro_batch() outside a phase is ignored: call it inside "
@@ -279,10 +281,9 @@ class Monitor:
     def collect(self, metrics: Mapping[str, Any] | None = None, step: int | None = None) -> dict[str, float]:
         """Aggregate this window's per-rank figures and ``metrics`` across ranks in one collective.
 
-        A collective: every rank of the group calls it, on the same steps. Returns, on every rank,
-        ``K/max``, ``K/min``, ``K/mean``, ``K/max_rank`` and ``K/min_rank`` for every per-rank key
-        ``K`` (memory and the caller's scalars), plus verl's ``perf/*`` keys. The logging rank writes.
-        """
+        A collective: every rank of the group calls it, on the same steps. Returns, on every rank, ``K/max``,
+        ``K/min``, ``K/mean``, ``K/max_rank`` and ``K/min_rank`` for every per-rank key ``K`` (memory and the
+        caller's scalars), plus verl's ``perf/*`` keys. The logging rank writes."""
         self._open_windows()
         with self._exchange.turn:  # misuse that would corrupt the group raises here, before any communication
             local = self._measure(metrics)
@@ -308,10 +309,8 @@ class Monitor:
     def _start(self) -> None:
         """The first collect: every rank learns who every rank is and the run's id (the logging
         rank's, which forensics adopts); the logging rank opens the sinks."""
-        device = self._windows.device
-        header = self._exchange.start(self.config.log_rank, self.config.to_header(),
-                                      device.device_name() if device else "none", self.peak_rss_scope,
-                                      device.device_uuid() if device else None, self._run_id)
+        header = self._exchange.start(self.config.log_rank, self.config.to_header(), self._windows.device,
+                                      self.peak_rss_scope, self._run_id)
         self._forensics.adopt(header.run_id)
         self._publisher.start(header, logging=self.is_logging_rank)
 

@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -32,6 +32,9 @@ from rankmem.exchange.aggregate import (
 from rankmem.exchange.dist import all_gather_objects, dist_active, rank_and_world
 from rankmem.exchange.packed import PackedGather, Schema
 from rankmem.exchange.reduce import PackedReduce, Reduced, matrix_quantiles
+
+if TYPE_CHECKING:
+    from rankmem.probe.device import DeviceBackend
 
 
 def _env_int(name: str, default: int) -> int:
@@ -96,10 +99,12 @@ class Exchange:
         self.header: RunHeader | None = None
         """The run header, on every rank once :meth:`start` has run (at the first collect)."""
 
-    def start(self, log_rank: int, config: dict[str, Any], device: str, peak_scope: str,
-              device_uuid: str | None, run_id: str | None) -> RunHeader:
-        """The first collect's handshake, a collective: see :func:`run_header`."""
-        self.header = run_header(self.packed.group, log_rank, config, device, peak_scope, device_uuid, run_id)
+    def start(self, log_rank: int, config: dict[str, Any], device: DeviceBackend | None, peak_scope: str,
+              run_id: str | None) -> RunHeader:
+        """The first collect's handshake, a collective (see :func:`run_header`): this rank's device
+        (``none`` without a backend) and the logging rank's ``run_id`` in the header every rank keeps."""
+        name, uuid = (device.device_name(), device.device_uuid()) if device is not None else ("none", None)
+        self.header = run_header(self.packed.group, log_rank, config, name, peak_scope, uuid, run_id)
         return self.header
 
     def request_detail(self) -> None:
