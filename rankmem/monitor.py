@@ -11,6 +11,11 @@ Build one on every rank after ``init_process_group``::
                 ...
         metrics = monitor.collect({"loss": loss})  # a collective: every rank calls it
     monitor.close()
+
+Each layer keeps its own state, and the facade only passes results along: a collect takes the
+exchange's turn (misuse refused before any communication), measures this rank (windows), lets the
+previous record settle (publish), marks the heartbeat's collect edges around the one collective
+(forensics, exchange) and hands the result to the publisher, which keeps it and writes it.
 """
 
 from __future__ import annotations
@@ -164,10 +169,7 @@ class Monitor:
     backend (e.g. :class:`rankmem.testing.FakeCuda`); ``nvml_module`` replaces ``pynvml`` (e.g.
     :class:`rankmem.testing.FakeNvml`); ``host_probe`` replaces the host probe (any
     :class:`rankmem.probe.host.HostProbe`). Keyword options are :class:`MonitorConfig` fields.
-
-    The layers it wires own their state; a collect is their pipeline: the exchange's turn, this rank's
-    keys (windows), the previous record settled (publish), the heartbeat's collect edges around the one
-    collective (forensics, exchange), then the result kept and handed to the sinks (publish)."""
+    """
 
     def __init__(self, config: MonitorConfig | None = None, *, group: Any = None, device_module: Any = None,
                  host_probe: HostProbe | None = None, nvml_module: Any = None, **options: Any) -> None:
