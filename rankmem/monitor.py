@@ -11,6 +11,11 @@ Build one on every rank after ``init_process_group``::
                 ...
         metrics = monitor.collect({"loss": loss})  # a collective: every rank calls it
     monitor.close()
+
+Each layer keeps its own state, and the facade only passes results along: a collect takes the
+exchange's turn (misuse refused before any communication), measures this rank (windows), lets the
+previous record settle (publish), marks the heartbeat's collect edges around the one collective
+(forensics, exchange) and hands the result to the publisher, which keeps it and writes it.
 """
 
 from __future__ import annotations
@@ -21,30 +26,28 @@ import numbers
 import operator
 import os
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from rankmem.core.catalogue import ATTRIBUTION_FIELDS, phase_metrics, verl_metrics, window_metrics
+from rankmem.core.catalogue import phase_metrics, window_metrics
 from rankmem.core.guard import Guard
-from rankmem.core.records import PhaseBytes, RunHeader, StepRecord, WindowBytes
+from rankmem.core.records import RunHeader, StepRecord
 from rankmem.core.rundir import current_run_id
-from rankmem.core.scalars import scalar_items
+from rankmem.core.scalars import scalar_items, work_numbers
 from rankmem.errors import RankmemError
-from rankmem.exchange.aggregate import Gathered
-from rankmem.exchange.dist import dist_active, global_rank, launcher_world, rank_and_world
-from rankmem.exchange.exchange import Exchange, run_header
+from rankmem.exchange.dist import global_rank, rank_and_world, require_group_if_launched
+from rankmem.exchange.exchange import Exchange
+from rankmem.forensics.attribution import OFF as ATTRIBUTION_OFF
+from rankmem.forensics.attribution import device_attribution
 from rankmem.forensics.forensics import Forensics
-from rankmem.forensics.heartbeat import heartbeat_dir, node_siblings
-from rankmem.probe.device import DeviceBackend, select_backend
+from rankmem.probe.device import select_backend
 from rankmem.probe.host import PEAK_SOURCES, HostProbe, make_host_probe, peak_source_default
-from rankmem.probe.nvmlwatch import DeviceAttribution
 from rankmem.publish.publisher import Publisher
-from rankmem.sinks import Sink, check_sink_specs, make_sink
-from rankmem.windows import Where, Windows
+from rankmem.sinks import Sink, check_sink_specs, make_sinks
+from rankmem.windows import Windows
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -147,57 +150,6 @@ class MonitorConfig:
         return config
 
 
-def _work_number(name: str, value: Any) -> float:
-    """A count of work as a float: a number (numpy's, a 0-d tensor) that is finite and >= 0."""
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise RankmemError(f"micro_batch({name}=...) must be a number, got {value!r}") from None
-    if not 0 <= number < math.inf or isinstance(value, bool):
-        raise RankmemError(f"micro_batch({name}=...) must be a finite number >= 0, got {value!r}")
-    return number
-
-
-def make_attribution(config: MonitorConfig, device: DeviceBackend | None, nvml_module: Any,
-                     where_now: Callable[[], Where]) -> DeviceAttribution | None:
-    """NVML's split of device used, on CUDA: the real ``torch.cuda`` with pynvml, or a fake pair."""
-    real = device is not None and getattr(device.module, "__name__", None) == "torch.cuda"
-    if device is None or device.name != "cuda" or config.nvml_refresh_s is None:
-        return None
-    if nvml_module is None and not real:
-        return None  # a fake torch.cuda without a fake NVML: the real driver knows nothing of it
-    beats, rank = heartbeat_dir(config.out_dir), global_rank()
-
-    def where() -> tuple[int | None, str | None]:
-        try:  # read from the attribution thread while the training thread opens and closes phases
-            w = where_now()
-        except IndexError:  # the phase stack emptied between its test and its read
-            return None, None
-        return w.step, w.phase
-
-    return DeviceAttribution(device, config.nvml_refresh_s, nvml_module=nvml_module, where=where,
-                             siblings=lambda translated: node_siblings(beats, rank, translated))
-
-
-def attribute(window: WindowBytes, phases: Mapping[str, PhaseBytes], attribution: DeviceAttribution) -> None:
-    """The last device split into the window's figures (a few attribute reads: no NVML call here)."""
-    split = attribution.poll()
-    if split is not None:
-        for name, part in ATTRIBUTION_FIELDS.items():
-            setattr(window, name, getattr(split, part))
-    for name, p in phases.items():
-        p.device_descendants = attribution.phase_descendants.get(name)
-def _check_launcher(group: Any) -> None:
-    """Several ranks launched and no process group: every process would call itself rank 0 of 1, one run
-    log would win and the report would say ``1 ranks``, exit 0. Refused here, where it can be fixed."""
-    world = launcher_world() if group is None else None
-    if world is not None:
-        raise RankmemError(
-            f"WORLD_SIZE={world} says this job has {world} ranks, but no process group is initialised: call "
-            "torch.distributed.init_process_group() before building the Monitor (on every rank), or it would "
-            "measure each process as a world of one (to measure this process alone, unset WORLD_SIZE)")
-
-
 def _whole(value: Any) -> bool:
     """An integer, numpy's included; not a bool, a float or a string."""
     if isinstance(value, bool):
@@ -212,10 +164,10 @@ def _whole(value: Any) -> bool:
 class Monitor:
     """Per-rank memory telemetry. Build it on every rank; :meth:`collect` is a collective.
 
-    ``group`` is the process group to aggregate over (default: the world, if initialised; none
-    otherwise, in which case nothing is communicated). ``device_module`` replaces the torch device
-    module of the backend (e.g. :class:`rankmem.testing.FakeCuda`); ``nvml_module`` replaces ``pynvml``
-    (e.g. :class:`rankmem.testing.FakeNvml`); ``host_probe`` replaces the host probe (any
+    ``group`` is the process group to aggregate over (default: the world, if initialised; none otherwise,
+    in which case nothing is communicated). ``device_module`` replaces the torch device module of the
+    backend (e.g. :class:`rankmem.testing.FakeCuda`); ``nvml_module`` replaces ``pynvml`` (e.g.
+    :class:`rankmem.testing.FakeNvml`); ``host_probe`` replaces the host probe (any
     :class:`rankmem.probe.host.HostProbe`). Keyword options are :class:`MonitorConfig` fields.
     """
 
@@ -224,36 +176,29 @@ class Monitor:
         if config is not None and options:
             raise RankmemError("pass either a MonitorConfig or keyword options, not both")
         self.config = c = config if config is not None else MonitorConfig.from_options(options)
-        _check_launcher(group)
+        require_group_if_launched(group)
         self.group = group
         self._guard = Guard()
         device = select_backend(c.device, device_module)
         host = host_probe if host_probe is not None else make_host_probe(
             c.children, c.children_refresh_s, reset_peaks=c.peak_source == "window")
-        sinks = [make_sink(spec, c.out_dir, **(c.sink_options.get(spec, {}) if isinstance(spec, str) else {}))
-                 for spec in c.sinks or ()]
-        self._publisher = Publisher(sinks, c.leak_check, self._guard, background=c.sink_thread)
+        self._publisher = Publisher(make_sinks(c.sinks or (), c.out_dir, c.sink_options), c.leak_check, self._guard,
+                                    background=c.sink_thread, verl_keys=c.verl_keys)
         self._run_id = current_run_id()
-        self._attribution = make_attribution(c, device, nvml_module, lambda: self._windows.where)
+        self._attribution = device_attribution(device, c.nvml_refresh_s, c.out_dir, nvml_module,
+                                               lambda: self._windows.where)
         self._forensics = Forensics(c.out_dir, global_rank(), host, device, oom_history=c.oom_history,
                                     near_oom_watch=c.near_oom_watch, flush=lambda: self._publisher.flush(2.0),
-                                    attribution=self._attribution, run_id=self._run_id)
+                                    attribution=self._attribution, run_id=self._run_id, guard=self._guard)
         self._windows = Windows(host, device, self._guard, listener=self._forensics)
         self._exchange = Exchange(group, device.name if device else None, device.module if device else None,
                                   detail_rank=c.log_rank)
-        self._last: tuple[int, float, Gathered, dict[str, float]] | None = None
-        self._last_record: StepRecord | None = None
-        self._detail = False
         self._closed = False
-        self._pid = os.getpid()
-        self._collecting = threading.Lock()
 
     @property
     def device_attribution(self) -> str:
         """What the split of device used by owner does here, or why it is off (``rankmem doctor``)."""
-        if self._attribution is None:
-            return "off (needs CUDA and nvml_refresh_s; a fake torch.cuda needs a fake NVML)"
-        return self._attribution.status
+        return ATTRIBUTION_OFF if self._attribution is None else self._attribution.status
 
     @property
     def rank(self) -> int:
@@ -286,60 +231,48 @@ class Monitor:
     @property
     def header(self) -> RunHeader | None:
         """The run header, known on every rank after the first :meth:`collect`."""
-        return self._publisher.header
+        return self._exchange.header
 
     @property
     def last_record(self) -> StepRecord | None:
         """The last collect's record, per-rank vectors included, on every rank (built on first use)."""
-        if self._last_record is None and self._last is not None:
-            step, when, gathered, metrics = self._last
-            self._last_record = StepRecord(step, when, metrics, gathered.columns())
-        return self._last_record
+        return self._publisher.last_record
 
     def step(self, n: int | None = None) -> AbstractContextManager[None]:
         """A step window: peaks reset at entry, current values and peaks read at exit. Local; call
         :meth:`collect` after it on every rank, every step or every N steps. Unnumbered, its events say
         the step the next collect logs (unknown where collects are numbered with ``step=``)."""
-        self._check_open()
-        return self._windows.step(n)
+        return self._open_windows().step(n)
 
     def set_step(self, n: int) -> None:
         """Name the step in progress for heartbeats, events and the next :meth:`collect` (unless given
         ``step=``), without a window: for framework hooks that bracket a step (``on_step_begin``). Local."""
-        self._check_open()
-        self._windows.set_step(n)
+        self._open_windows().set_step(n)
 
     def phase(self, name: str) -> AbstractContextManager[None]:
         """A named phase (``rollout``, ``log_prob``, ``update``, ...): its own peaks and the RSS /
         allocated deltas across it, under ``mem/phase/<name>/...``. Local to this rank."""
-        self._check_open()
-        return self._windows.phase(name)
+        return self._open_windows().phase(name)
 
     def micro_batch(self, tokens: float, sequences: float | None = None, sq_tokens: float | None = None) -> None:
-        """Tell the innermost open phase about one micro-batch: ``tokens`` it held (padding included if
-        the model computes on it), its ``sequences`` and the sum of its squared sequence lengths
-        ``sq_tokens`` (attention's quadratic term). Call it once per micro-batch inside a phase.
+        """Tell the innermost open phase about one micro-batch: ``tokens`` it held (padding included if the
+        model computes on it), its ``sequences`` and the sum of its squared sequence lengths ``sq_tokens``
+        (attention's quadratic term). Once per micro-batch, inside a phase (outside, ignored with one warning).
 
-        The phase keeps its heaviest micro-batch (by tokens) and the totals, under
-        ``mem/phase/<name>/heaviest_mb_tokens``, ``.../heaviest_mb_sequences``, ``.../heaviest_mb_sq_tokens``,
-        ``.../tokens`` and ``.../micro_batches``: what ``rankmem advise`` fits the phase's peak against.
-        Local; a few float compares. Outside a phase it is ignored, with one warning.
+        The phase keeps its heaviest micro-batch (by tokens) and the totals, under ``mem/phase/<name>/``
+        ``heaviest_mb_tokens``, ``heaviest_mb_sequences``, ``heaviest_mb_sq_tokens``, ``tokens`` and
+        ``micro_batches``: what ``rankmem advise`` fits the phase's peak against. Local; a few float compares.
         """
-        self._check_open()
-        t = _work_number("tokens", tokens)
-        n = None if sequences is None else _work_number("sequences", sequences)
-        q = None if sq_tokens is None else _work_number("sq_tokens", sq_tokens)
-        if not self._windows.micro_batch(t, n, q):
+        if not self._open_windows().micro_batch(*work_numbers(tokens, sequences, sq_tokens)):
             self._guard.warn_once("micro_batch", "micro_batch() outside a phase is ignored: call it inside "
                                   "monitor.phase(...), where the phase's peak is measured", stacklevel=3)
 
     def local_metrics(self, metrics: Mapping[str, Any] | None = None) -> dict[str, float]:
         """This rank's per-rank keys for the window that just closed, plus the caller's scalars.
         Consumes the window: the next call starts a new one. :meth:`collect` calls this first."""
-        self._check_open()
-        window, phases = self._windows.take()
+        window, phases = self._open_windows().take()
         if self._attribution is not None:
-            attribute(window, phases, self._attribution)
+            self._attribution.fill(window, phases)
         out: dict[str, float] = {}
         window_metrics(window, out)
         for name, p in phases.items():
@@ -350,32 +283,20 @@ class Monitor:
     def collect(self, metrics: Mapping[str, Any] | None = None, step: int | None = None) -> dict[str, float]:
         """Aggregate this window's per-rank figures and ``metrics`` across ranks in one collective.
 
-        A collective: every rank of the group calls it, on the same steps. Returns, on every rank,
-        ``K/max``, ``K/min``, ``K/mean``, ``K/max_rank`` and ``K/min_rank`` for every per-rank key
-        ``K`` (memory and the caller's scalars), plus verl's ``perf/*`` keys. The logging rank writes.
-        """
-        self._check_call()
-        if not self._collecting.acquire(blocking=False):
-            raise RankmemError("collect() is already running in another thread: call it from one thread per rank "
-                               "(two collectives at once on one process group corrupt it)")
-        try:
+        A collective: every rank of the group calls it, on the same steps. Returns, on every rank, ``K/max``,
+        ``K/min``, ``K/mean``, ``K/max_rank`` and ``K/min_rank`` for every per-rank key ``K`` (memory and the
+        caller's scalars), plus verl's ``perf/*`` keys. The logging rank writes."""
+        self._open_windows()
+        with self._exchange.turn:  # misuse that would corrupt the group raises here, before any communication
             local = self._measure(metrics)
             step, stated = self._windows.next_step(step)
             self._publisher.settle()  # the previous collect's record on disk before this one returns
-            self._forensics_edge()  # entered: a rank that never gets here is behind the ones waiting below
-            if self._publisher.header is None:
+            self._forensics.collect_edge()  # entered: a rank that never gets here is behind the ones waiting below
+            if self._exchange.header is None:
                 self._start()
-            detail, self._detail = self._detail, False
-            gathered = self._exchange.gather_aggregate(local, step if stated else None, detail=detail)
-            self._forensics_edge()
-            out = {**gathered.aggregated, **verl_metrics(gathered.aggregated)} if self.config.verl_keys \
-                else dict(gathered.aggregated)
-            self._last, self._last_record = (int(step), time.time(), gathered, out), None
-            if self._publisher.opened:
-                self._publisher.publish(*self._last)
-            return dict(out)  # the caller's own copy: the sinks write ``out`` later, on their thread
-        finally:
-            self._collecting.release()
+            gathered = self._exchange.gather_aggregate(local, step if stated else None)
+            self._forensics.collect_edge()
+            return self._publisher.deliver(int(step), time.time(), gathered)
 
     def _measure(self, metrics: Mapping[str, Any] | None) -> dict[str, float]:
         """This rank's keys; a telemetry bug must not leave the other ranks waiting: this rank then
@@ -387,50 +308,31 @@ class Monitor:
             local = scalar_items(metrics, self._guard.warn_once)
         return local
 
-    def _forensics_edge(self) -> None:
-        self._guard.call("listener", "heartbeat failed", self._forensics.collect_edge, default=None)
-
     def _start(self) -> None:
         """The first collect: every rank learns who every rank is and the run's id (the logging
-        rank's); the logging rank opens the sinks."""
-        device = self._windows.device
-        header = run_header(self.group, self.config.log_rank, self.config.to_header(),
-                            device.device_name() if device else "none", self.peak_rss_scope,
-                            device.device_uuid() if device else None, self._run_id)
-        if header.run_id != self._run_id:
-            self._guard.call("forensics", "adopting the run id failed", self._forensics.adopt, header.run_id,
-                             default=None)
-        self._publisher.start(header, logging=self.rank == self.config.log_rank)
+        rank's, which forensics adopts); the logging rank opens the sinks."""
+        header = self._exchange.start(self.config.log_rank, self.config.to_header(), self._windows.device,
+                                      self.peak_rss_scope, self._run_id)
+        self._forensics.adopt(header.run_id)
+        self._publisher.start(header, logging=self.is_logging_rank)
 
-    def _check_call(self) -> None:
-        """Misuse that would corrupt or hang the collective, raised before any communication."""
-        self._check_open()
-        if os.getpid() != self._pid and dist_active(self.group):
-            raise RankmemError("collect() in a forked child: the child shares its parent's process group and would "
-                               "corrupt it; measure in the child with rankmem.sample() instead")
-        # Membership cannot change while the group lives: asked at the first collect only
-        # (torch.distributed's lookups cost tens of microseconds right after a step's compute).
-        if self._publisher.header is None and self.rank < 0:
-            raise RankmemError("this rank is not a member of the Monitor's group: call collect() on the group's "
-                               "ranks only, or build the Monitor with group=None")
-
-    def _check_open(self) -> None:
+    def _open_windows(self) -> Windows:
         if self._closed:
             # Its descriptors are closed: every figure would read as unavailable, silently.
             raise RankmemError("this Monitor is closed: build a new one (on every rank) to go on measuring")
+        return self._windows
 
     def record_oom(self, exc: BaseException) -> None:
         """An out-of-memory error caught outside any window (a framework's exception hook) as an ``oom``
         event at the current step and phase. Local; never raises."""
-        self._guard.call("forensics", "recording the OOM failed", self._forensics.record, exc, self._windows.where,
-                         default=None)
-        self._detail = True
+        self._forensics.record(exc, self._windows.where)
+        self._exchange.request_detail()
 
     def request_detail(self) -> None:
         """Make the next collect carry every rank's values to the logging rank, whatever the cadence
         (past ``RANKMEM_REDUCE_ABOVE`` ranks the per-rank detail is logged every ``detail_every``
         collects only). Local: one rank asking is enough; smaller worlds log the detail every collect."""
-        self._detail = True
+        self._exchange.request_detail()
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until the sinks have written every collect so far (they write on a background thread);
@@ -442,8 +344,7 @@ class Monitor:
         self._closed = True
         self._publisher.close()
         # Closed while an exception propagates (a finally block): the heartbeat says the exit was not clean.
-        clean = sys.exc_info()[0] is None
-        self._guard.call("forensics", "closing the event files failed", self._forensics.close, clean, default=None)
+        self._forensics.close(clean=sys.exc_info()[0] is None)
         if self._attribution is not None:
             self._attribution.close()
         self._windows.host.close()

@@ -69,6 +69,8 @@ _STAT_NAMES = (
     "inactive_split", "inactive_split_bytes", "requested_bytes",
 )
 _POOLS = ("all", "large_pool", "small_pool")
+_ADDRESS_BASE = 0x7F0000000000  # device i's segments start at _ADDRESS_BASE + (i << _DEVICE_SPAN)
+_DEVICE_SPAN = 36  # 64 GiB of addresses per device; a segment's address is also its handle
 _HISTORY_LEVELS = {None: 0, "state": 1, "alloc": 2, "all": 3}
 _OOM_HINT = (
     " If reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
@@ -148,7 +150,7 @@ class _Allocator:
         self.stats = {name: {pool: _Stat() for pool in _POOLS} for name in _STAT_NAMES}
         self.retries = 0
         self.ooms = 0
-        self.segments: dict[int, _Segment] = {}  # handle -> segment
+        self.segments: dict[int, _Segment] = {}  # handle (its address) -> segment
         self.next_address = base
         self.recording = False  # trace entries kept (enabled="all")
         self.stacks = 0  # whose stacks are kept: 1 live blocks ("state"), 2 + allocations ("alloc"), 3 + frees
@@ -173,13 +175,32 @@ class _Allocator:
         )
         return out
 
-    def cached(self, pool: str, size: int) -> int | None:
-        """The handle of the smallest free cached segment of ``pool`` that holds ``size``, if any."""
-        fits = [h for h, s in self.segments.items() if s.used == 0 and s.pool == pool and s.size >= size]
-        return min(fits, key=lambda h: self.segments[h].size) if fits else None
+    def malloc(self, nbytes: int, free: Callable[[], int], out_of_memory: Callable[[int, int], None]) -> int:
+        """torch's request path (``DeviceCachingAllocator::malloc``): the smallest cached free segment of
+        the request's pool that fits, else a new segment; when the device (``free()`` bytes) cannot hold
+        it, the cache is released and the reservation retried once; then ``out_of_memory(size,
+        alloc_size)``, which raises. Returns the segment's handle (its address)."""
+        size = _round_up(max(nbytes, 1), 512)
+        pool = "small_pool" if size <= _SMALL_REQUEST else "large_pool"
+        segment = self.cached(pool, size)
+        if segment is None:
+            alloc_size = _segment_size(pool, size)
+            if free() < alloc_size:
+                self.retries += 1
+                self.release_cache()
+                if free() < alloc_size:
+                    out_of_memory(size, alloc_size)
+            segment = self.new_segment(pool, alloc_size)
+        self.occupy(segment, size, nbytes)
+        return segment.address
 
-    def new_segment(self, handle: int, pool: str, alloc_size: int) -> _Segment:
-        segment = self.segments[handle] = _Segment(self.next_address, alloc_size, pool)
+    def cached(self, pool: str, size: int) -> _Segment | None:
+        """The smallest free cached segment of ``pool`` that holds ``size``, if any."""
+        fits = [s for s in self.segments.values() if s.used == 0 and s.pool == pool and s.size >= size]
+        return min(fits, key=lambda s: s.size) if fits else None
+
+    def new_segment(self, pool: str, alloc_size: int) -> _Segment:
+        segment = self.segments[self.next_address] = _Segment(self.next_address, alloc_size, pool)
         self.next_address += alloc_size
         self.update("segment", pool, 1)
         self.update("reserved_bytes", pool, alloc_size)
@@ -211,7 +232,7 @@ class _Allocator:
             self.update("inactive_split_bytes", pool, sign * (segment.size - size))
 
     def release_cache(self) -> list[int]:
-        """Give every free segment back to the device; their handles."""
+        """Give every free segment back to the device (their handles are then unknown); their handles."""
         released = [h for h, s in self.segments.items() if s.used == 0]
         for handle in released:
             segment = self.segments.pop(handle)
@@ -281,9 +302,7 @@ class FakeCuda:
         """Primary contexts created, per device index (a context lives until the process ends)."""
         self._initialized = False
         self._current = 0
-        self._devices = [_Allocator(0x7F0000000000 + (i << 36)) for i in range(devices)]
-        self._handles: dict[int, int] = {}  # handle -> device index
-        self._next_handle = 0
+        self._devices = [_Allocator(_ADDRESS_BASE + (i << _DEVICE_SPAN)) for i in range(devices)]
 
     # ---- initialisation and contexts ------------------------------------------------------------------
     def _lazy_init(self) -> None:
@@ -310,38 +329,17 @@ class FakeCuda:
         self._lazy_init()
         index = self._current if device is None else device
         self._ensure_context(index)
-        dev = self._devices[index]
-        size = _round_up(max(nbytes, 1), 512)
-        pool = "small_pool" if size <= _SMALL_REQUEST else "large_pool"
-        handle = dev.cached(pool, size)
-        if handle is not None:
-            segment = dev.segments[handle]
-        else:
-            alloc_size = _segment_size(pool, size)
-            if self._device_free(index) < alloc_size:
-                dev.retries += 1
-                self._release_cache(index)
-                if self._device_free(index) < alloc_size:
-                    self._out_of_memory(index, size, alloc_size)
-            self._next_handle += 1
-            handle = self._next_handle
-            segment = dev.new_segment(handle, pool, alloc_size)
-        self._handles[handle] = index
-        dev.occupy(segment, size, nbytes)
-        return handle
+        return self._devices[index].malloc(nbytes, lambda: self._device_free(index),
+                                           lambda size, alloc_size: self._out_of_memory(index, size, alloc_size))
 
     def free(self, handle: int) -> None:
         """Free a block; its segment stays reserved (cached) until :meth:`empty_cache`."""
-        dev = self._devices[self._handles[handle]]
+        dev = self._devices[(handle - _ADDRESS_BASE) >> _DEVICE_SPAN]
         dev.vacate(dev.segments[handle])
 
     def _device_free(self, index: int) -> int:
         context = self.context if self.contexts_created.get(index) else 0
         return self.total - context - self.other_process - self._devices[index].current("reserved_bytes")
-
-    def _release_cache(self, index: int) -> None:
-        for handle in self._devices[index].release_cache():
-            self._handles.pop(handle, None)
 
     def _out_of_memory(self, index: int, size: int, alloc_size: int) -> None:
         dev, free = self._devices[index], self._device_free(index)
@@ -427,8 +425,8 @@ class FakeCuda:
 
     def empty_cache(self) -> None:
         if self._initialized:
-            for index in range(len(self._devices)):
-                self._release_cache(index)
+            for dev in self._devices:
+                dev.release_cache()
 
     def memory_snapshot(self, mempool_id: Any = None, include_traces: bool = True) -> list[dict[str, Any]]:
         return list(self._snapshot()["segments"])

@@ -235,6 +235,28 @@ def conclude(relay: StderrRelay, code: int, findings: list[_diagnose.Finding], o
     say(f"the job failed (exit {code}): {exc}{who} (its traceback above). {where}{logged}")
 
 
+def timed_out(relay: StderrRelay, findings: list[_diagnose.Finding], timeout_s: float) -> int:
+    """The end of a job stopped at ``--timeout-s`` (SIGTERM sent): what the diagnosis found, then where
+    the rest of its output went; exit status 124, as timeout(1)."""
+    relay.wait(GRACE_S)
+    for finding in findings:
+        say(finding.line)
+    say(f"stopped after --timeout-s {timeout_s:g}; the job's output from then on is in "
+        f"{relay.log_path or 'no file (OUT cannot be written)'}")
+    return 124
+
+
+def signalled(relay: StderrRelay, signum: int, killed: list[int]) -> int:
+    """The end of a job stopped by the signal the user sent us (forwarded to it; ``killed``: the
+    processes that needed SIGKILL after the grace); exit status 128 + the signal's number."""
+    relay.wait(GRACE_S)
+    late = f"; {len(killed)} needed SIGKILL after the grace period" if killed else ""
+    where = f"; the job's output from then on is in {relay.log_path}" if relay.log_path else ""
+    say(f"stopped by {signal.Signals(signum).name}: sent it to the job's processes (torchrun and every rank)"
+        f"{late}{where}")
+    return 128 + signum
+
+
 def wait_sampling(proc: subprocess.Popen[bytes], timeout_s: float | None, sample: Callable[[], None]) -> int:
     """``proc.wait(timeout_s)``, calling ``sample()`` every :data:`SAMPLE_S` meanwhile; raises
     ``subprocess.TimeoutExpired`` at the timeout."""
@@ -289,17 +311,23 @@ def claim_run_dir(args: argparse.Namespace) -> RunDirLock:
     return lock
 
 
-def launch(args: argparse.Namespace, cmd: list[str], lock: RunDirLock) -> int:
-    """Run torchrun's ``cmd`` to its end, or stop all of it (timeout, signal); returns the exit status."""
-    heartbeat_dir = prepare_heartbeat_dir(args.out)
+def job_environment(args: argparse.Namespace, heartbeat_dir: str, lock: RunDirLock) -> dict[str, str]:
+    """torchrun's environment: ours, plus where the ranks beat, the run's id and the lock they inherit."""
     # One thread per rank: ranks share the node's cores, and oversubscription slows every step.
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), _heartbeat.ENV_DIR: heartbeat_dir,
            ENV_RUN_ID: os.environ.get(ENV_RUN_ID) or secrets.token_hex(8)}
-    run_id = current_run_id(env)  # the ranks' (attempt 0: this launcher runs torchrun without restarts)
     if lock.held:
         env[ENV_HELD] = lock.path
     if getattr(args, "ppo_max_token_len_per_gpu", None) is not None:
         env = {**PACKED_MALLOC_ENV, **env}  # the user's own settings win
+    return env
+
+
+def launch(args: argparse.Namespace, cmd: list[str], lock: RunDirLock) -> int:
+    """Run torchrun's ``cmd`` to its end, or stop all of it (timeout, signal); returns the exit status."""
+    heartbeat_dir = prepare_heartbeat_dir(args.out)
+    env = job_environment(args, heartbeat_dir, lock)
+    run_id = current_run_id(env)  # the ranks' (attempt 0: this launcher runs torchrun without restarts)
     before = oom_kills()
     with SignalWatch() as signals:
         # Own session: a Ctrl-C at the terminal reaches this process alone, which forwards it to the job.
@@ -328,12 +356,7 @@ def launch(args: argparse.Namespace, cmd: list[str], lock: RunDirLock) -> int:
                 relay.hold()
                 findings = explain(relay.text(), heartbeat_dir, before, args.out, states, run_id)
                 stop(signal.SIGTERM)
-                relay.wait(GRACE_S)
-                for finding in findings:
-                    say(finding.line)
-                say(f"stopped after --timeout-s {args.timeout_s:g}; the job's output from then on is in "
-                    f"{relay.log_path or 'no file (OUT cannot be written)'}")
-                return 124
+                return timed_out(relay, findings, args.timeout_s)
             left = tree.alive()  # ranks that outlive torchrun (it was killed): nothing may outlive us
             if left:
                 stop(signal.SIGTERM)
@@ -346,13 +369,7 @@ def launch(args: argparse.Namespace, cmd: list[str], lock: RunDirLock) -> int:
             return code
         except Signalled as exc:
             relay.hold()  # the ranks' and torchrun's tracebacks of the user's own signal: to the file only
-            name = signal.Signals(exc.signum).name
-            killed = stop(exc.signum)
-            relay.wait(GRACE_S)
-            late = f"; {len(killed)} needed SIGKILL after the grace period" if killed else ""
-            where = f"; the job's output from then on is in {relay.log_path}" if relay.log_path else ""
-            say(f"stopped by {name}: sent it to the job's processes (torchrun and every rank){late}{where}")
-            return 128 + exc.signum
+            return signalled(relay, exc.signum, stop(exc.signum))
         finally:
             signals.disarm()
             relay.close()

@@ -1,5 +1,6 @@
 """The one scalar coercion every path uses: the caller's metrics, verl's gather, the run-log reader;
-and the one JSON cleaning (NaN and inf become null) that the run log and the event files share."""
+and the one JSON cleaning (NaN and inf become null) that the run log and the event files share; and
+the check of the work counts a caller tells ``Monitor.micro_batch``."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from rankmem.core.catalogue import MEMORY_PREFIX
+from rankmem.errors import RankmemError
 
 
 def to_float(value: Any) -> float | None:
@@ -79,3 +81,20 @@ def json_safe(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [json_safe(v) for v in obj]
     return obj
+
+
+def work_numbers(tokens: Any, sequences: Any, sq_tokens: Any) -> tuple[float, float | None, float | None]:
+    """``Monitor.micro_batch``'s arguments as floats, each a number (numpy's, a 0-d tensor) that is
+    finite and >= 0; the optional two stay None."""
+    return (_work_number("tokens", tokens), None if sequences is None else _work_number("sequences", sequences),
+            None if sq_tokens is None else _work_number("sq_tokens", sq_tokens))
+
+
+def _work_number(name: str, value: Any) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise RankmemError(f"micro_batch({name}=...) must be a number, got {value!r}") from None
+    if not 0 <= number < math.inf or isinstance(value, bool):
+        raise RankmemError(f"micro_batch({name}=...) must be a finite number >= 0, got {value!r}")
+    return number

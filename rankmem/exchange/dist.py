@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from rankmem.errors import RankmemError
+
 
 def dist_active(group: Any = None) -> bool:
     """True when torch.distributed is initialised and the group has more than one rank."""
@@ -44,6 +46,18 @@ def launcher_world() -> int | None:
     if dist.is_available() and dist.is_initialized():
         return None
     return int(raw)
+
+
+def require_group_if_launched(group: Any) -> None:
+    """Several ranks launched and no process group: every process would call itself rank 0 of 1, one run
+    log would win and the report would say ``1 ranks``, exit 0. Refused where it can be fixed: before
+    anything is measured."""
+    world = launcher_world() if group is None else None
+    if world is not None:
+        raise RankmemError(
+            f"WORLD_SIZE={world} says this job has {world} ranks, but no process group is initialised: call "
+            "torch.distributed.init_process_group() before building the Monitor (on every rank), or it would "
+            "measure each process as a world of one (to measure this process alone, unset WORLD_SIZE)")
 
 
 def global_rank() -> int:

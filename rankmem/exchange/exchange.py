@@ -9,10 +9,11 @@ from __future__ import annotations
 import math
 import os
 import socket
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -28,9 +29,12 @@ from rankmem.exchange.aggregate import (
     aggregate,
     union_matrix,
 )
-from rankmem.exchange.dist import all_gather_objects, rank_and_world
+from rankmem.exchange.dist import all_gather_objects, dist_active, rank_and_world
 from rankmem.exchange.packed import PackedGather, Schema
 from rankmem.exchange.reduce import PackedReduce, Reduced, matrix_quantiles
+
+if TYPE_CHECKING:
+    from rankmem.probe.device import DeviceBackend
 
 
 def _env_int(name: str, default: int) -> int:
@@ -66,6 +70,11 @@ class Exchange:
     :attr:`Gathered.matrix` is None. That path adds ``K/p50``, ``K/p90``, ``K/p99`` across ranks, exact to
     one of ``quantile_bins`` buckets over ``[K/min, K/max]`` (0: none). Every rank must be given the same knobs (torchrun passes the same
     environment to all).
+
+    A collect takes :attr:`turn` around everything it does, :meth:`start` at the first collect and
+    :meth:`gather_aggregate` at every one; the misuse that would corrupt or hang the group (two
+    collects at once, a forked child, a rank outside the group) is refused there, before any
+    communication.
     """
 
     MAX_LAYOUT = 4096
@@ -85,11 +94,29 @@ class Exchange:
         self._layout_set: frozenset[str] = frozenset()
         self._warned: set[tuple[str, ...]] = set()
         self._warn_once = WarnOnce()
+        self._detail_asked = False
+        self.turn = _Turn(self)
+        self.header: RunHeader | None = None
+        """The run header, on every rank once :meth:`start` has run (at the first collect)."""
+
+    def start(self, log_rank: int, config: dict[str, Any], device: DeviceBackend | None, peak_scope: str,
+              run_id: str | None) -> RunHeader:
+        """The first collect's handshake, a collective (see :func:`run_header`): this rank's device
+        (``none`` without a backend) and the logging rank's ``run_id`` in the header every rank keeps."""
+        name, uuid = (device.device_name(), device.device_uuid()) if device is not None else ("none", None)
+        self.header = run_header(self.packed.group, log_rank, config, name, peak_scope, uuid, run_id)
+        return self.header
+
+    def request_detail(self) -> None:
+        """Carry the per-rank matrix at the next :meth:`gather_aggregate`, whatever the cadence. Local:
+        one rank asking is enough (a rank that just recorded an event)."""
+        self._detail_asked = True
 
     def gather_aggregate(self, values: Mapping[str, float], step: int | None = None, detail: bool = False
                          ) -> Gathered:
         """``detail=True`` on any rank makes this collect carry the per-rank matrix on the reduce path
         (a rank that just recorded an event); the all-gather path always carries it."""
+        detail, self._detail_asked = detail or self._detail_asked, False
         if self._layout_set and self._layout_set.issuperset(values):
             schema = self._layout
             row = [values.get(k, ABSENT) for k in schema]
@@ -189,6 +216,36 @@ class Exchange:
                         f"ranks reported different keys {list(differing)}; each is aggregated over the ranks that have it")
 
 
+class _Turn:
+    """One collect at a time on the group, by the process that built the exchange. Kept and entered
+    again at every collect (a ``with`` on it costs less than building a context manager)."""
+
+    __slots__ = ("_exchange", "_lock", "_pid")
+
+    def __init__(self, exchange: Exchange) -> None:
+        self._exchange = exchange
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+
+    def __enter__(self) -> None:
+        exchange = self._exchange
+        group = exchange.packed.group
+        if os.getpid() != self._pid and dist_active(group):
+            raise RankmemError("collect() in a forked child: the child shares its parent's process group and would "
+                               "corrupt it; measure in the child with rankmem.sample() instead")
+        # Membership cannot change while the group lives: asked at the first collect only
+        # (torch.distributed's lookups cost tens of microseconds right after a step's compute).
+        if exchange.header is None and rank_and_world(group)[0] < 0:
+            raise RankmemError("this rank is not a member of the Monitor's group: call collect() on the group's "
+                               "ranks only, or build the Monitor with group=None")
+        if not self._lock.acquire(blocking=False):
+            raise RankmemError("collect() is already running in another thread: call it from one thread per rank "
+                               "(two collectives at once on one process group corrupt it)")
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
 def run_header(group: Any, log_rank: int, config: dict[str, Any], device: str, peak_scope: str,
                device_uuid: str | None = None, run_id: str | None = None) -> RunHeader:
     """Who every rank is, once per run, at the first collect (pickled: two collectives, not worth a
@@ -203,13 +260,3 @@ def run_header(group: Any, log_rank: int, config: dict[str, Any], device: str, p
     ranks = [RankInfo(**g["info"]) for g in gathered]
     return RunHeader(world_size=world, ranks=ranks, config=config, started=time.time(),
                      run_id=gathered[log_rank]["run_id"])
-
-
-
-
-
-
-
-
-
-

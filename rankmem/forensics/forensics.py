@@ -12,7 +12,9 @@
 
 No collective and no device synchronisation on these paths: the other ranks may be inside one, and a
 rank that runs out of memory must not wait for them. The user's exception always goes on unchanged
-(the windows re-raise it); nothing here may raise (the Monitor's guard holds every call).
+(the windows re-raise it); nothing here may raise: the window edges run inside the windows' guard,
+and what the facade calls (:meth:`Forensics.collect_edge`, ``adopt``, ``record``, ``close``) inside
+the guard it is given.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import pickle
 from collections.abc import Callable
 from typing import Any
 
-from rankmem.core.guard import attempt
+from rankmem.core.guard import Guard, attempt
 from rankmem.core.records import WindowBytes
 from rankmem.core.rundir import RunDir, open_regular
 from rankmem.core.warnings import warn
@@ -62,8 +64,11 @@ class Forensics:
     def __init__(self, out_dir: str | None, rank: int, host: HostProbe, device: DeviceBackend | None, *,
                  oom_history: int = 0, near_oom_watch: bool = True,
                  flush: Callable[[], object] | None = None, attribution: DeviceAttribution | None = None,
-                 run_id: str | None = None) -> None:
+                 run_id: str | None = None, guard: Guard | None = None) -> None:
         self.rank = rank
+        self._guard = guard if guard is not None else Guard()
+        self._beat_scope = self._guard.scope("listener", "heartbeat failed")  # twice a collect: kept
+        self._run_id = run_id
         self._host = host
         self._device = device
         self._attribution = attribution
@@ -88,15 +93,20 @@ class Forensics:
 
     def adopt(self, run_id: str | None) -> None:
         """The run's id as the header says (the logging rank's), from now on in beats and events."""
-        if self._heartbeat is not None:
-            self._heartbeat.adopt(run_id)
-        if self._events is not None:
-            self._events.run_id = run_id
+        if run_id == self._run_id:
+            return
+        with self._guard.scope("forensics", "adopting the run id failed"):
+            self._run_id = run_id
+            if self._heartbeat is not None:
+                self._heartbeat.adopt(run_id)
+            if self._events is not None:
+                self._events.run_id = run_id
 
     def collect_edge(self) -> None:
         """Entering or leaving a collect: the heartbeat tells a rank waiting in it from one that never came."""
         if self._heartbeat is not None:
-            self._heartbeat.collect_edge()
+            with self._beat_scope:
+                self._heartbeat.collect_edge()
 
     # ---- WindowListener ----------------------------------------------------------------------------
     def edge(self, where: Where, rss: int | None, failing: bool = False) -> None:
@@ -131,7 +141,8 @@ class Forensics:
     # ---- OOM ---------------------------------------------------------------------------------------
     def record(self, exc: BaseException, where: Where) -> None:
         """An OOM the caller caught outside any window (a framework's exception hook)."""
-        self.failed(exc, where, WindowBytes())
+        with self._guard.scope("forensics", "recording the OOM failed"):
+            self.failed(exc, where, WindowBytes())
 
     def _hook_device(self) -> None:
         device = self._device
@@ -215,9 +226,11 @@ class Forensics:
             self._flush()  # the sinks' pending records reach disk before the OOM killer may strike
 
     def close(self, clean: bool = True) -> None:
-        if self._watch is not None:
-            self._watch.stop()
-        if self._heartbeat is not None:
-            self._heartbeat.close(clean)
-        if self._events is not None:
-            self._events.close()
+        """Stop the near-OOM watch, close the heartbeat (``clean``: the process ends normally) and events."""
+        with self._guard.scope("forensics", "closing the event files failed"):
+            if self._watch is not None:
+                self._watch.stop()
+            if self._heartbeat is not None:
+                self._heartbeat.close(clean)
+            if self._events is not None:
+                self._events.close()

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from rankmem.core.catalogue import ATTRIBUTION_FIELDS
 from rankmem.core.guard import Guard
+from rankmem.core.records import PhaseBytes, WindowBytes
 from rankmem.probe import nvml as _nvml
 from rankmem.probe.attribution import Attribution, Owners, split
 from rankmem.probe.device import DeviceBackend
@@ -63,6 +65,15 @@ class DeviceAttribution:
                                             name="rankmem-nvml", daemon=True)
             self._thread.start()
         return self._latest
+
+    def fill(self, window: WindowBytes, phases: Mapping[str, PhaseBytes]) -> None:
+        """The last split into a closed window's figures, and each phase's descendants (no NVML call)."""
+        split = self.poll()
+        if split is not None:
+            for name, part in ATTRIBUTION_FIELDS.items():
+                setattr(window, name, getattr(split, part))
+        for name, p in phases.items():
+            p.device_descendants = self.phase_descendants.get(name)
 
     # ---- any thread ---------------------------------------------------------------------------------
     def fresh(self, timeout: float = 0.5) -> Attribution | None:

@@ -1,22 +1,11 @@
-"""The logging rank's side of a collect: the run header, the sinks and the online leak watch.
+"""The logging rank's side of a collect: the run header, the sinks and the online watches.
 
 Nothing here communicates; every rank builds a :class:`Publisher` (so a bad sink is the same error
 everywhere, at construction, never one rank raising inside a collective sequence), and only the
-logging rank opens it.
+logging rank opens it. Every rank keeps its last collect (:attr:`Publisher.last_record`).
 
-Off the training thread: after the collective, the caller needs only the aggregated dict. Building
-the per-rank record, encoding it, writing the sinks and the leak watch run on one background thread
-fed by a bounded queue. If the sinks fall behind (a tracker in a network stall), the oldest pending
-record is dropped, counted and warned about once: training is never blocked. :meth:`Publisher.flush`
-waits for the queue to drain; ``close()`` and interpreter exit flush.
-
-Nothing collected is lost at a signal: the training thread wakes the thread at every collect (a
-futex wake, ~20-120 us of the caller's time on a 2-core machine, bench/RESULTS.md: the price of a
-record on disk within a write's time of its collect rather than up to a polling period later), the
-next collect first waits, briefly (:data:`Publisher.SETTLE_S`), until the previous record is written,
-and SIGTERM / SIGINT flush before they act (:mod:`rankmem.publish.signals`, which also says what a
-SIGKILL can still cost). A sink slower than that wait (a tracker in a network stall) is not waited
-for again until it has caught up: training never runs at a tracker's pace.
+The records reach the sinks on a background thread (:mod:`rankmem.publish.handoff` says how, and
+what a stalled tracker or a signal can cost); this module says what a record becomes there.
 """
 
 from __future__ import annotations
@@ -26,55 +15,37 @@ import os
 import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
+from rankmem.core.catalogue import verl_metrics
 from rankmem.core.guard import Guard
 from rankmem.core.records import RunHeader, StepRecord
-from rankmem.core.warnings import WarnOnce, warn
 from rankmem.exchange.aggregate import Gathered
 from rankmem.publish import signals as _signals
+from rankmem.publish.handoff import Handoff
 from rankmem.sinks import SafeSink, Sink
 
-_Item = tuple[int, float, Gathered, dict[str, float]] | RunHeader
+_Collect = tuple[int, float, Gathered, dict[str, float]]
 
 
-class Publisher:
-    """Writes each collect's record to the sinks and feeds the leak watch, on the logging rank."""
+class Publisher(Handoff):
+    """Writes each collect's record to the sinks and feeds the leak watch, on the logging rank.
 
-    MAX_PENDING = 256
-    """Records waiting for the sinks before the oldest is dropped (about 256 steps of a stalled tracker)."""
-    FLUSH_TIMEOUT_S = 30.0
-    POLL_S = 1.0
-    """How often the idle thread looks at its queue without being woken (a safety net only)."""
-    SETTLE_S = 0.2
-    """How long a collect waits for the previous collect's record to be written (see the module docstring)."""
+    ``verl_keys``: what :meth:`deliver` publishes includes verl's ``perf/*`` names for the aggregates."""
 
-    def __init__(self, sinks: Sequence[Sink], leak_check: bool, guard: Guard, background: bool = True) -> None:
+    def __init__(self, sinks: Sequence[Sink], leak_check: bool, guard: Guard, background: bool = True,
+                 verl_keys: bool = False) -> None:
+        super().__init__(guard, background)
         self._sink_objects = list(sinks)
         self._sinks: list[SafeSink] = []
         self._leak_check = leak_check
         self._leak_watch: Any = None
         self._advice_watch: Any = None
         self._ranks_per_node = 1
-        self._guard = guard
-        self._background = background
-        self._pending: deque[_Item] = deque()
-        self._wake = threading.Condition()
-        self._busy = False
-        self._flush_sinks = False
-        self._thread: threading.Thread | None = None
-        self._sync = threading.RLock()  # without the thread: one caller at a time in _handle (a flush
-        # from the near-OOM watch's thread must not run inside the training thread's write)
-        self._pid = os.getpid()  # a forked child inherits this object, not its thread or its files' state
-        self._closed = False
-        self._submitted = 0
-        self._handled = 0
-        self._lagging = False  # the last settle timed out: not waited for again until caught up
-        self.dropped = 0
-        """Records dropped because the sinks fell more than :data:`MAX_PENDING` behind."""
-        self.opened = False
+        self._verl_keys = verl_keys
+        self._last: _Collect | None = None
+        self._last_record: StepRecord | None = None
         self.header: RunHeader | None = None
         """The run header, on every rank once :meth:`start` has been given it."""
 
@@ -94,82 +65,32 @@ class Publisher:
         _signals.install(flush_all)
         self._submit(header)
 
-    def settle(self) -> None:
-        """Wait (at most :data:`SETTLE_S`) until every record submitted so far is written: called by the
-        next collect, so that a collect's record is on disk before the next collect returns."""
-        if not self._background or self._thread is None or os.getpid() != self._pid:
-            return
-        with self._wake:
-            if self._handled >= self._submitted:
-                self._lagging = False
-                return
-            if self._lagging:
-                return
-            target = self._submitted
-            if not self._wake.wait_for(lambda: self._handled >= target, self.SETTLE_S):
-                self._lagging = True
+    def deliver(self, step: int, when: float, gathered: Gathered) -> dict[str, float]:
+        """A collect's result, on every rank: kept as :attr:`last_record`, and published where this rank
+        opened the sinks. Returns what is published (the aggregates, and verl's names for them if asked)
+        as the caller's own copy: the sinks write theirs later, on their thread."""
+        aggregated = gathered.aggregated
+        metrics = {**aggregated, **verl_metrics(aggregated)} if self._verl_keys else dict(aggregated)
+        self._last, self._last_record = (step, when, gathered, metrics), None
+        if self.opened:
+            self.publish(step, when, gathered, metrics)
+        return dict(metrics)
+
+    @property
+    def last_record(self) -> StepRecord | None:
+        """The last delivered collect's record, per-rank vectors included (built on first use)."""
+        if self._last_record is None and self._last is not None:
+            step, when, gathered, metrics = self._last
+            self._last_record = StepRecord(step, when, metrics, gathered.columns())
+        return self._last_record
 
     def publish(self, step: int, when: float, gathered: Gathered, metrics: dict[str, float] | None = None) -> None:
         """Hand one collect to the sinks and the leak watch (on the background thread by default):
-        ``metrics`` are the aggregates with what the facade derived from them (verl's keys; default
-        the aggregates alone)."""
+        ``metrics`` are the aggregates with what was derived from them (verl's keys; default the
+        aggregates alone)."""
         self._submit((step, when, gathered, gathered.aggregated if metrics is None else metrics))
 
-    def _submit(self, item: _Item) -> None:
-        if os.getpid() != self._pid:  # a forked child: the thread and the files' state are the parent's
-            _in_child(f"child:{os.getpid()}", "a record published in a forked child process is dropped (only "
-                                              "the process that built the Monitor writes its sinks)")
-            return
-        if not self._background:
-            with self._sync:
-                self._handle(item)
-            return
-        with self._wake:
-            if len(self._pending) >= self.MAX_PENDING:
-                self._pending.popleft()
-                self.dropped += 1
-                self._handled += 1  # never to be written: nothing to wait for
-                if self.dropped == 1:
-                    warn("rankmem: the sinks fall behind the training loop; the oldest pending records are "
-                         "dropped (Publisher.dropped counts them) rather than blocking training", stacklevel=4)
-            self._pending.append(item)
-            self._submitted += 1
-            self._wake.notify()
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="rankmem-publish", daemon=True)
-            self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            with self._wake:
-                while not self._pending:
-                    if self._flush_sinks:  # asked by flush(): once the queue is empty, not a queue slot
-                        self._flush_sinks = False
-                        self._pending.append(_FLUSH)
-                        break
-                    self._busy = False
-                    self._wake.notify_all()  # flush() waits for an empty queue and an idle thread
-                    self._wake.wait(self.POLL_S)
-                item = self._pending.popleft()
-                self._busy = True
-            if item is _STOP:
-                with self._wake:
-                    self._busy = False
-                    self._flush_sinks = False  # close() closes the sinks next, which writes what they hold
-                    self._wake.notify_all()
-                return
-            # A bug in a record's encoding must not end the thread: flush() would wait for it in vain.
-            self._guard.call("publish", "writing a record failed", self._handle, item, default=None)
-            if item is not _FLUSH:
-                with self._wake:
-                    self._handled += 1
-                    self._wake.notify_all()  # a collect may be settling
-
-    def _handle(self, item: _Item) -> None:
-        if item is _FLUSH:
-            for sink in self._sinks:
-                sink.flush()
-            return
+    def _write(self, item: _Collect | RunHeader) -> None:
         if isinstance(item, RunHeader):
             for sink_object in self._sink_objects:
                 sink = SafeSink(sink_object)
@@ -185,6 +106,10 @@ class Publisher:
             record = StepRecord(step, when, metrics, keys=gathered.keys, matrix=gathered.matrix)
             for sink in self._sinks:
                 sink.write(record)
+
+    def _flush_buffers(self) -> None:
+        for sink in self._sinks:
+            sink.flush()
 
     def _check_leaks(self, step: int, gathered: Gathered) -> None:
         # Leak checking is advice: a failure turns it off, with one warning, and never reaches training.
@@ -215,56 +140,17 @@ class Publisher:
             return
         self._advice_watch = False
 
-    def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every submitted record is written, and what the sinks buffer (the run log's
-        per-rank batch) is on disk; False if ``timeout`` passed first. After :meth:`close`, and in a
-        forked child (whose copy is not its to write), there is nothing to do."""
-        if self._closed or os.getpid() != self._pid or not self.opened:
-            return True
-        thread = self._thread
-        if thread is None or thread is threading.current_thread():
-            if not self._sync.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
-                return False  # a write is still running on the training thread
-            try:
-                if not self._closed:  # close() may have run while this waited
-                    self._handle(_FLUSH)
-            finally:
-                self._sync.release()
-            return True
-        with self._wake:
-            self._flush_sinks = True
-            self._wake.notify_all()  # the thread may be between polls
-            # A thread that has ended (close() is stopping it, on another thread) flushed on its way out.
-            return self._wake.wait_for(
-                lambda: (not self._pending and not self._busy and not self._flush_sinks) or not thread.is_alive(),
-                timeout if timeout is not None else self.FLUSH_TIMEOUT_S)
-
-    def close(self) -> None:
-        """Flush, stop the thread, close the sinks; a second call (or one in a forked child) does nothing."""
-        if self._closed or os.getpid() != self._pid:
-            return
-        if not self.flush():
-            warn(f"rankmem: the sinks did not finish within {self.FLUSH_TIMEOUT_S:.0f} s; closing them anyway")
-        if self._thread is not None and self._thread.is_alive():
-            with self._wake:
-                self._pending.append(_STOP)
-                self._wake.notify()
-            self._thread.join(self.FLUSH_TIMEOUT_S)
-        with self._sync:  # without the thread, a flush from another thread (the near-OOM watch) waits
-            self._closed = True
-            with _live_lock:
-                _live.discard(self)
-                last = not _live
-            if last:
-                _signals.uninstall()
-            for sink in self._sinks:
-                sink.close()
-            self._sinks = []
+    def _shut(self) -> None:
+        with _live_lock:
+            _live.discard(self)
+            last = not _live
+        if last:
+            _signals.uninstall()
+        for sink in self._sinks:
+            sink.close()
+        self._sinks = []
 
 
-_in_child = WarnOnce()  # once per forked child (keyed by its pid)
-_STOP: Any = object()
-_FLUSH: Any = object()
 _live: weakref.WeakSet[Publisher] = weakref.WeakSet()
 _live_lock = threading.Lock()  # flush_all may run on any thread (at exit, or a caller's)
 

@@ -94,6 +94,12 @@ def make_sink(spec: str | Sink, out_dir: str | None = None, **options: Any) -> S
     return sink
 
 
+def make_sinks(specs: Sequence[str | Sink], out_dir: str | None, options: Mapping[str, Mapping[str, Any]]
+               ) -> list[Sink]:
+    """Every sink of a Monitor's config: each named one built with its ``options[name]``, objects as given."""
+    return [make_sink(spec, out_dir, **(options.get(spec, {}) if isinstance(spec, str) else {})) for spec in specs]
+
+
 class SafeSink:
     """Telemetry never kills training, and a brief outage never ends a sink's run.
 
