@@ -171,30 +171,40 @@ def test_exit_without_close_keeps_per_rank_values_with_sink_thread_off(tmp_path:
 # ---- A forked child exiting normally waits for the parent's publisher thread ---------------------
 
 _FORK_EXIT = """
-import os, sys, time, rankmem
-m = rankmem.Monitor(out_dir=sys.argv[1], device="cpu", near_oom_watch=False)
-m.collect({"loss": 1.0})
-assert m.flush(10)
-m._publisher.FLUSH_TIMEOUT_S = 3.0  # instead of 30 s
+import os, sys, time
+import torch  # what a training process has loaded: its own exit in a forked child takes a while
+if sys.argv[1] != "-":
+    import rankmem
+    m = rankmem.Monitor(out_dir=sys.argv[1], device="cpu", near_oom_watch=False)
+    m.collect({"loss": 1.0})
+    assert m.flush(10)
 t0 = time.monotonic()
 pid = os.fork()
 if pid == 0:
     sys.exit(0)  # the child ends the ordinary way: atexit handlers run
 os.waitpid(pid, 0)
 print(f"{time.monotonic() - t0:.3f}")
-m.close()
+if sys.argv[1] != "-":
+    m.close()
 """
+
+
+def _fork_exit_seconds(out: str) -> float:
+    proc = subprocess.run([sys.executable, "-c", _FORK_EXIT, out], capture_output=True, text=True,
+                          timeout=90, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr
+    return float(proc.stdout.strip().splitlines()[-1])
 
 
 def test_forked_child_exit_does_not_wait_for_the_parents_publisher(tmp_path: Path) -> None:
     """The child inherits _live (and the Publisher whose thread exists only in the parent); its atexit
-    flush_all() waits FLUSH_TIMEOUT_S (30 s) per publisher for a thread that is not there (and blocks for
-    ever if the fork caught the publisher thread holding its Condition's lock)."""
-    proc = subprocess.run([sys.executable, "-c", _FORK_EXIT, str(tmp_path)], capture_output=True, text=True,
-                          timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert proc.returncode == 0, proc.stderr
-    took = float(proc.stdout.strip().splitlines()[-1])
-    assert took < 1.5, f"the forked child took {took:.1f} s to exit"
+    flush_all() would wait the handoff's FLUSH_TIMEOUT_S (30 s) per publisher for a thread that is not
+    there (and block for ever if the fork caught the publisher thread holding its Condition's lock).
+    The yardstick is the same fork without a monitor: torch's own exit in the child takes 0.1 s on an
+    idle machine and over 2 s on a loaded one."""
+    bare = _fork_exit_seconds("-")
+    took = _fork_exit_seconds(str(tmp_path))
+    assert took < bare + 10.0, f"the forked child took {took:.1f} s to exit, {bare:.1f} s without a monitor"
 
 
 # ---- The dict collect() returns is the one the background thread writes later ------------------
