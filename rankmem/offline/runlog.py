@@ -4,8 +4,11 @@ Lines in the writer's own layout (:mod:`rankmem.runlog.layout`) take the fast pa
 object is parsed. Anything else (another writer's layout, ``metrics=True``) takes the slow path, a full
 ``json.loads`` of the line. Both paths accept the same lines and file the same values.
 
-Whatever the file holds, reading it never raises anything but :class:`RankmemError` (about the file as
-a whole: no header, a header without a usable world size) and never files a value under another step
+The header line reads into the :class:`~rankmem.core.records.RunHeader` it was written from
+(:func:`rankmem.runlog.header.header_from_json`: a damaged field other than those the arrays are shaped
+by takes its default). Whatever the file holds, reading it never raises anything but
+:class:`RankmemError` (about the file as a whole: no header, a header without a usable world size,
+schema or detail) and never files a value under another step
 or rank: a line that is not a whole step in the layout (not JSON, nested past the parser's depth, a
 step outside int64, a per-rank vector whose length is not the world size) is skipped and its line
 number kept in :attr:`Run.corrupt_lines`; a truncated last line is skipped and flagged. A torn line (a
