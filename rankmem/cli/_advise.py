@@ -202,7 +202,7 @@ def _phase_advice(run: Run, phase: str, per_rank: list[PhaseFit], advised: list[
 
 def _longest(run: Run, per_rank: list[PhaseFit]) -> float:
     """The longest sequence: the run's ``max_seq_len`` where it says, else the bound sqrt(largest Q) seen."""
-    run_config = (run.header.get("config") or {}).get("run") or {}
+    run_config = run.header.config.get("run") or {}
     value = run_config.get("max_seq_len") if isinstance(run_config, dict) else None
     if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
         return float(value)

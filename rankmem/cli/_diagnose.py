@@ -18,8 +18,8 @@ from __future__ import annotations
 import re
 import signal
 from dataclasses import dataclass
-from typing import Any
 
+from rankmem.core.eventrecords import KilledEvent, StalledEvent
 from rankmem.core.units import GIB
 from rankmem.forensics.heartbeat import HeartbeatRecord
 from rankmem.probe import procfs as _procfs
@@ -109,7 +109,7 @@ class Finding:
 
     rank: int
     line: str
-    event: dict[str, Any]
+    event: KilledEvent | StalledEvent
 
 
 def _where(beat: HeartbeatRecord | None) -> str:
@@ -151,12 +151,12 @@ def killed(failures: TorchrunFailures, heartbeats: dict[int, HeartbeatRecord], b
         rss = beat.rss_bytes if beat is not None else None
         line = f"rank {rank} was killed by {sig} {_where(beat)}"
         line += f", last RSS {rss / GIB:.1f} GiB; {why}" if rss is not None else f"; {why}"
-        event = {"kind": "killed", "rank": rank, "step": beat.step if beat else None,
-                 "phase": (beat.phase or None) if beat else None, "time": now, "pid": death.pid,
-                 "signal": sig, "exitcode": death.exitcode, "cause": cause, "last_rss_bytes": rss,
-                 "heartbeat_time": beat.time if beat else None,
-                 "cgroup_oom_kills": [before.cgroup, after.cgroup], "node_oom_kills": [before.node, after.node],
-                 "source": "launcher"}
+        event = KilledEvent(rank=rank, step=beat.step if beat else None,
+                            phase=(beat.phase or None) if beat else None, time=now, pid=death.pid,
+                            signal=sig, exitcode=death.exitcode, cause=cause, last_rss_bytes=rss,
+                            heartbeat_time=beat.time if beat else None,
+                            cgroup_oom_kills=[before.cgroup, after.cgroup], node_oom_kills=[before.node, after.node],
+                            source="launcher")
         findings.append(Finding(rank, line, event))
     return findings
 
@@ -223,10 +223,10 @@ def stalled(heartbeats: dict[int, HeartbeatRecord], now: float, exclude: set[int
     line = f"rank {beat.rank} stopped making progress {_where(beat)}: no heartbeat for {age:.0f} s"
     if state in STUCK_STATES:
         line += f"; {STUCK_STATES[state]}"
-    event = {"kind": "stalled", "rank": beat.rank, "step": beat.step, "phase": beat.phase or None, "time": now,
-             "pid": beat.pid, "heartbeat_age_s": age, "heartbeat_seq": beat.seq, "ahead_seq": ahead[1],
-             "collect_marks": beat.marks, "ahead_marks": ahead[0],
-             "process_state": state, "last_rss_bytes": beat.rss_bytes, "source": "launcher"}
+    event = StalledEvent(rank=beat.rank, step=beat.step, phase=beat.phase or None, time=now,
+                         pid=beat.pid, heartbeat_age_s=age, heartbeat_seq=beat.seq, ahead_seq=ahead[1],
+                         collect_marks=beat.marks, ahead_marks=ahead[0],
+                         process_state=state, last_rss_bytes=beat.rss_bytes, source="launcher")
     return Finding(beat.rank, line, event)
 
 

@@ -183,15 +183,19 @@ class RankInfo:
     """Who a rank is: gathered once, at the first collect, into the run log header."""
 
     rank: int
-    local_rank: int
+    local_rank: int | None
+    """None where a run log read back does not say (so for :attr:`pid`)."""
     host: str
-    pid: int
+    """The host name; ``""`` where a run log read back does not say (that rank is then a node of its own)."""
+    pid: int | None
     device: str
-    """The backend (``cuda``/``npu``/``xpu``/``none``) and the device's name where known."""
+    """The backend (``cuda``/``npu``/``xpu``/``none``) and the device's name where known; ``""`` where a
+    run log read back does not say."""
     peak_rss_scope: str
     """``"window"`` where the host peak resets per window, ``"edges"`` where rankmem leaves it alone
     (``peak_source="edges"``: exact where a window set a new lifetime high, else its edges' max),
-    ``"lifetime"`` where it cannot reset, ``"sampled"`` off Linux (the max of the RSS read at window edges)."""
+    ``"lifetime"`` where it cannot reset, ``"sampled"`` off Linux (the max of the RSS read at window edges);
+    ``""`` where a run log read back does not say."""
     device_uuid: str | None = None
     """The device's UUID as NVIDIA's tools spell it (``GPU-...``, the DCGM exporter's ``UUID`` label),
     where the backend gives one."""
@@ -199,16 +203,33 @@ class RankInfo:
 
 @dataclass(slots=True)
 class RunHeader:
-    """What the run log's first line holds."""
+    """What the run log's first line holds: built by the Monitor at the first collect, written by
+    :mod:`rankmem.runlog.header`, and read back into the same record by the offline tools
+    (:func:`rankmem.runlog.header.header_from_json`). The fields after :attr:`run_id` are what the
+    file said about itself: None on a header built in process (the writer writes its own)."""
 
     world_size: int
     ranks: list[RankInfo]
     config: dict[str, Any] = field(default_factory=dict)
-    started: float = 0.0
-    """Unix time of the first collect."""
+    started: float | None = 0.0
+    """Unix time of the first collect; None where a run log read back does not say."""
     run_id: str | None = None
     """The run's identity (:func:`rankmem.core.rundir.current_run_id` of the logging rank), which every
     file of the run carries."""
+    schema: int | None = None
+    """The run log's schema (1 or 2), as read."""
+    detail: str | None = None
+    """Where the per-rank values are, as read: the side file's name, or ``"inline"`` (on the step lines;
+    what a schema-1 log and a log without the field mean)."""
+    rankmem_version: str | None = None
+    """The rankmem that wrote the log (the header's ``rankmem``), as read."""
+    torch_version: str | None = None
+    """The torch of the writing process (the header's ``torch``), as read; None without torch."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Header fields this version does not know (a newer writer's), as read."""
+    unread: dict[str, Any] = field(default_factory=dict)
+    """Known fields whose value was not of their type (a ``config`` that is a list, a NaN ``started``),
+    as read: the attribute holds its default."""
 
 
 def per_rank_lists(keys: Sequence[str], matrix: Any) -> dict[str, list[float | None]]:

@@ -6,10 +6,11 @@ about to die, and a line in the kernel's page cache outlives the process (no ``f
 machine crash loses it, and then the run is lost anyway). No collective and no device
 synchronisation happen here; the other ranks may be inside one.
 
-Every event carries ``kind`` (``oom``, ``near_oom``, ``killed``, ``stalled``), ``rank``, ``step``,
-``phase``, ``time`` (Unix seconds) and ``run_id`` (the run it belongs to: readers name another run's
-events instead of reading them). Byte figures are integer bytes under keys ending in ``_bytes``.
-This module imports neither torch nor numpy: the offline reader and the launcher use it too.
+An event is a typed record (:mod:`rankmem.core.eventrecords`, which the reader parses lines back
+into): ``kind`` (``oom``, ``near_oom``, ``killed``, ``stalled``), ``rank``, ``step``, ``phase``,
+``time`` (Unix seconds) and ``run_id`` (the run it belongs to: readers name another run's events
+instead of reading them), then its kind's fields. Byte figures are integer bytes under keys ending in
+``_bytes``. This module imports neither torch nor numpy: the offline reader and the launcher use it too.
 """
 
 from __future__ import annotations
@@ -19,16 +20,16 @@ import json
 import os
 import re
 import time
+from dataclasses import replace
 from typing import Any
 
-from rankmem.core.rundir import EVENTS_DIR, RUN_ID_FIELD, RunDir, open_regular, unlinked
+from rankmem.core.eventrecords import KINDS, Event, OomEvent
+from rankmem.core.rundir import EVENTS_DIR, RunDir, open_regular, unlinked
 from rankmem.core.scalars import json_safe, to_float
 from rankmem.core.warnings import WarnOnce
 from rankmem.probe import procfs as _procfs
 
-__all__ = ["EVENTS_DIR", "EventWriter", "encode_event", "events_path", "oom_event", "oom_where"]
-
-KINDS = ("oom", "near_oom", "killed", "stalled")
+__all__ = ["EVENTS_DIR", "KINDS", "EventWriter", "encode_event", "events_path", "oom_event", "oom_where"]
 
 
 def events_path(out_dir: str, rank: int) -> str:
@@ -41,9 +42,9 @@ def _default(obj: Any) -> Any:
     return str(obj) if number is None else number
 
 
-def encode_event(event: dict[str, Any]) -> bytes:
-    """One JSON line; NaN and inf become ``null`` (JSON has no NaN)."""
-    text = json.dumps(json_safe(event), allow_nan=False, separators=(",", ":"), default=_default)
+def encode_event(event: Event) -> bytes:
+    """One JSON line of :meth:`Event.to_json`; NaN and inf become ``null`` (JSON has no NaN)."""
+    text = json.dumps(json_safe(event.to_json()), allow_nan=False, separators=(",", ":"), default=_default)
     return text.encode("utf-8") + b"\n"
 
 
@@ -65,14 +66,16 @@ class EventWriter:
         self._disabled = False
         self._warn_once = WarnOnce()
 
-    def write(self, event: dict[str, Any]) -> bool:
-        """Append ``event`` (``rank`` and ``time`` filled in when absent); False when it was not written."""
+    def write(self, event: Event) -> bool:
+        """Append ``event`` (``rank`` and ``time`` filled in when None, ``run_id`` this writer's); False
+        when it was not written."""
         if self._disabled:
             return False
         try:
-            line = encode_event({"rank": self.rank, "time": time.time(), **event, RUN_ID_FIELD: self.run_id})
+            line = encode_event(replace(event, rank=self.rank if event.rank is None else event.rank,
+                                        time=time.time() if event.time is None else event.time, run_id=self.run_id))
         except (TypeError, ValueError, RecursionError, MemoryError) as exc:  # MemoryError: on the way out of a host OOM
-            self._warn_once("encode", f"cannot encode a {event.get('kind')!r} event ({exc!r}); it is skipped")
+            self._warn_once("encode", f"cannot encode a {event.kind!r} event ({exc!r}); it is skipped")
             return False
         try:
             if self._fd is None:
@@ -153,25 +156,21 @@ def oom_event(
     phase: str | None,
     host_figures: dict[str, Any],
     device_figures: dict[str, Any] | None,
-) -> dict[str, Any]:
+) -> OomEvent:
     """The ``oom`` event for ``exc`` leaving a window: where it happened, the error, the requested size
     where the error text gives it, and the caller's figures at that instant (bytes). Pure: reads
     nothing but its arguments, so it is safe on the failure path."""
     text = str(exc)
     first = text.strip().splitlines()[0] if text.strip() else ""
-    event: dict[str, Any] = {
-        "kind": "oom", "rank": rank, "step": step, "phase": phase, "time": time.time(),
-        "where": oom_where(exc) or "unknown",
-        "error": f"{type(exc).__name__}: {first}" if first else type(exc).__name__,
-        "requested_bytes": None,
-    }
-    match = _REQUESTED.search(text)
-    if match:
-        event["requested_bytes"] = _bytes(*match.groups())
-    match = _CAPACITY.search(text)
-    if match:
-        event["error_total_bytes"] = _bytes(match[1], match[2])
-        event["error_free_bytes"] = _bytes(match[3], match[4])
-    event["host"] = dict(host_figures)
-    event["device"] = dict(device_figures) if device_figures is not None else None
-    return event
+    requested = _REQUESTED.search(text)
+    capacity = _CAPACITY.search(text)
+    return OomEvent(
+        rank=rank, step=step, phase=phase, time=time.time(),
+        where=oom_where(exc) or "unknown",
+        error=f"{type(exc).__name__}: {first}" if first else type(exc).__name__,
+        requested_bytes=_bytes(*requested.groups()) if requested else None,
+        error_total_bytes=_bytes(capacity[1], capacity[2]) if capacity else None,
+        error_free_bytes=_bytes(capacity[3], capacity[4]) if capacity else None,
+        host=dict(host_figures),
+        device=dict(device_figures) if device_figures is not None else None,
+    )

@@ -22,8 +22,10 @@ from __future__ import annotations
 import os
 import pickle
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
+from rankmem.core.eventrecords import NearOomEvent, OomEvent
 from rankmem.core.guard import Guard, attempt
 from rankmem.core.records import WindowBytes
 from rankmem.core.rundir import RunDir, open_regular
@@ -82,7 +84,7 @@ class Forensics:
         self._hooked = device is None  # the observer and history wait for the backend's initialisation
         self._tag: tuple[int | None, str | None] | None = None
         self._where = Where(None, None)
-        self._observed: dict[str, Any] | None = None  # what the allocator's observer saw, not yet written
+        self._observed: OomEvent | None = None  # what the allocator's observer saw, not yet written
         self._last_failure_id: int | None = None  # only where the exception takes no attribute
         self._snapshots = 0
         self._flush = flush
@@ -158,23 +160,23 @@ class Forensics:
         # Called by the allocator inside the failing allocation, before it raises: keep, do not write
         # yet (the exception leaving the window adds the window's figures to the same event).
         where = self._where
-        self._observed = {
-            "kind": "oom", "rank": self.rank, "step": where.step, "phase": where.phase, "where": "device",
-            "observer": {"device": device, "alloc_bytes": alloc, "device_total_bytes": device_total,
-                         "device_free_bytes": device_free},
-        }
+        self._observed = OomEvent(
+            rank=self.rank, step=where.step, phase=where.phase, where="device",
+            observer={"device": device, "alloc_bytes": alloc, "device_total_bytes": device_total,
+                      "device_free_bytes": device_free},
+        )
 
-    def _write_oom(self, event: dict[str, Any], observed: dict[str, Any] | None) -> None:
+    def _write_oom(self, event: OomEvent, observed: OomEvent | None) -> None:
         if observed is not None:
-            event.setdefault("observer", observed.get("observer"))
-            if event.get("requested_bytes") is None:
-                event["requested_bytes"] = observed["observer"]["alloc_bytes"]
-        if event.get("where") == "device" and self._attribution is not None:
-            if not isinstance(event.get("device"), dict):
-                event["device"] = {}  # the observer's event, of an OOM caught inside the window
-            event["device"]["attribution"] = self._split()
+            seen = observed.observer or {}
+            event = replace(event, observer=event.observer or seen,
+                            requested_bytes=event.requested_bytes if event.requested_bytes is not None
+                            else seen.get("alloc_bytes"))
+        if event.where == "device" and self._attribution is not None:
+            # The observer's event (an OOM caught inside the window) has no device figures of its own.
+            event = replace(event, device={**(event.device or {}), "attribution": self._split()})
         if self._history and self._device is not None and self._events is not None:
-            event["snapshot"] = attempt(self._write_snapshot, default=None)  # the event matters more
+            event = replace(event, snapshot=attempt(self._write_snapshot, default=None))  # the event matters more
         if self._events is not None:
             self._events.write(event)
 
@@ -217,9 +219,9 @@ class Forensics:
         split = attempt(self._attribution.fresh, 0.5, default=None)
         return split.to_event() if split is not None else None
 
-    def _near_oom(self, info: dict[str, Any]) -> None:
+    def _near_oom(self, info: NearOomEvent) -> None:
         if self._attribution is not None:
-            info.setdefault("device", {})["attribution"] = self._split()
+            info = replace(info, device={**(info.device or {}), "attribution": self._split()})
         if self._events is not None:
             self._events.write(info)
         if self._flush is not None:

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from rankmem.core.eventrecords import NearOomEvent
 from rankmem.core.guard import Guard
 from rankmem.errors import RankmemError
 from rankmem.forensics.heartbeat import HeartbeatRecord, read_heartbeats
@@ -92,7 +93,7 @@ class _Reading:
 class NearOomWatch:
     """Polls memory headroom and pressure on a daemon thread; calls ``on_near_oom(info)`` once per episode.
 
-    ``info`` is ready to write as an event: ``kind`` ``near_oom``, ``step``/``phase`` of this process
+    ``info`` is the :class:`~rankmem.core.eventrecords.NearOomEvent` to write: ``step``/``phase`` of this process
     (from its heartbeat), ``reasons``, ``cgroup``/``node``/``pressure`` figures (bytes, percent) and
     ``processes``, the per-node table (see :func:`process_table`). The callback runs on the watch
     thread; an exception in it warns once and the watch goes on. ``proc`` and ``cgroup_root`` point the
@@ -101,7 +102,7 @@ class NearOomWatch:
 
     def __init__(
         self,
-        on_near_oom: Callable[[dict[str, Any]], None],
+        on_near_oom: Callable[[NearOomEvent], None],
         config: NearOomConfig | None = None,
         *,
         rank: int | None = None,
@@ -184,7 +185,7 @@ class NearOomWatch:
         pressure = None if data is None else _procfs.parse_pressure(data)
         return _Reading(*chosen, total, available, pressure)
 
-    def check(self) -> dict[str, Any] | None:
+    def check(self) -> NearOomEvent | None:
         """One poll: the ``info`` of a new episode, else None (also re-arms after recovery)."""
         reading = self._read_figures()
         reasons = self._reasons(reading, rearm=False)
@@ -214,7 +215,7 @@ class NearOomWatch:
                 reasons.append("pressure")
         return reasons
 
-    def _info(self, r: _Reading, reasons: list[str]) -> dict[str, Any]:
+    def _info(self, r: _Reading, reasons: list[str]) -> NearOomEvent:
         beats = read_heartbeats(self.heartbeat_dir) if self.heartbeat_dir else {}
         table = process_table(beats, own_rank=self.rank, proc=self._proc)
         own = next((row for row in table if row["pid"] == os.getpid()), None)
@@ -228,19 +229,19 @@ class NearOomWatch:
                                          if r.cgroup_limit is not None and r.cgroup_working_set is not None else None),
                       "threshold_bytes": cfg.threshold(r.cgroup_limit) if r.cgroup_limit is not None else None}
         some, full = (r.pressure.some, r.pressure.full) if r.pressure is not None else (None, None)
-        return {
-            "kind": "near_oom", "rank": self.rank, "time": time.time(),
-            "step": own["step"] if own else None, "phase": own["phase"] if own else None,
-            "reasons": reasons,
-            "cgroup": cgroup,
-            "node": {"total_bytes": r.node_total, "available_bytes": r.node_available,
-                     "threshold_bytes": cfg.threshold(r.node_total) if r.node_total is not None else None},
-            "pressure": {"scope": self.pressure_scope,
-                         "some_avg10": some.avg10 if some else None, "some_avg60": some.avg60 if some else None,
-                         "full_avg10": full.avg10 if full else None},
-            "processes": table,
-            "largest": _largest(table),
-        }
+        return NearOomEvent(
+            rank=self.rank, time=time.time(),
+            step=own["step"] if own else None, phase=own["phase"] if own else None,
+            reasons=tuple(reasons),
+            cgroup=cgroup,
+            node={"total_bytes": r.node_total, "available_bytes": r.node_available,
+                  "threshold_bytes": cfg.threshold(r.node_total) if r.node_total is not None else None},
+            pressure={"scope": self.pressure_scope,
+                      "some_avg10": some.avg10 if some else None, "some_avg60": some.avg60 if some else None,
+                      "full_avg10": full.avg10 if full else None},
+            processes=table,
+            largest=_largest(table),
+        )
 
 
 def _largest(table: list[dict[str, Any]]) -> dict[str, Any] | None:

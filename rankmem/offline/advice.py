@@ -130,7 +130,7 @@ def run_capacity(run: Run, kind: str) -> tuple[float, str]:
     label = "cgroup limit" if "cgroup limit" in caps else "node total"
     if label not in caps:
         raise RankmemError(f"{run.path} has neither a cgroup limit nor the node's memory: pass --capacity GIB")
-    hosts = [str(r.get("host")) for r in run.header.get("ranks") or [] if isinstance(r, dict)]
+    hosts = [r.host or "?" for r in run.header.ranks]
     share = max((hosts.count(h) for h in set(hosts)), default=1)
     return caps[label] / share, label + (f" / {share} ranks" if share > 1 else "")
 

@@ -54,7 +54,7 @@ def verl_names(phase: str) -> VerlNames | None:
 def configured_budget(run: Run, phase: str) -> int | None:
     """The phase's token budget from the run's config: the reference worker's name, or verl's dotted one."""
     names = verl_names(phase)
-    run_config = (run.header.get("config") or {}).get("run") or {}
+    run_config = run.header.config.get("run") or {}
     if names is None or not isinstance(run_config, Mapping):
         return None
     for name in (names.run_config, *names.budget):

@@ -1,4 +1,9 @@
 """Reading every rank's event file of a run directory: merged, ordered, damaged lines counted.
+
+Each line is parsed into its typed record (:mod:`rankmem.core.eventrecords`): a line that is not JSON,
+not an object with a ``kind`` string, or nested past :data:`MAX_DEPTH` is counted as corrupt; an event
+whose fields are of the wrong type keeps its place with those fields at their defaults (their values
+kept in ``Event.unread``), and the fields a newer writer adds are kept in ``Event.extra``.
 """
 
 from __future__ import annotations
@@ -8,9 +13,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from rankmem.core.eventrecords import Event, parse_event
 from rankmem.core.files import NotRegularFile, open_binary
-from rankmem.core.rundir import RUN_ID_FIELD, RunDir, valid_run_id
-from rankmem.core.scalars import to_float
+from rankmem.core.rundir import RunDir
 
 MAX_EVENTS_BYTES = 64 << 20
 """Bytes of one rank's event file read at most (an event is a few KB; a rank records a handful)."""
@@ -22,9 +27,9 @@ MAX_DEPTH = 16
 class Events:
     """Every rank's events of a run, sorted by time."""
 
-    events: list[dict[str, Any]] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
     corrupt: int = 0
-    """Lines skipped: torn (a rank died mid-write), not JSON, or not an event object."""
+    """Lines skipped: torn (a rank died mid-write), not JSON, or not an event object (no ``kind`` string)."""
     foreign: int = 0
     """Events of another run (their ``run_id`` is not the log's): named, not read."""
     foreign_files: list[str] = field(default_factory=list)
@@ -68,16 +73,16 @@ def read_events(run_dir: str, run_id: str | None = None) -> Events:
             except (ValueError, RecursionError):  # not JSON; nested past the parser's depth
                 out.corrupt += 1
                 continue
-            if not isinstance(event, dict) or "kind" not in event or _depth(event) > MAX_DEPTH:
+            typed = parse_event(event) if isinstance(event, dict) and _depth(event) <= MAX_DEPTH else None
+            if typed is None:
                 out.corrupt += 1
                 continue
-            written = valid_run_id(event.get(RUN_ID_FIELD))
-            if run_id is not None and written is not None and written != run_id:
+            if run_id is not None and typed.run_id is not None and typed.run_id != run_id:
                 out.foreign += 1
                 if name not in out.foreign_files:
                     out.foreign_files.append(name)
                 continue
-            out.events.append(event)
+            out.events.append(typed)
     out.events.sort(key=_order)
     return out
 
@@ -95,7 +100,6 @@ def _depth(obj: Any) -> int:
     return deepest
 
 
-def _order(event: dict[str, Any]) -> tuple[float, int]:
-    t, rank = to_float(event.get("time")), event.get("rank")  # 10**400 is an int no float holds
-    return (t if t is not None and t == t else float("inf"),
-            rank if isinstance(rank, int) and abs(rank) < 2**63 else -1)
+def _order(event: Event) -> tuple[float, int]:
+    """By time (an event without one last), then rank (one without first)."""
+    return (event.time if event.time is not None else float("inf"), event.rank if event.rank is not None else -1)

@@ -103,12 +103,12 @@ def facts(report: Report, run: Run) -> list[tuple[str, str]]:
     times = run.logged.times if run.logged is not None and run.logged.times.size else run.times
     first = float(times[0]) if times.size else None
     last = float(times[-1]) if times.size else None
-    started = header.get("started") if isinstance(header.get("started"), (int, float)) else first
-    config = header.get("config")
-    job = config.get("run") if isinstance(config, dict) else None
+    started = header.started if header.started is not None else first
+    job = header.config.get("run")
     shown = {k: v for k, v in job.items() if k in JOB_FIELDS} if isinstance(job, dict) else {}
     steps = f"{report.steps} logged" + (f" ({report.first_step}..{report.last_step})" if report.first_step is not None else "")
-    versions = ", ".join(f"{name} {header[name]}" for name in ("rankmem", "torch") if isinstance(header.get(name), str))
+    versions = ", ".join(f"{name} {version}" for name, version in (("rankmem", header.rankmem_version),
+                                                                    ("torch", header.torch_version)) if version is not None)
     return [
         ("ranks", str(report.world_size)), ("hosts", ", ".join(report.hosts) or "unknown"), ("steps", steps),
         ("duration", _duration(last - started if last is not None and started is not None else None)),

@@ -44,9 +44,9 @@ def worst_first(found: Sequence[Trend]) -> list[Trend]:
 def _hosts(run: Run, world: int) -> list[object]:
     """Each rank's host from the run header (a rank without one is a node of its own)."""
     hosts: list[object] = [("rank", r) for r in range(world)]
-    for info in run.header.get("ranks", []):
-        if isinstance(info, dict) and isinstance(info.get("rank"), int) and 0 <= info["rank"] < world:
-            hosts[info["rank"]] = info.get("host", hosts[info["rank"]])
+    for info in run.header.ranks:
+        if 0 <= info.rank < world and info.host:
+            hosts[info.rank] = info.host
     return hosts
 
 

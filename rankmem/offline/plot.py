@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from rankmem.core.catalogue import PHASE_PREFIX, PHASE_SUFFIX, PLOT_KEYS, peak_phase, worse
+from rankmem.core.eventrecords import Event
 from rankmem.core.guard import load_optional
 from rankmem.core.text import printable
 from rankmem.errors import MissingExtraError, RankmemError
@@ -127,9 +128,8 @@ def draw_run(run: Run, chosen: Sequence[str], size: tuple[int, int] | None = Non
 
     fig, axes = plt.subplots(len(chosen), 1, figsize=(width / _DPI, height / _DPI), dpi=_DPI, sharex=True, squeeze=False)
     phases = run.phases()
-    # A step no int64 holds (another process wrote the line) cannot be drawn at any x.
-    events = [e for e in read_events(run.path).events
-              if isinstance(e.get("step"), int) and not isinstance(e.get("step"), bool) and abs(e["step"]) < 2**63]
+    # An event without a step (or with one no int64 holds: read as none) cannot be drawn at any x.
+    events = [e for e in read_events(run.path).events if e.step is not None]
     caps = capacities(run)
     for ax, key in zip(axes[:, 0], chosen, strict=True):
         _draw_key(ax, run, key, phases, events, for_key(caps, key), plt)
@@ -139,7 +139,7 @@ def draw_run(run: Run, chosen: Sequence[str], size: tuple[int, int] | None = Non
     return fig
 
 
-def _draw_key(ax: Any, run: Run, key: str, phases: Sequence[str], events: Sequence[dict[str, Any]],
+def _draw_key(ax: Any, run: Run, key: str, phases: Sequence[str], events: Sequence[Event],
               caps: Sequence[Capacity], plt: Any) -> None:
     """One panel: a line per rank (the worst thick), the phase that set each step's peak, capacity
     lines, events as red lines, and a y range that shows drift at its size."""
@@ -162,8 +162,8 @@ def _draw_key(ax: Any, run: Run, key: str, phases: Sequence[str], events: Sequen
     _draw_phase_peaks(ax, run, key, phases, colors)
     for n, e in enumerate(events):
         # A vertical line at each event's step, labelled once per kind and rank in the legend.
-        ax.axvline(e["step"], color="red", linestyle="--", linewidth=1.0, alpha=0.8,
-                   label=_shown(f"{event_field(e.get('kind'))} rank {event_field(e.get('rank'))}") if n < 8 else None)
+        ax.axvline(e.step, color="red", linestyle="--", linewidth=1.0, alpha=0.8,
+                   label=_shown(f"{event_field(e.kind)} rank {event_field(e.shown('rank'))}") if n < 8 else None)
     unit = " GiB" if key.endswith("_gib") else ""
     _draw_capacity_and_range(ax, steps, matrix, caps, key.endswith("_gib"))
     if worst >= 0:

@@ -31,7 +31,7 @@ from rankmem.core.catalogue import (
     peak_phase,
     worst_stat,
 )
-from rankmem.core.rundir import RUN_ID_FIELD, valid_run_id
+from rankmem.core.eventrecords import Event, KilledEvent, NearOomEvent, OomEvent, StalledEvent
 from rankmem.core.scalars import json_safe, to_float
 from rankmem.core.text import printable
 from rankmem.offline import Run
@@ -112,7 +112,7 @@ class Report:
     headroom: KeyReport | None = None
     host_growth: Growth | None = None
     trends: list[Trend] = field(default_factory=list)
-    events: list[dict[str, Any]] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
     """Every rank's forensic events (``oom``, ``near_oom``, ``killed``, ``stalled``), by time."""
     corrupt_events: int = 0
     foreign_events: int = 0
@@ -151,6 +151,7 @@ class Report:
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
+        out["events"] = [e.to_json() for e in self.events]  # each as its line holds it
         out["leaks"] = [asdict(t) for t in self.leaks]
         out["worst"] = [{"label": label, **asdict(k)} for label, k in self.worst()]
         if self.host_growth is not None:
@@ -260,12 +261,12 @@ def build_report(run: Run, leak_config: LeakConfig | None = None) -> Report:
 
 
 def _tables(run: Run) -> Report:
-    events = read_events(run.path, valid_run_id(run.header.get(RUN_ID_FIELD)))
+    events = read_events(run.path, run.header.run_id)
     steps = run.steps if run.logged is None else run.logged.steps
     report = Report(
         path=run.path,
         world_size=run.world_size,
-        hosts=sorted({str(r.get("host")) for r in run.header.get("ranks", []) if isinstance(r, dict)}),
+        hosts=sorted({r.host or "?" for r in run.header.ranks}),
         steps=int(steps.size),
         first_step=int(steps[0]) if steps.size else None,
         last_step=int(steps[-1]) if steps.size else None,
@@ -277,8 +278,7 @@ def _tables(run: Run) -> Report:
         events_skipped=events.skipped,
         detail_steps=int(run.steps.size) if run.logged is not None else None,
         detail_note=run.detail_note,
-        peak_rss_scope="/".join(sorted({str(r["peak_rss_scope"]) for r in run.header.get("ranks", [])
-                                        if isinstance(r, dict) and r.get("peak_rss_scope")})) or None,
+        peak_rss_scope="/".join(sorted({r.peak_rss_scope for r in run.header.ranks if r.peak_rss_scope})) or None,
     )
     for key in memory_keys(run):
         kr = key_report(run, key)
@@ -436,35 +436,40 @@ def _gib(value: Any) -> str | None:
     return None if number is None or not math.isfinite(number) else f"{number / 2**30:.3f}"
 
 
-def describe_event(e: Mapping[str, Any]) -> str:
-    """One line for an event; every field is bounded and typed here (see :func:`_field`)."""
-    where = (f"{event_field(e.get('kind'))} rank {event_field(e.get('rank'))} step {event_field(e.get('step'))} "
-             f"phase {event_field(e.get('phase') or '-')}")
-    kind = e.get("kind")
-    if kind == "oom":
-        what = f"{event_field(e.get('where'))} {event_field(e.get('error') or '')}".strip()
-        if (requested := _gib(e.get("requested_bytes"))) is not None:
+def describe_event(e: Event) -> str:
+    """One line for an event. The record's fields are typed; a field that was not of its type shows what
+    the line held (:meth:`~rankmem.core.eventrecords.Event.shown`), bounded by :func:`event_field`, and
+    the nested tables are checked entry by entry (another process wrote them)."""
+    where = (f"{event_field(e.kind)} rank {event_field(e.shown('rank'))} step {event_field(e.shown('step'))} "
+             f"phase {event_field(e.shown('phase') or '-')}")
+    if isinstance(e, OomEvent):
+        what = f"{event_field(e.shown('where') if e.where == 'unknown' else e.where)} {event_field(e.shown('error') or '')}".strip()
+        if (requested := _gib(e.requested_bytes)) is not None:
             what += f"; requested {requested} GiB"
-        device = _mapping(e.get("device"))  # an event line is another process's writing: trust no type
+        device = _mapping(e.device)
         free, total = _gib(device.get("free_bytes")), _gib(device.get("total_bytes"))
         if free is not None and total is not None:
             what += f"; device free {free} of {total} GiB"
-        if (rss_text := _gib(_mapping(e.get("host")).get("rss_bytes"))) is not None:
+        if (rss_text := _gib(_mapping(e.host).get("rss_bytes"))) is not None:
             what += f"; RSS {rss_text} GiB"
         return f"{where}: {what}{owners_text(device.get('attribution'))}"
-    if kind == "near_oom":
-        reasons = e.get("reasons")
-        shown = [event_field(r) for r in (reasons[:8] if isinstance(reasons, list) else [])]
-        return f"{where}: {', '.join(shown) or 'low headroom'}{owners_text(_mapping(e.get('device')).get('attribution'))}"
-    rss = _gib(e.get("last_rss_bytes"))
-    last = f", last RSS {rss} GiB" if rss is not None else ""
-    if kind == "killed":
-        return f"{where}: killed by {event_field(e.get('signal'))}{last}; cause {event_field(e.get('cause'))}"
-    if kind == "stalled":
-        age = to_float(e.get("heartbeat_age_s"))
-        age_text = f"{age:.0f} s" if age is not None and math.isfinite(age) else "?"
-        return f"{where}: no heartbeat for {age_text}{last}; process state {event_field(e.get('process_state'))}"
+    if isinstance(e, NearOomEvent):
+        shown = [event_field(r) for r in e.reasons[:8]]
+        return f"{where}: {', '.join(shown) or 'low headroom'}{owners_text(_mapping(e.device).get('attribution'))}"
+    if isinstance(e, KilledEvent):
+        return (f"{where}: killed by {event_field(e.shown('signal'))}{_last_rss(e.last_rss_bytes)}; "
+                f"cause {event_field(e.shown('cause'))}")
+    if isinstance(e, StalledEvent):
+        age = e.heartbeat_age_s
+        age_text = f"{age:.0f} s" if age is not None else "?"
+        return (f"{where}: no heartbeat for {age_text}{_last_rss(e.last_rss_bytes)}; "
+                f"process state {event_field(e.shown('process_state'))}")
     return where
+
+
+def _last_rss(value: int | None) -> str:
+    rss = _gib(value)
+    return f", last RSS {rss} GiB" if rss is not None else ""
 
 
 OWNER_PARTS = ("reserved", "nontorch", "siblings", "descendants", "foreign", "unattributed")

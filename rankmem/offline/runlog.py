@@ -4,8 +4,11 @@ Lines in the writer's own layout (:mod:`rankmem.runlog.layout`) take the fast pa
 object is parsed. Anything else (another writer's layout, ``metrics=True``) takes the slow path, a full
 ``json.loads`` of the line. Both paths accept the same lines and file the same values.
 
-Whatever the file holds, reading it never raises anything but :class:`RankmemError` (about the file as
-a whole: no header, a header without a usable world size) and never files a value under another step
+The header line reads into the :class:`~rankmem.core.records.RunHeader` it was written from
+(:func:`rankmem.runlog.header.header_from_json`: a damaged field other than those the arrays are shaped
+by takes its default). Whatever the file holds, reading it never raises anything but
+:class:`RankmemError` (about the file as a whole: no header, a header without a usable world size,
+schema or detail) and never files a value under another step
 or rank: a line that is not a whole step in the layout (not JSON, nested past the parser's depth, a
 step outside int64, a per-rank vector whose length is not the world size) is skipped and its line
 number kept in :attr:`Run.corrupt_lines`; a truncated last line is skipped and flagged. A torn line (a
@@ -34,21 +37,20 @@ import numpy as np
 
 from rankmem.core.catalogue import phase_names
 from rankmem.core.files import is_regular, kind_of, open_binary
-from rankmem.core.rundir import valid_run_id
+from rankmem.core.records import RunHeader
 from rankmem.core.scalars import to_float_or_nan
 from rankmem.errors import MissingExtraError, RankmemError
 from rankmem.offline.columnar import Detail, empty_detail, read_detail
+from rankmem.runlog.header import header_from_json
 from rankmem.runlog.layout import (
     DETAIL_AGGREGATES,
     HEADER_KIND,
     INLINE,
-    RUN_ID_FIELD,
     RUN_LOG_NAME,
     STEP_KIND,
     STEP_MAX,
     STEP_MIN,
     STEP_PREFIX,
-    SUPPORTED_SCHEMAS,
     detail_path,
     split_step,
 )
@@ -58,9 +60,6 @@ from rankmem.runlog.layout import (
 # cache. Larger chunks (1024, 4096) measured no faster.
 _CHUNK = 256
 _NUMBER_TYPES = {float, int, type(None)}
-MAX_WORLD = 1 << 20
-"""Most ranks a header may claim without listing them (its ``ranks``): a million, past any cluster
-built, while a bogus ``world_size`` of 10**9 would ask for gigabytes per key."""
 _BAD_JSON = (ValueError, RecursionError)  # json.loads: not JSON; nested past the interpreter's depth
 # Magic bytes of compressed files rankmem does not open itself, and the command that undoes each.
 _COMPRESSED = {b"BZh": ("bzip2", "bunzip2"), b"\xfd7zXZ\x00": ("xz", "unxz"), b"\x28\xb5\x2f\xfd": ("zstd", "unzstd")}
@@ -87,7 +86,8 @@ class Run:
     """
 
     path: str
-    header: dict[str, Any]
+    header: RunHeader
+    """The header, typed (:func:`rankmem.runlog.header.header_from_json`): what the run wrote it from."""
     steps: np.ndarray
     """Step numbers, int64, in file order."""
     times: np.ndarray
@@ -111,7 +111,7 @@ class Run:
 
     @property
     def world_size(self) -> int:
-        return int(self.header.get("world_size") or 0)
+        return self.header.world_size
 
     @property
     def corrupt(self) -> int:
@@ -181,50 +181,19 @@ def _open_bytes(path: str) -> Iterator[io.BufferedIOBase]:
         handle.close()
 
 
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:30] + f"... ({len(text)} characters)"
-
-
-def _parse_header(first: str, path: str) -> dict[str, Any]:
+def _parse_header(first: str, path: str) -> RunHeader:
     if not first.strip():
         raise RankmemError(f"{path} is empty: the run wrote no header (a run log starts at the first collect())")
     try:
-        header = json.loads(first)
+        obj = json.loads(first)
     except _BAD_JSON:
-        header = None
-    if not isinstance(header, dict) or header.get("kind") != HEADER_KIND:
+        obj = None
+    if not isinstance(obj, dict) or obj.get("kind") != HEADER_KIND:
         raise RankmemError(
             f"{path} has no header line: its first line must be a rankmem run log header "
             '({"kind":"header",...}); is this a rankmem.jsonl file?'
         )
-    schema = header.get("schema")
-    if schema not in SUPPORTED_SCHEMAS:
-        supported = ", ".join(str(s) for s in SUPPORTED_SCHEMAS)
-        raise RankmemError(
-            f"{path} has run log schema {_short(schema)}; this rankmem reads schema {supported}: "
-            "read it with the rankmem version that wrote it (see the header's 'rankmem' field)"
-        )
-    header_world_size(header, path)
-    return header
-
-
-def header_world_size(header: dict[str, Any], path: str) -> int:
-    """The header's ``world_size``, checked: every row of every series is that wide, so a wrong one
-    would misfile values or allocate without bound."""
-    world, ranks = header.get("world_size"), header.get("ranks")
-    if "ranks" in header and not isinstance(ranks, list):  # absent is fine (another writer); null is not
-        raise RankmemError(f"{path}: the header's 'ranks' must be a list of per-rank records, got {_short(ranks)}")
-    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
-        raise RankmemError(f"{path}: the header's world_size must be the number of ranks (an integer >= 1), "
-                           f"got {_short(world)}; the header is damaged")
-    if ranks and len(ranks) != world:
-        raise RankmemError(f"{path}: the header's world_size is {_short(world)} but it lists {len(ranks)} ranks; "
-                           "the header is damaged")
-    if world > MAX_WORLD and not ranks:
-        raise RankmemError(f"{path}: the header's world_size {_short(world)} is more than {MAX_WORLD} ranks; "
-                           "the header is damaged")
-    return world
+    return header_from_json(obj, path)
 
 
 def _fast_step(line: str) -> tuple[int, float, dict[str, Any]] | None:
@@ -385,7 +354,7 @@ class _Lines:
             a[0].append(row)
             a[1].append(value)
 
-    def run(self, path: str, header: dict[str, Any]) -> Run:
+    def run(self, path: str, header: RunHeader) -> Run:
         n = len(self.steps)
         agg_arrays: dict[str, np.ndarray] | None = None
         if self.metrics:
@@ -419,13 +388,9 @@ def read_run(path: str, *, metrics: bool = False) -> Run:
     with _open_log(path) as f:
         lines_of = _NumberedLines(f, path)
         header = _parse_header(next(lines_of, (1, ""))[1], path)
-        detail = header.get("detail", INLINE)
-        if header.get("schema") != 1 and not isinstance(detail, str):
-            raise RankmemError(f"{path}: the header's detail must name the per-rank file (or be \"inline\"), "
-                               f"got {_short(detail)}; the header is damaged")
-        if header.get("schema") != 1 and detail != INLINE:
-            return _read_columnar(path, header, detail, metrics)
-        lines = _Lines(header_world_size(header, path), metrics)
+        if header.detail is not None and header.detail != INLINE:
+            return _read_columnar(path, header, header.detail, metrics)
+        lines = _Lines(header.world_size, metrics)
         for lineno, line in lines_of:
             lines.add(lineno, line)
         lines.truncated = lines.truncated or lines_of.ended_early
@@ -455,10 +420,10 @@ class _NumberedLines:
                                "source, or gunzip what can be read of it") from None
 
 
-def _read_columnar(path: str, header: dict[str, Any], name: str, metrics: bool) -> Run:
+def _read_columnar(path: str, header: RunHeader, name: str, metrics: bool) -> Run:
     """A schema-2 log: the per-rank values and aggregates from its side file, then the lines the side
     file does not hold yet (after its last batch's offset: a crash's last second) from the log."""
-    world = header_world_size(header, path)
+    world = header.world_size
     side = detail_path(path, name)
     detail: Detail | None = None
     note = None
@@ -469,7 +434,7 @@ def _read_columnar(path: str, header: dict[str, Any], name: str, metrics: bool) 
                 "the aggregates are read from the run log's lines")
     else:
         try:
-            detail = read_detail(side, world, valid_run_id(header.get(RUN_ID_FIELD)), _first_line(path))
+            detail = read_detail(side, world, header.run_id, _first_line(path))
         except MissingExtraError:
             raise  # pyarrow is needed to read it: say so, rather than read the lines silently
         except RankmemError as exc:

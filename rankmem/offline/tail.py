@@ -16,6 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rankmem.core.files import open_binary
+from rankmem.core.records import RunHeader
+from rankmem.errors import RankmemError
+from rankmem.runlog.header import header_from_json
 from rankmem.runlog.layout import HEADER_KIND, STEP_KIND
 
 _BAD_JSON = (ValueError, RecursionError)  # json.loads: not JSON; nested past the interpreter's depth
@@ -40,16 +43,19 @@ def read_header_line(path: str) -> bytes | None:
     return first if first.endswith(b"\n") else None
 
 
-def read_header(path: str) -> dict[str, Any] | None:
-    """The header line of ``path``; None when it is missing, not yet whole, or not a header."""
+def read_header(path: str) -> RunHeader | None:
+    """The header of ``path``, typed; None when it is missing, not yet whole, or not a header. A header
+    whose world size or schema is damaged raises :class:`RankmemError` (as :func:`read_run` does)."""
     first = read_header_line(path)
     if first is None:
         return None
     try:
-        header = json.loads(first)
+        obj = json.loads(first)
     except _BAD_JSON:
         return None
-    return header if isinstance(header, dict) and header.get("kind") == HEADER_KIND else None
+    if not isinstance(obj, dict) or obj.get("kind") != HEADER_KIND:
+        return None
+    return header_from_json(obj, path)
 
 
 def _step(line: bytes) -> dict[str, Any] | None:
@@ -105,7 +111,9 @@ def read_last_steps(path: str, count: int = 2, size: int | None = None) -> tuple
 class Tail:
     """What :class:`TailFollower` last saw."""
 
-    header: dict[str, Any] | None = None
+    header: RunHeader | None = None
+    header_error: RankmemError | None = None
+    """Why the header line, though whole, cannot be read (a damaged world size): the caller says so."""
     steps: list[dict[str, Any]] = field(default_factory=list)
     """The newest step lines, oldest first."""
     size: int = 0
@@ -131,9 +139,10 @@ class TailFollower:
             return self.tail
         identity = (st.st_dev, st.st_ino)
         if identity != self._identity or st.st_size < self.tail.size:
-            self._identity, self.tail = identity, Tail(header=read_header(self.path))
+            self._identity, self.tail = identity, Tail()
+            self._read_header()
         elif self.tail.header is None:
-            self.tail.header = read_header(self.path)
+            self._read_header()
         if st.st_size == self.tail.size:
             self.tail.bytes_read = 0
             return self.tail
@@ -143,3 +152,9 @@ class TailFollower:
             return self.tail
         self.tail.steps, self.tail.size, self.tail.bytes_read = steps, st.st_size, nread
         return self.tail
+
+    def _read_header(self) -> None:
+        try:
+            self.tail.header, self.tail.header_error = read_header(self.path), None
+        except RankmemError as exc:
+            self.tail.header, self.tail.header_error = None, exc

@@ -25,13 +25,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rankmem.core.catalogue import key_of, worse
-from rankmem.core.rundir import RUN_ID_FIELD, RunDir, valid_run_id
+from rankmem.core.eventrecords import KILLED, Event
+from rankmem.core.records import RunHeader
+from rankmem.core.rundir import RunDir
 from rankmem.core.scalars import to_float
 from rankmem.forensics.heartbeat import HeartbeatRecord, read_heartbeats
 from rankmem.offline.capacity import DEVICE, HOST, NODE
 from rankmem.offline.columnar import DetailFollower
 from rankmem.offline.events import read_events
-from rankmem.offline.runlog import header_world_size
 from rankmem.offline.tail import Tail, TailFollower, read_header_line
 from rankmem.runlog.layout import INLINE, detail_path
 
@@ -91,7 +92,7 @@ class Frame:
     """Column key -> the worst rank (only with more than one rank reporting it)."""
     capacity: list[tuple[str, float]]
     """(label, GiB) of what bounds the ranks (:data:`CAPACITY`), the least over ranks."""
-    events: list[dict[str, Any]]
+    events: list[Event]
     """The newest events, oldest first (at most :data:`EVENTS_SHOWN`)."""
     event_count: int
     limits: dict[str, list[float | None]] = field(default_factory=dict)
@@ -126,12 +127,14 @@ def worst_rank(key: str, values: Sequence[float | None]) -> int | None:
     return min(present, key=lambda vr: (-vr[0], vr[1]))[1]
 
 
-def build_frame(run_dir: str, tail: Tail, beats: dict[int, HeartbeatRecord], events: list[dict[str, Any]],
+def build_frame(run_dir: str, tail: Tail, beats: dict[int, HeartbeatRecord], events: list[Event],
                 now: float | None = None, detail: tuple[int, dict[str, list[float | None]]] | None = None) -> Frame:
     """The screen for a run log's ``tail``, the ranks' heartbeats and the run's events. ``detail``: the
     newest (step, per-rank values) of the side file, for a log whose lines hold the aggregates only."""
     now = time.time() if now is None else now
-    header = tail.header or {}
+    header = tail.header
+    if tail.header_error is not None:
+        raise tail.header_error  # a damaged header is one error line, as read_run says it
     last = tail.steps[-1] if tail.steps else None
     detail_step = None
     if last is not None and not isinstance(last.get("ranks"), dict) and detail is not None:
@@ -139,8 +142,8 @@ def build_frame(run_dir: str, tail: Tail, beats: dict[int, HeartbeatRecord], eve
         last = {**last, "ranks": detail[1]}
     # A header says the world size (checked as the reader checks it: a damaged one is one error line);
     # before it is written, the heartbeats do.
-    world = header_world_size(header, RunDir(run_dir).log) if "world_size" in header else (max(beats) + 1 if beats else 0)
-    hosts = sorted({str(r.get("host")) for r in header.get("ranks", []) if isinstance(r, dict)})
+    world = header.world_size if header is not None else (max(beats) + 1 if beats else 0)
+    hosts = sorted({r.host for r in header.ranks}) if header is not None else []
     step_time = None
     if len(tail.steps) >= 2:
         (a, b) = tail.steps[-2:]
@@ -183,17 +186,14 @@ def build_frame(run_dir: str, tail: Tail, beats: dict[int, HeartbeatRecord], eve
     )
 
 
-def hosts_of(header: dict[str, Any]) -> list[str | None]:
+def hosts_of(header: RunHeader | None) -> list[str | None]:
     """Each rank's host as the header's ``ranks`` list gives it (None where it does not)."""
-    ranks = header.get("ranks")
-    if not isinstance(ranks, list):
-        return []
-    return [str(r["host"]) if isinstance(r, dict) and isinstance(r.get("host"), str) else None for r in ranks]
+    return [r.host or None for r in header.ranks] if header is not None else []
 
 
-def _mark_dead(rows: list[RankRow], beats: dict[int, HeartbeatRecord], events: list[dict[str, Any]],
+def _mark_dead(rows: list[RankRow], beats: dict[int, HeartbeatRecord], events: list[Event],
                hosts: list[str | None]) -> None:
-    killed = {e.get("rank") for e in events if e.get("kind") == "killed"}
+    killed = {e.rank for e in events if e.kind == KILLED}
     here = socket.gethostname()
     for row in rows:
         beat = beats.get(row.rank)
@@ -241,12 +241,12 @@ class Watcher:
         self.log_path = log
         self.follower = TailFollower(log, count=2)
         self._events_stamp: tuple[tuple[str, int, int], ...] = ()
-        self._events: list[dict[str, Any]] = []
+        self._events: list[Event] = []
         self._detail_follower: DetailFollower | None = None
         self.events_skipped: list[str] = []
         """Event files not read (a FIFO, a device), each with why: the title says so."""
 
-    def _read_events(self, run_id: str | None) -> list[dict[str, Any]]:
+    def _read_events(self, run_id: str | None) -> list[Event]:
         directory = RunDir(self.run_dir).events
         try:
             stamp = tuple(sorted((e.name, (s := e.stat()).st_size, s.st_ino) for e in os.scandir(directory)))
@@ -257,9 +257,9 @@ class Watcher:
             self._events_stamp, self._events, self.events_skipped = stamp, read.events, read.skipped
         return self._events
 
-    def _detail(self, header: dict[str, Any] | None) -> tuple[int, dict[str, list[float | None]]] | None:
-        name = (header or {}).get("detail")
-        if not isinstance(name, str) or name == INLINE:
+    def _detail(self, header: RunHeader | None) -> tuple[int, dict[str, list[float | None]]] | None:
+        name = header.detail if header is not None else None
+        if name is None or name == INLINE:
             return None
         path = detail_path(self.log_path, name)
         if self._detail_follower is None or self._detail_follower.path != path:
@@ -270,11 +270,11 @@ class Watcher:
     def frame(self, now: float | None = None) -> Frame:
         tail = self.follower.poll()
         # This run's heartbeats and events only: an earlier run's (not moved aside) are not its ranks.
-        run_id = valid_run_id((tail.header or {}).get(RUN_ID_FIELD))
+        run_id = tail.header.run_id if tail.header is not None else None
         beats = read_heartbeats(RunDir(self.run_dir).heartbeat, run_id)
         frame = build_frame(self.run_dir, tail, beats, self._read_events(run_id), now, detail=self._detail(tail.header))
         follower = self._detail_follower
-        if tail.header is None and tail.steps:
+        if tail.header is None and tail.header_error is None and tail.steps:
             frame.detail_note = f"{self.log_path}: its first line is not a rankmem header (damaged): world size unknown"
         elif follower is not None and follower.damaged:
             frame.detail_note = f"{follower.path}: {follower.damaged}; not followed further"

@@ -17,6 +17,7 @@ import time
 from dataclasses import asdict
 from typing import Any
 
+from rankmem.core.eventrecords import KILLED, OOM
 from rankmem.core.scalars import to_float
 from rankmem.core.text import printable
 from rankmem.offline.report import describe_event
@@ -68,6 +69,7 @@ def frame_json(frame: Frame, stale_s: float = 30.0) -> dict[str, Any]:
     """The frame as plain JSON (``watch --once --json``): what the screen shows, with each rank's state
     and shares of its limits."""
     doc = asdict(frame)
+    doc["events"] = [e.to_json() for e in frame.events]  # each as its line holds it, not as the record nests
     doc["shown_step"] = shown_step(frame)
     for row, out in zip(frame.rows, doc["rows"], strict=True):
         out["state"] = state(row, stale_s)
@@ -218,8 +220,8 @@ def render_frame(frame: Frame, stale_s: float = 30.0) -> Any:
     if frame.event_count:
         parts.append(Text(f"events ({frame.event_count}, newest last):"))
         for e in frame.events:
-            parts.append(Text(printable(f"  {_clock(e.get('time'))} {describe_event(e)}"),
-                              "red" if e.get("kind") in ("oom", "killed") else ""))
+            parts.append(Text(printable(f"  {_clock(e.time)} {describe_event(e)}"),
+                              "red" if e.kind in (OOM, KILLED) else ""))
     else:
         parts.append(Text("events: none"))
     return Group(*parts)

@@ -13,7 +13,8 @@ flushed, so a crash loses at most the line being written. Reading is offline cod
 from __future__ import annotations
 
 from rankmem.core.scalars import json_safe
+from rankmem.runlog.header import header_to_json
 from rankmem.runlog.layout import RUN_LOG_NAME, SCHEMA, SUPPORTED_SCHEMAS
-from rankmem.runlog.writer import RunLogWriter, header_to_json
+from rankmem.runlog.writer import RunLogWriter
 
 __all__ = ["RUN_LOG_NAME", "SCHEMA", "SUPPORTED_SCHEMAS", "RunLogWriter", "header_to_json", "json_safe"]

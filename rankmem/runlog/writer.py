@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict
 from typing import Any
 
 from rankmem.core.records import RunHeader, StepRecord
@@ -26,41 +25,14 @@ from rankmem.runlog.append import append_whole
 from rankmem.runlog.checksum import header_crc
 from rankmem.runlog.columnar import DetailWriter, pyarrow_available
 from rankmem.runlog.detail_pipe import DetailPipe
+from rankmem.runlog.header import header_to_json
 from rankmem.runlog.layout import (
-    DETAIL_NAME,
-    HEADER_KIND,
     INLINE,
-    RUN_ID_FIELD,
-    SCHEMA,
     SEPARATORS,
     STEP_MAX,
     STEP_MIN,
     step_object,
 )
-
-
-def header_to_json(header: RunHeader, detail: str = DETAIL_NAME) -> dict[str, Any]:
-    from rankmem.core.version import __version__
-
-    try:
-        import torch
-
-        torch_version: str | None = str(torch.__version__)
-    except ImportError:
-        torch_version = None
-    return {
-        "kind": HEADER_KIND,
-        "schema": SCHEMA,
-        "rankmem": __version__,
-        "torch": torch_version,
-        "world_size": header.world_size,
-        "started": header.started,
-        "ranks": [asdict(r) for r in header.ranks],
-        "config": header.config,
-        "detail": detail,
-        RUN_ID_FIELD: header.run_id,
-    }
-
 
 _RANK_SUFFIX = "_rank"
 

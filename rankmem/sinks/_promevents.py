@@ -51,7 +51,7 @@ class EventCounter:
         for line in chunk[:end].splitlines():
             try:
                 kind = json.loads(line).get("kind")
-            except (ValueError, AttributeError):
+            except (ValueError, AttributeError, RecursionError):  # not JSON, not an object, nested past the parser
                 continue
             if kind in KINDS:
                 self._counts[kind] += 1

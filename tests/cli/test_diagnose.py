@@ -81,15 +81,15 @@ def test_killed_rank_with_its_last_step_phase_and_rss() -> None:
     assert finding.rank == 1
     assert finding.line == "rank 1 was killed by SIGKILL at step 57 (phase update), last RSS 3.0 GiB; cause unknown"
     e = finding.event
-    assert (e["kind"], e["rank"], e["step"], e["phase"], e["signal"], e["pid"]) == ("killed", 1, 57, "update", "SIGKILL", 9532)
-    assert e["cause"] == "unknown" and e["last_rss_bytes"] == 3 * GIB and e["time"] == NOW
+    assert (e.kind, e.rank, e.step, e.phase, e.signal, e.pid) == ("killed", 1, 57, "update", "SIGKILL", 9532)
+    assert e.cause == "unknown" and e.last_rss_bytes == 3 * GIB and e.time == NOW
 
 
 def test_oom_kill_counters_name_the_kernel_oom_killer() -> None:
     beats = {1: beat(1, 9532, 57, "update")}
     (cgroup,) = diagnose(KILLED, beats, OomKills(0, 3), OomKills(1, 4), NOW)
     assert cgroup.line.endswith("; the cgroup's OOM-kill count rose: the kernel OOM killer")
-    assert cgroup.event["cause"] == "oom_killer" and cgroup.event["cgroup_oom_kills"] == [0, 1]
+    assert cgroup.event.cause == "oom_killer" and cgroup.event.cgroup_oom_kills == [0, 1]
     (node,) = diagnose(KILLED, beats, OomKills(None, 3), OomKills(None, 4), NOW)
     assert node.line.endswith("; the node's OOM-kill count rose: the kernel OOM killer")
     (unreadable,) = diagnose(KILLED, beats, OomKills(None, None), OomKills(None, None), NOW)
@@ -152,8 +152,8 @@ def test_stalled_rank_named_instead_of_the_rank_torchrun_blames() -> None:
     (finding,) = diagnose(STALLED, beats, NO_OOM, NO_OOM, NOW)
     assert finding.line == "rank 1 stopped making progress at step 161 (phase log_prob): no heartbeat for 40 s"
     e = finding.event
-    assert (e["kind"], e["rank"], e["step"], e["phase"], e["pid"]) == ("stalled", 1, 161, "log_prob", 9904)
-    assert e["heartbeat_age_s"] == pytest.approx(40.2) and e["heartbeat_seq"] == 485 and e["ahead_seq"] == 486
+    assert (e.kind, e.rank, e.step, e.phase, e.pid) == ("stalled", 1, 161, "log_prob", 9904)
+    assert e.heartbeat_age_s == pytest.approx(40.2) and e.heartbeat_seq == 485 and e.ahead_seq == 486
 
 
 def test_stopped_process_named_when_both_ranks_beat_the_same_edge() -> None:
@@ -164,7 +164,7 @@ def test_stopped_process_named_when_both_ranks_beat_the_same_edge() -> None:
     (finding,) = diagnose(STALLED, beats, NO_OOM, NO_OOM, NOW, states={0: "S", 1: "T"})
     assert finding.line == ("rank 1 stopped making progress at step 161 (phase update): no heartbeat for 40 s; "
                             "its process was stopped (state T: SIGSTOP or job control)")
-    assert finding.event["process_state"] == "T"
+    assert finding.event.process_state == "T"
     (finding,) = diagnose("", beats, NO_OOM, NO_OOM, NOW, states={0: "S", 1: "D"})
     assert finding.line.endswith("; its process was in uninterruptible sleep (state D: waiting in the kernel, "
                                  "e.g. on I/O or a driver)")

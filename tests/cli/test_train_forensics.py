@@ -96,8 +96,8 @@ def test_sigkilled_rank_is_named_with_its_last_step(tmp_path: Path) -> None:
     # The diagnosis is the last line; torchrun's failure table is in the launch log, not on the terminal.
     assert err.splitlines()[-1].startswith("rankmem train: the job failed") and ROOT_CAUSE not in err
     assert ROOT_CAUSE in torchrun_log(tmp_path)
-    (event,) = [e for e in read_events(str(tmp_path)).events if e["kind"] == "killed"]
-    assert (event["rank"], event["step"], event["signal"], event["pid"]) == (1, last.step, "SIGKILL", pid)
+    (event,) = [e for e in read_events(str(tmp_path)).events if e.kind == "killed"]
+    assert (event.rank, event.step, event.signal, event.pid) == (1, last.step, "SIGKILL", pid)
     assert (tmp_path / "events" / "rank1.jsonl").exists()
 
 
@@ -134,8 +134,8 @@ def test_stopped_rank_is_named_not_the_rank_that_timed_out(tmp_path: Path) -> No
     assert match is not None, line
     assert int(match[1]) >= pg_timeout - 1
     assert ROOT_CAUSE not in err and ROOT_CAUSE in torchrun_log(tmp_path)
-    (event,) = [e for e in read_events(str(tmp_path)).events if e["kind"] == "stalled"]
-    assert (event["rank"], event["step"], event["phase"], event["pid"]) == (1, last.step, last.phase, pid)
+    (event,) = [e for e in read_events(str(tmp_path)).events if e.kind == "stalled"]
+    assert (event.rank, event.step, event.phase, event.pid) == (1, last.step, last.phase, pid)
 
 
 HOG = """
@@ -180,6 +180,6 @@ def test_oom_killed_rank_is_blamed_on_the_oom_killer(tmp_path: Path) -> None:
     assert f"rankmem train: rank 1 was killed by SIGKILL at step {last.step}, last RSS {last.rss_bytes / 2**30:.1f} " \
            "GiB; the cgroup's OOM-kill count rose: the kernel OOM killer" in lines, err[-3000:]
     assert all(line.endswith("the kernel OOM killer") for line in lines), lines
-    events = {e["rank"]: e for e in read_events(str(tmp_path)).events if e["kind"] == "killed"}
-    assert events[1]["cause"] == "oom_killer" and events[1]["step"] == last.step
-    assert events[1]["cgroup_oom_kills"][1] > events[1]["cgroup_oom_kills"][0]
+    events = {e.rank: e for e in read_events(str(tmp_path)).events if e.kind == "killed"}
+    assert events[1].cause == "oom_killer" and events[1].step == last.step
+    assert events[1].cgroup_oom_kills[1] > events[1].cgroup_oom_kills[0]

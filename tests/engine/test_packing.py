@@ -54,7 +54,7 @@ def test_the_packed_job_tells_each_phase_its_heaviest_micro_batch_per_rank(tmp_p
     proc = torchrun("rankmem.engine.train", 2, argv, extra=["-m"], timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = read_run(str(tmp_path))
-    assert run.header["config"]["run"]["ppo_max_token_len_per_gpu"] == budget
+    assert run.header.config["run"]["ppo_max_token_len_per_gpu"] == budget
     task = CountingTask(GRPO_VOCAB, PROMPT_LEN, RESPONSE_LEN, 4, 8, seed=0)
     for step in range(steps):
         for rank in range(2):

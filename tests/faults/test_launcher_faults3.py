@@ -75,8 +75,8 @@ def test_a_closed_stderr_with_chatty_ranks_neither_blocks_the_job_nor_hides_a_ki
         os.kill(pid, signal.SIGKILL)
         proc.communicate(timeout=LAUNCH_TIMEOUT_S + 30)
     assert proc.returncode not in (0, 124)
-    (event,) = [e for e in read_events(str(killed)).events if e["kind"] == "killed"]
-    assert (event["rank"], event["signal"], event["pid"]) == (1, "SIGKILL", pid)
+    (event,) = [e for e in read_events(str(killed)).events if e.kind == "killed"]
+    assert (event.rank, event.signal, event.pid) == (1, "SIGKILL", pid)
 
 
 def test_a_sigkilled_rank_is_the_last_line_of_a_short_stderr(tmp_path: Path) -> None:
@@ -132,8 +132,8 @@ def test_a_rank_stopped_between_its_window_and_collect_is_named(tmp_path: Path) 
     last = err.strip().splitlines()[-1]
     assert re.match(r"rankmem train: the job failed \(exit 1\): rank 1 stopped making progress at step 3: "
                     r"no heartbeat for \d+ s\. ", last), err
-    (event,) = [e for e in read_events(str(tmp_path)).events if e["kind"] == "stalled"]
-    assert event["rank"] == 1 and event["collect_marks"] < event["ahead_marks"]
+    (event,) = [e for e in read_events(str(tmp_path)).events if e.kind == "stalled"]
+    assert event.rank == 1 and event.collect_marks < event.ahead_marks
 
 
 def test_sizes_no_node_can_hold_are_one_line_and_exit_2(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from rankmem.core.eventrecords import KilledEvent, NearOomEvent, OomEvent
 from rankmem.forensics.events import EventWriter, oom_event, oom_where
 from rankmem.offline.events import read_events
 
@@ -32,8 +33,8 @@ class CudaSubclassOOM(OutOfMemoryError):
 def test_writer_appends_whole_lines_with_nan_as_null(tmp_path: Path) -> None:
     writer = EventWriter(str(tmp_path), 3)
     assert not (tmp_path / "events").exists()  # opened on the first event only
-    assert writer.write({"kind": "oom", "step": 7, "phase": "update", "x": math.nan, "y": [math.inf, 1.5]})
-    assert writer.write({"kind": "near_oom", "step": 8, "phase": None, "time": 123.0})
+    assert writer.write(OomEvent(step=7, phase="update", extra={"x": math.nan, "y": [math.inf, 1.5]}))
+    assert writer.write(NearOomEvent(step=8, phase=None, time=123.0))
     writer.close()
     lines = (tmp_path / "events" / "rank3.jsonl").read_bytes().split(b"\n")
     assert lines[-1] == b"" and len(lines) == 3
@@ -44,14 +45,14 @@ def test_writer_appends_whole_lines_with_nan_as_null(tmp_path: Path) -> None:
 
 
 def test_writer_appends_across_writers_and_processes(tmp_path: Path) -> None:
-    EventWriter(str(tmp_path), 0).write({"kind": "oom", "step": 1, "phase": None})
+    EventWriter(str(tmp_path), 0).write(OomEvent(step=1))
     pid = os.fork()
     if pid == 0:  # another process appending to the same file (O_APPEND: no line interleaves)
-        EventWriter(str(tmp_path), 0).write({"kind": "near_oom", "step": 2, "phase": None})
+        EventWriter(str(tmp_path), 0).write(NearOomEvent(step=2))
         os._exit(0)
     os.waitpid(pid, 0)
     events = read_events(str(tmp_path))
-    assert [e["kind"] for e in events.events] == ["oom", "near_oom"] and events.corrupt == 0
+    assert [e.kind for e in events.events] == ["oom", "near_oom"] and events.corrupt == 0
 
 
 def test_unwritable_directory_warns_once_and_never_raises(tmp_path: Path) -> None:
@@ -59,8 +60,8 @@ def test_unwritable_directory_warns_once_and_never_raises(tmp_path: Path) -> Non
     blocker.write_text("not a directory")
     writer = EventWriter(str(blocker), 0)  # <file>/events cannot be created, even by root
     with pytest.warns(RuntimeWarning, match=r"cannot write events to .*rank0.jsonl.*training goes on") as caught:
-        assert writer.write({"kind": "oom", "step": 1, "phase": None}) is False
-        assert writer.write({"kind": "oom", "step": 2, "phase": None}) is False
+        assert writer.write(OomEvent(step=1)) is False
+        assert writer.write(OomEvent(step=2)) is False
     assert len(caught) == 1
 
 
@@ -70,9 +71,9 @@ def test_unserialisable_figures_are_named_not_fatal(tmp_path: Path) -> None:
             return 2.5
 
     writer = EventWriter(str(tmp_path), 0)
-    assert writer.write({"kind": "oom", "step": 1, "phase": None, "a": Scalar(), "b": object()})
+    assert writer.write(OomEvent(step=1, extra={"a": Scalar(), "b": object()}))
     event = read_events(str(tmp_path)).events[0]
-    assert event["a"] == 2.5 and event["b"].startswith("<object object")
+    assert event.extra["a"] == 2.5 and event.extra["b"].startswith("<object object")
 
 
 def test_an_event_that_cannot_be_encoded_is_skipped_not_raised(tmp_path: Path) -> None:
@@ -82,9 +83,9 @@ def test_an_event_that_cannot_be_encoded_is_skipped_not_raised(tmp_path: Path) -
 
     writer = EventWriter(str(tmp_path), 0)
     with pytest.warns(RuntimeWarning, match=r"cannot encode a 'oom' event \(MemoryError\(\)\); it is skipped"):
-        assert writer.write({"kind": "oom", "step": 1, "phase": None, "x": Exhausted()}) is False
-    assert writer.write({"kind": "oom", "step": 2, "phase": None})  # the next one is written
-    assert [e["step"] for e in read_events(str(tmp_path)).events] == [2]
+        assert writer.write(OomEvent(step=1, extra={"x": Exhausted()})) is False
+    assert writer.write(OomEvent(step=2))  # the next one is written
+    assert [e.step for e in read_events(str(tmp_path)).events] == [2]
 
 
 def test_reader_merges_ranks_by_time_and_counts_torn_and_corrupt_lines(tmp_path: Path) -> None:
@@ -99,7 +100,8 @@ def test_reader_merges_ranks_by_time_and_counts_torn_and_corrupt_lines(tmp_path:
     (events / "rank1.jsonl").write_text('{"kind":"killed","rank":1,"step":2,"phase":null,"time":20.0}\n')
     (events / "other.txt").write_text("ignored\n")
     got = read_events(str(tmp_path))
-    assert [(e["rank"], e["time"]) for e in got.events] == [(0, 10.0), (1, 20.0), (0, 30.0)]
+    assert [(e.rank, e.time) for e in got.events] == [(0, 10.0), (1, 20.0), (0, 30.0)]
+    assert [type(e) for e in got.events] == [NearOomEvent, KilledEvent, OomEvent]
     assert got.corrupt == 3
     # The run log's path works as well as its directory.
     (tmp_path / "rankmem.jsonl").write_text("{}\n")
@@ -134,22 +136,22 @@ def test_torchs_own_cpu_allocation_failure_is_a_host_oom() -> None:
         torch.empty(1 << 60, dtype=torch.uint8)  # 1 EiB: torch's CPU allocator refuses it
     assert oom_where(info.value) == "host"
     event = oom_event(info.value, 0, 3, "update", {}, None)
-    assert event["where"] == "host" and event["requested_bytes"] == 1 << 60
+    assert event.where == "host" and event.requested_bytes == 1 << 60
 
 
 def test_oom_event_from_torch_cuda_text() -> None:
     event = oom_event(OutOfMemoryError(CUDA_OOM), 1, 57, "update", {"rss_bytes": 5 << 30},
                       {"allocated_bytes": 77 << 30, "reserved_bytes": 78 << 30})
-    assert event["kind"] == "oom" and event["rank"] == 1 and event["step"] == 57 and event["phase"] == "update"
-    assert event["where"] == "device"
-    assert event["requested_bytes"] == 2 << 30
-    assert event["error_total_bytes"] == round(79.15 * (1 << 30))
-    assert event["error_free_bytes"] == round(20.56 * (1 << 20))
-    assert event["error"] == ("OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
+    assert event.kind == "oom" and event.rank == 1 and event.step == 57 and event.phase == "update"
+    assert event.where == "device"
+    assert event.requested_bytes == 2 << 30
+    assert event.error_total_bytes == round(79.15 * (1 << 30))
+    assert event.error_free_bytes == round(20.56 * (1 << 20))
+    assert event.error == ("OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
                               "capacity of 79.15 GiB of which 20.56 MiB is free. Including non-PyTorch memory, this "
                               "process has 79.12 GiB memory in use. Of the allocated memory 77.50 GiB is allocated by "
                               "PyTorch, and 1.02 GiB is reserved by PyTorch but unallocated.")
-    assert event["host"] == {"rss_bytes": 5 << 30} and event["device"]["reserved_bytes"] == 78 << 30
+    assert event.host == {"rss_bytes": 5 << 30} and event.device["reserved_bytes"] == 78 << 30
 
 
 @pytest.mark.parametrize(
@@ -164,11 +166,11 @@ def test_oom_event_from_torch_cuda_text() -> None:
     ],
 )
 def test_requested_size_units(text: str, requested: int | None) -> None:
-    assert oom_event(RuntimeError(text), 0, 1, None, {}, None)["requested_bytes"] == requested
+    assert oom_event(RuntimeError(text), 0, 1, None, {}, None).requested_bytes == requested
 
 
 def test_host_oom_event_from_memory_error() -> None:
     event = oom_event(MemoryError(), 0, None, None, {"rss_bytes": 1}, None)
-    assert event["where"] == "host" and event["error"] == "MemoryError"
-    assert event["requested_bytes"] is None and event["device"] is None and event["step"] is None
-    json.dumps(event, allow_nan=False)  # ready for the writer as it is
+    assert event.where == "host" and event.error == "MemoryError"
+    assert event.requested_bytes is None and event.device is None and event.step is None
+    json.dumps(event.to_json(), allow_nan=False)  # ready for the writer as it is

@@ -38,18 +38,18 @@ def test_device_oom_in_a_phase_is_an_event_with_the_allocator_figures(tmp_path: 
         monitor.collect()
     monitor.close()
     (event,) = read_events(str(tmp_path)).events
-    assert (event["kind"], event["rank"], event["step"], event["phase"], event["where"]) == ("oom", 0, 3, "update", "device")
-    assert raised is not None and event["error"].startswith("FakeOutOfMemoryError: CUDA out of memory. Tried to allocate")
-    assert abs(event["requested_bytes"] - 6 * GIB) <= 0.01 * 6 * GIB  # parsed from the error text
-    assert event["observer"]["alloc_bytes"] == 6 * GIB  # what the allocator's observer was told
-    device = event["device"]
+    assert (event.kind, event.rank, event.step, event.phase, event.where) == ("oom", 0, 3, "update", "device")
+    assert raised is not None and event.error.startswith("FakeOutOfMemoryError: CUDA out of memory. Tried to allocate")
+    assert abs(event.requested_bytes - 6 * GIB) <= 0.01 * 6 * GIB  # parsed from the error text
+    assert event.observer["alloc_bytes"] == 6 * GIB  # what the allocator's observer was told
+    device = event.device
     assert device["total_bytes"] == 8 * GIB
     assert device["allocated_bytes"] == 4 * GIB and device["reserved_bytes"] == 4 * GIB
     assert device["free_bytes"] == 8 * GIB - 300 * MIB - 4 * GIB
     sizes = [s["allocated_size"] for s in device["top_segments"]]
     assert sizes == [3 * GIB, 1 * GIB]  # the largest live segments, largest first
-    assert event["host"]["rss_bytes"] > 0
-    with open(event["snapshot"], "rb") as f:
+    assert event.host["rss_bytes"] > 0
+    with open(event.snapshot, "rb") as f:
         snapshot = pickle.load(f)
     traces = snapshot["device_traces"][0]
     assert traces[-1]["action"] == "oom" and traces[-1]["user_metadata"] == "step 3 / update"
@@ -64,10 +64,10 @@ def test_a_real_memory_error_in_a_phase_is_a_host_event_and_goes_on_unchanged(tm
                 np.ones(1 << 62, dtype=np.uint8)  # 4 EiB: numpy raises MemoryError (a real one)
     monitor.close()
     (event,) = read_events(str(tmp_path)).events
-    assert (event["kind"], event["step"], event["phase"], event["where"]) == ("oom", 7, "log_prob", "host")
-    assert event["error"].startswith("MemoryError: ") and str(info.value) in event["error"]
-    assert event["device"] is None
-    assert event["host"]["node_available_bytes"] > 0
+    assert (event.kind, event.step, event.phase, event.where) == ("oom", 7, "log_prob", "host")
+    assert event.error.startswith("MemoryError: ") and str(info.value) in event.error
+    assert event.device is None
+    assert event.host["node_available_bytes"] > 0
 
 
 def test_torchs_cpu_allocator_failing_in_a_phase_is_a_host_event(tmp_path: Path) -> None:
@@ -80,9 +80,9 @@ def test_torchs_cpu_allocator_failing_in_a_phase_is_a_host_event(tmp_path: Path)
                 torch.empty(1 << 60, dtype=torch.uint8)  # 1 EiB: a plain RuntimeError from torch, not MemoryError
     monitor.close()
     (event,) = read_events(str(tmp_path)).events
-    assert (event["kind"], event["step"], event["phase"], event["where"]) == ("oom", 4, "update", "host")
-    assert event["requested_bytes"] == 1 << 60 and event["error"].startswith("RuntimeError: ")
-    assert str(info.value).splitlines()[0] in event["error"]
+    assert (event.kind, event.step, event.phase, event.where) == ("oom", 4, "update", "host")
+    assert event.requested_bytes == 1 << 60 and event.error.startswith("RuntimeError: ")
+    assert str(info.value).splitlines()[0] in event.error
 
 
 def test_an_oom_caught_inside_the_window_is_still_recorded(tmp_path: Path) -> None:
@@ -97,8 +97,8 @@ def test_an_oom_caught_inside_the_window_is_still_recorded(tmp_path: Path) -> No
                 pass  # the caller retries with a smaller batch
     monitor.close()
     (event,) = read_events(str(tmp_path)).events
-    assert (event["kind"], event["step"], event["phase"]) == ("oom", 0, "rollout")
-    assert event["observer"]["alloc_bytes"] == 8 * GIB
+    assert (event.kind, event.step, event.phase) == ("oom", 0, "rollout")
+    assert event.observer["alloc_bytes"] == 8 * GIB
 
 
 def test_other_errors_leave_no_event_and_events_need_a_directory(tmp_path: Path) -> None:
@@ -121,7 +121,7 @@ def test_a_file_where_the_events_directory_belongs_is_moved_aside_and_nothing_is
     out = monitor.collect({"loss": 1.0})
     monitor.close()
     assert out["loss/max"] == 1.0
-    assert [(e["kind"], e["step"]) for e in read_events(str(tmp_path)).events] == [("oom", 0), ("oom", 1)]
+    assert [(e.kind, e.step) for e in read_events(str(tmp_path)).events] == [("oom", 0), ("oom", 1)]
     assert (tmp_path / "events.1").read_text() == "a file where the directory should be"  # kept, as an earlier run's
 
 
@@ -199,7 +199,7 @@ def test_oom_event_in_an_unnumbered_step_names_the_step_the_run_log_uses(tmp_pat
     logged = rankmem.offline.read_run(str(tmp_path / "plain")).steps.tolist()
     assert logged == [0, 1, 2]
     (event,) = read_events(str(tmp_path / "plain")).events
-    assert event["step"] == 2, event["step"]
+    assert event.step == 2, event.step
 
     m = rankmem.Monitor(out_dir=str(tmp_path / "numbered"), device="cpu", children=False, near_oom_watch=False)
     for it in range(25):
@@ -214,7 +214,7 @@ def test_oom_event_in_an_unnumbered_step_names_the_step_the_run_log_uses(tmp_pat
     m.close()
     assert rankmem.offline.read_run(str(tmp_path / "numbered")).steps.tolist() == [0, 10, 20]
     (event,) = read_events(str(tmp_path / "numbered")).events
-    assert event["step"] is None  # the collect count (2) would have been a wrong step
+    assert event.step is None  # the collect count (2) would have been a wrong step
 
 
 def test_a_recorded_oom_keeps_nothing_of_the_failing_frames_alive(tmp_path: Path) -> None:
@@ -243,5 +243,5 @@ def test_a_recorded_oom_keeps_nothing_of_the_failing_frames_alive(tmp_path: Path
     gc.collect()
     assert [ref() for ref in held] == [None, None]
     # One event per exception, though each left two windows; two exceptions, two events.
-    assert [e["step"] for e in read_events(str(tmp_path)).events] == [0, 1]
+    assert [e.step for e in read_events(str(tmp_path)).events] == [0, 1]
     monitor.close()

@@ -94,12 +94,12 @@ def test_fires_once_per_episode_and_rearms_after_recovery(root: FakeRoot) -> Non
     assert w.check() is None
     root.usage(1000 * MIB, inactive_file=0)  # headroom 24 MiB < 51.2 MiB
     info = w.check()
-    assert info is not None and info["reasons"] == ["cgroup_headroom"] and w.episodes == 1
-    assert info["kind"] == "near_oom"
-    assert info["cgroup"] == {"version": 2, "dir": str(root.job), "usage_bytes": 1000 * MIB, "limit_bytes": GIB,
+    assert info is not None and info.reasons == ("cgroup_headroom",) and w.episodes == 1
+    assert info.kind == "near_oom"
+    assert info.cgroup == {"version": 2, "dir": str(root.job), "usage_bytes": 1000 * MIB, "limit_bytes": GIB,
                               "working_set_bytes": 1000 * MIB, "headroom_bytes": 24 * MIB,
                               "threshold_bytes": int(GIB * 0.05)}
-    assert info["node"] == {"total_bytes": 16 * GIB, "available_bytes": 12 * GIB, "threshold_bytes": int(16 * GIB * 0.05)}
+    assert info.node == {"total_bytes": 16 * GIB, "available_bytes": 12 * GIB, "threshold_bytes": int(16 * GIB * 0.05)}
     assert w.check() is None  # same episode
     root.usage(960 * MIB)  # headroom 64 MiB: above the threshold, under threshold + hysteresis (71.7 MiB)
     assert w.check() is None
@@ -117,7 +117,7 @@ def test_node_available_and_pressure_fire(root: FakeRoot) -> None:
     w = watch(root, NearOomConfig(psi_some_avg10=10.0))
     root.meminfo(available=512 * MIB)  # under 5% of 16 GiB
     info = w.check()
-    assert info is not None and info["reasons"] == ["node_available"]
+    assert info is not None and info.reasons == ("node_available",)
     root.meminfo(available=12 * GIB)
     root.put(root.job / "memory.pressure", "some avg10=6.00 avg60=1.0 avg300=0.5 total=9\nfull avg10=1.0 avg60=0 avg300=0 total=1\n")
     assert w.check() is None  # 6% stalled: still above half the threshold (5%), so not re-armed yet
@@ -125,8 +125,8 @@ def test_node_available_and_pressure_fire(root: FakeRoot) -> None:
     assert w.check() is None  # re-armed
     root.put(root.job / "memory.pressure", "some avg10=25.00 avg60=5.0 avg300=1.0 total=99\nfull avg10=7.5 avg60=0 avg300=0 total=1\n")
     info = w.check()
-    assert info is not None and info["reasons"] == ["pressure"]
-    assert info["pressure"] == {"scope": "cgroup", "some_avg10": 25.0, "some_avg60": 5.0, "full_avg10": 7.5}
+    assert info is not None and info.reasons == ("pressure",)
+    assert info.pressure == {"scope": "cgroup", "some_avg10": 25.0, "some_avg60": 5.0, "full_avg10": 7.5}
     w.stop()
 
 
@@ -134,8 +134,8 @@ def test_absolute_threshold_and_no_limit(root: FakeRoot) -> None:
     root.put(root.job / "memory.max", "max\n")  # no cgroup limit: only the node counts
     w = watch(root, NearOomConfig(headroom_bytes=13 * GIB, psi_some_avg10=None))
     info = w.check()
-    assert info is not None and info["reasons"] == ["node_available"]
-    assert info["cgroup"]["limit_bytes"] is None and info["node"]["threshold_bytes"] == 13 * GIB
+    assert info is not None and info.reasons == ("node_available",)
+    assert info.cgroup["limit_bytes"] is None and info.node["threshold_bytes"] == 13 * GIB
     w.stop()
 
 
@@ -173,10 +173,10 @@ def test_process_table_from_heartbeats(root: FakeRoot, tmp_path: Path) -> None:
     root.usage(1010 * MIB)
     w = watch(root, rank=0, heartbeat_dir=hb_dir)
     info = w.check()
-    assert info is not None and [r["pid"] for r in info["processes"]] == [4242, 4343, 4444, os.getpid()]
-    assert info["largest"] == {"pid": 4242, "rank": 1, "parent_pid": None, "name": info["processes"][0]["name"],
+    assert info is not None and [r["pid"] for r in info.processes] == [4242, 4343, 4444, os.getpid()]
+    assert info.largest == {"pid": 4242, "rank": 1, "parent_pid": None, "name": info.processes[0]["name"],
                                "uss_bytes": 701 * MIB}
-    assert info["rank"] == 0 and info["step"] is None  # this process has no heartbeat of its own
+    assert info.rank == 0 and info.step is None  # this process has no heartbeat of its own
     w.stop()
 
 
@@ -279,7 +279,7 @@ chunks, chunk = [], 4 << 20
 while not fired.wait(0.02) and len(chunks) < int(sys.argv[2]):
     chunks.append(bytearray(b"\\1") * chunk)  # written, so resident and charged to the cgroup
 watch.stop()
-print(json.dumps({"allocated": len(chunks) * chunk, "info": infos[0] if infos else None}))
+print(json.dumps({"allocated": len(chunks) * chunk, "info": infos[0].to_json() if infos else None}))
 """
 
 
@@ -336,7 +336,7 @@ def test_near_oom_watch_sees_an_ancestor_cgroups_limit(tmp_path):
         info = watch.check()
     finally:
         watch.stop()
-    assert info is not None and "cgroup_headroom" in info["reasons"]  # fails: info is None
+    assert info is not None and "cgroup_headroom" in info.reasons  # fails: info is None
 
 
 def test_the_limit_with_the_least_room_binds_not_the_smallest(tmp_path: Path) -> None:
@@ -356,5 +356,5 @@ def test_the_limit_with_the_least_room_binds_not_the_smallest(tmp_path: Path) ->
         info = w.check()
     finally:
         w.stop()
-    assert info is not None and info["reasons"] == ["cgroup_headroom"]
-    assert info["cgroup"]["dir"] == str(root / "job") and info["cgroup"]["headroom_bytes"] == 50 * MIB
+    assert info is not None and info.reasons == ("cgroup_headroom",)
+    assert info.cgroup["dir"] == str(root / "job") and info.cgroup["headroom_bytes"] == 50 * MIB

@@ -102,7 +102,7 @@ def test_an_oom_leaving_train_is_an_event_at_its_step(tmp_path: Path) -> None:
         trainer.train()
     assert [e["step"] for e in trainer.state.log_history if "loss" in e] == [1, 2]
     (event,) = read_events(str(tmp_path)).events
-    assert (event["kind"], event["where"], event["step"], event["phase"]) == ("oom", "host", 3, "train_step")
+    assert (event.kind, event.where, event.step, event.phase) == ("oom", "host", 3, "train_step")
     # The callback's own monitor was closed, as by a failure: its heartbeat says the exit was not clean.
     assert cb.monitor is None
     beat = read_heartbeats(str(tmp_path / "heartbeat"))[0]
@@ -128,8 +128,8 @@ def test_an_oom_auto_find_batch_size_retries_is_still_an_event(tmp_path: Path) -
     trainer.train()  # accelerate takes the OOM, shrinks the batch (to 7) and trains on
     assert [e["step"] for e in trainer.state.log_history if "loss" in e] == [1, 2]
     (event,) = read_events(str(tmp_path)).events
-    assert (event["kind"], event["where"], event["step"], event["phase"]) == ("oom", "host", 1, "train_step")
-    assert event["requested_bytes"] == 1 << 60
+    assert (event.kind, event.where, event.step, event.phase) == ("oom", "host", 1, "train_step")
+    assert event.requested_bytes == 1 << 60
 
 
 def test_importing_rankmem_imports_no_framework() -> None:

@@ -134,4 +134,4 @@ def test_lightning_oom_in_a_training_step_becomes_an_event(tmp_path: Path) -> No
         trainer.fit(RunsOutAtStep2(), DataLoader(TensorDataset(torch.randn(32, 4)), batch_size=4))
     (event,) = read_events(str(tmp_path)).events
     # The step is the one its collect would have logged: steps 0 and 1 were.
-    assert (event["kind"], event["where"], event["step"], event["phase"]) == ("oom", "host", 2, "train_step")
+    assert (event.kind, event.where, event.step, event.phase) == ("oom", "host", 2, "train_step")

@@ -16,6 +16,7 @@ import pytest
 
 from rankmem.cli import main
 from rankmem.core.catalogue import key_of
+from rankmem.core.eventrecords import NearOomEvent
 from rankmem.forensics.events import EventWriter
 from tests.runlog_helpers import write_run
 
@@ -32,8 +33,8 @@ def _page(tmp_path: Path) -> Path:
     write_run(tmp_path, {key_of("rss"): rss, key_of("peak_rss"): rss + 0.1,
                          key_of("peak_reserved"): np.full((n, w), 3.0) + np.array([0.0, 1.0]),
                          key_of("total"): np.full((n, w), 8.0)})
-    EventWriter(str(tmp_path), 1).write({"kind": "near_oom", "rank": 1, "step": 12, "phase": "update",
-                                         "reasons": ["device headroom 0.4 GiB"], "time": 1.7e9 + 12})
+    EventWriter(str(tmp_path), 1).write(NearOomEvent(rank=1, step=12, phase="update",
+                                                     reasons=("device headroom 0.4 GiB",), time=1.7e9 + 12))
     page = tmp_path / "report.html"
     assert main(["report", str(tmp_path), "--html", str(page)]) == 0
     return page

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rankmem.core.eventrecords import NearOomEvent, OomEvent
 from rankmem.offline.report import describe_event, owners_text
 
 GIB = 2**30
@@ -11,8 +12,8 @@ def test_an_oom_event_line_names_each_owner_and_the_unknown_ones() -> None:
     table = {"reserved_bytes": 2 * GIB, "nontorch_bytes": GIB // 2, "siblings_bytes": 0, "descendants_bytes": None,
              "foreign_bytes": None, "unattributed_bytes": GIB,
              "reasons": {"descendants": "NVML_VALUE_NOT_AVAILABLE for pid 7", "foreign": "NVML_VALUE_NOT_AVAILABLE for pid 7"}}
-    event = {"kind": "oom", "rank": 1, "step": 3, "phase": "update", "where": "device", "error": "OutOfMemoryError: x",
-             "device": {"free_bytes": 0, "total_bytes": 4 * GIB, "attribution": table}}
+    event = OomEvent(rank=1, step=3, phase="update", where="device", error="OutOfMemoryError: x",
+                     device={"free_bytes": 0, "total_bytes": 4 * GIB, "attribution": table})
     assert describe_event(event) == (
         "oom rank 1 step 3 phase update: device OutOfMemoryError: x; device free 0.000 of 4.000 GiB; device by "
         "owner (GiB): reserved 2.000, nontorch 0.500, siblings 0.000, descendants ?, foreign ?, unattributed 1.000 "
@@ -22,6 +23,6 @@ def test_an_oom_event_line_names_each_owner_and_the_unknown_ones() -> None:
 def test_no_table_no_text_and_foreign_types_are_unknown() -> None:
     assert owners_text(None) == ""
     assert owners_text({"reserved_bytes": "12", "reasons": []}).startswith("; device by owner (GiB): reserved ?")
-    near = {"kind": "near_oom", "rank": 0, "step": 1, "phase": None, "reasons": ["node available low"],
-            "device": {"attribution": {"reserved_bytes": GIB, "reasons": {}}}}
+    near = NearOomEvent(rank=0, step=1, phase=None, reasons=("node available low",),
+                        device={"attribution": {"reserved_bytes": GIB, "reasons": {}}})
     assert describe_event(near).startswith("near_oom rank 0 step 1 phase -: node available low; device by owner")

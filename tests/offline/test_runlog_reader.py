@@ -109,7 +109,7 @@ def test_real_monitor_run_reads_back(tmp_path: Path) -> None:
     monitor.close()
     run = read_run(str(tmp_path))
     assert run.steps.tolist() == [0, 1, 2, 3]
-    assert run.world_size == 1 and run.header["schema"] == 2 and run.header["detail"] == "rankmem.ranks.arrow"
+    assert run.world_size == 1 and run.header.schema == 2 and run.header.detail == "rankmem.ranks.arrow"
     assert run.series["loss"][:, 0].tolist() == [1.0, 0.5, 1.0 / 3, 0.25]
     assert (run.series[RSS] > 0.001).all()
     assert run.phases() == ["update"]

@@ -20,6 +20,7 @@ import pytest
 
 from rankmem.cli import main
 from rankmem.core.catalogue import key_of, worse
+from rankmem.core.eventrecords import NearOomEvent
 from rankmem.forensics.events import EventWriter
 from rankmem.forensics.heartbeat import Heartbeat, read_heartbeats
 from rankmem.offline import read_run
@@ -68,7 +69,7 @@ def test_follower_rereads_only_on_change_and_follows_a_rotation(tmp_path: Path) 
     assert follower.poll().steps == []
     write_run(tmp_path, {key_of("rss"): np.ones((1, 4))})  # ...and a new run began
     tail = follower.poll()
-    assert tail.header is not None and tail.header["world_size"] == 4 and [s["step"] for s in tail.steps] == [0]
+    assert tail.header is not None and tail.header.world_size == 4 and [s["step"] for s in tail.steps] == [0]
 
 
 # ---- the frame -----------------------------------------------------------------------------------------
@@ -82,7 +83,7 @@ def test_frame_marks_the_worst_rank_per_column_in_the_catalogues_direction(tmp_p
     beats[0].beat(2, "rollout", None)
     beats[2].beat(2, "", None)
     beats[1].close()
-    EventWriter(str(tmp_path), 2).write({"kind": "near_oom", "step": 1, "phase": "update", "reasons": ["low"]})
+    EventWriter(str(tmp_path), 2).write(NearOomEvent(step=1, phase="update", reasons=("low",)))
     frame = Watcher(str(tmp_path)).frame()
     assert frame.step == 1 and frame.world_size == 3 and frame.step_time_s == pytest.approx(1.0)
     assert [label for label, _ in frame.columns] == ["rss", "headroom", "children"]
@@ -90,7 +91,7 @@ def test_frame_marks_the_worst_rank_per_column_in_the_catalogues_direction(tmp_p
     assert frame.worst == {key_of("rss"): 1, key_of("headroom"): 2}  # all-zero children: no worst rank
     assert [(r.step, r.phase, r.exited) for r in frame.rows] == [(2, "rollout", False), (None, "", True),
                                                                   (2, "", False)]
-    assert [e["kind"] for e in frame.events] == ["near_oom"]
+    assert [e.kind for e in frame.events] == ["near_oom"]
 
 
 def test_frame_before_the_first_step_comes_from_heartbeats(tmp_path: Path) -> None:
@@ -143,7 +144,7 @@ def _run_live_in_pty(run: Path, frames_seen: int, out: Path, timeout: float = 60
             text = b"".join(chunks).decode("utf-8", "replace")
             shown = text.count("rankmem watch ")
             if shown >= 2 and not event_written:  # an event written while it runs shows up in a later frame
-                EventWriter(str(out), 1).write({"kind": "near_oom", "step": 3, "phase": "update", "reasons": ["test"]})
+                EventWriter(str(out), 1).write(NearOomEvent(step=3, phase="update", reasons=("test",)))
                 event_written = True
             if shown >= frames_seen and "near_oom rank 1 step 3 phase update: test" in text:
                 break

@@ -19,6 +19,7 @@ from rich.console import Console
 
 from rankmem.cli import main
 from rankmem.core.catalogue import key_of
+from rankmem.core.eventrecords import KilledEvent
 from rankmem.forensics.events import EventWriter
 from rankmem.forensics.heartbeat import Heartbeat
 from rankmem.offline.watch import Watcher
@@ -43,8 +44,8 @@ def _run(tmp_path: Path) -> Path:
     beats[1].beat(2, "update", None)
     beats[2].beat(2, "update", None)
     beats[2].close()
-    EventWriter(str(tmp_path), 1).write({"kind": "killed", "rank": 1, "step": 2, "phase": "update",
-                                         "signal": "SIGKILL", "cause": "the kernel OOM killer", "time": 1.7e9})
+    EventWriter(str(tmp_path), 1).write(KilledEvent(rank=1, step=2, phase="update", signal="SIGKILL",
+                                                    cause="the kernel OOM killer", time=1.7e9))
     return tmp_path
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from rankmem import Monitor
+from rankmem.core.eventrecords import NearOomEvent
 from rankmem.errors import RankmemError
 from rankmem.probe.attribution import Owners, split
 from rankmem.probe.device import DeviceBackend
@@ -238,7 +239,7 @@ def test_a_near_oom_event_carries_the_split(tmp_path: Path) -> None:
     cuda.malloc(512 * MIB)
     device.read()  # the training thread's read finds the device; the next poll starts the thread
     attribution.poll()
-    forensics._near_oom({"kind": "near_oom", "rank": 0, "step": 5, "phase": None, "reasons": ["node available low"]})
+    forensics._near_oom(NearOomEvent(rank=0, step=5, phase=None, reasons=("node available low",)))
     forensics.close()
     attribution.close()
     host.close()

@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 import rankmem  # noqa: E402
 from rankmem.core.catalogue import CATALOGUE  # noqa: E402
+from rankmem.core.eventrecords import Event, OomEvent  # noqa: E402
 from rankmem.core.records import RankInfo, RunHeader, StepRecord  # noqa: E402
 from rankmem.errors import RankmemError  # noqa: E402
 from rankmem.forensics.events import EventWriter  # noqa: E402
@@ -147,7 +148,7 @@ def test_events_are_counted_by_kind_from_the_ranks_event_files(tmp_path: object)
     for rank, kinds in ((0, ["oom", "near_oom"]), (1, ["near_oom", "killed", "near_oom"])):
         writer = EventWriter(out, rank)
         for kind in kinds:
-            assert writer.write({"kind": kind, "step": 3, "phase": None})
+            assert writer.write(Event(kind=kind, step=3))
     header, record, _ = _world(2, KEYS_20[:2])
     sink = make_sink("prometheus", out, port=0)
     assert isinstance(sink, PrometheusSink)
@@ -155,7 +156,7 @@ def test_events_are_counted_by_kind_from_the_ranks_event_files(tmp_path: object)
     try:
         sink.write(record)
         first = scrape(sink)["rankmem_events_total"]
-        EventWriter(out, 1).write({"kind": "oom", "step": 4, "phase": "update"})
+        EventWriter(out, 1).write(OomEvent(step=4, phase="update"))
         second = scrape(sink)["rankmem_events_total"]
     finally:
         sink.close()
