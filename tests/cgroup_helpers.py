@@ -108,3 +108,15 @@ def anon_bytes(cgroup: Path) -> int:
     killer cannot reclaim, unlike the page cache also counted in its usage."""
     stat = _procfs.parse_keyed((cgroup / "memory.stat").read_bytes())
     return stat["rss"] if "rss" in stat else stat["anon"]
+
+
+def kernel_bytes(cgroup: Path) -> int:
+    """Kernel memory charged to ``cgroup`` (page tables, slab, stacks, sockets), which counts against its
+    limit too: v1 ``memory.kmem.usage_in_bytes``, v2 ``kernel`` of memory.stat (Linux >= 5.18) or its parts."""
+    kmem = cgroup / "memory.kmem.usage_in_bytes"
+    if kmem.exists():
+        return int(kmem.read_text())
+    stat = _procfs.parse_keyed((cgroup / "memory.stat").read_bytes())
+    if "kernel" in stat:
+        return stat["kernel"]
+    return sum(stat.get(k, 0) for k in ("kernel_stack", "pagetables", "percpu", "sock", "slab"))
