@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -86,3 +87,36 @@ def _empty_and_remove(path: Path, parent: Path) -> None:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.05)  # a just-killed task leaves the cgroup when it is reaped
+
+
+def popen_in_cgroup(cgroup: Path, cmd: list[str], **kwargs: Any) -> subprocess.Popen[str]:
+    """Start ``cmd`` inside ``cgroup`` from its first allocation on: a shell moves itself in, then execs
+    it, so every process ``cmd`` forks is born inside. Its own session (``os.killpg`` stops the lot)."""
+    enter = ["sh", "-c", f'echo $$ > {cgroup}/cgroup.procs && exec "$@"', "sh"]
+    return subprocess.Popen([*enter, *cmd], start_new_session=True, text=True, **kwargs)
+
+
+def oom_kills(cgroup: Path) -> int:
+    """The kernel OOM killer's kills in ``cgroup``: v1 ``memory.oom_control`` (Linux >= 4.13), v2
+    ``memory.events``."""
+    name = "memory.oom_control" if (cgroup / "memory.oom_control").exists() else "memory.events"
+    return _procfs.parse_keyed((cgroup / name).read_bytes())["oom_kill"]
+
+
+def anon_bytes(cgroup: Path) -> int:
+    """Anonymous memory charged to ``cgroup`` (v1 ``rss`` of memory.stat, v2 ``anon``): what the OOM
+    killer cannot reclaim, unlike the page cache also counted in its usage."""
+    stat = _procfs.parse_keyed((cgroup / "memory.stat").read_bytes())
+    return stat["rss"] if "rss" in stat else stat["anon"]
+
+
+def kernel_bytes(cgroup: Path) -> int:
+    """Kernel memory charged to ``cgroup`` (page tables, slab, stacks, sockets), which counts against its
+    limit too: v1 ``memory.kmem.usage_in_bytes``, v2 ``kernel`` of memory.stat (Linux >= 5.18) or its parts."""
+    kmem = cgroup / "memory.kmem.usage_in_bytes"
+    if kmem.exists():
+        return int(kmem.read_text())
+    stat = _procfs.parse_keyed((cgroup / "memory.stat").read_bytes())
+    if "kernel" in stat:
+        return stat["kernel"]
+    return sum(stat.get(k, 0) for k in ("kernel_stack", "pagetables", "percpu", "sock", "slab"))
