@@ -147,13 +147,12 @@ def advise(run: Path, *args: str) -> list[dict]:
     return rows
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(3 * LAUNCH_TIMEOUT_S)
-@pytest.mark.xfail(strict=False, reason=(
-    "measured 2026-12-01 (bench/RESULTS.md): between-step RSS creeps +0.067 MiB/step over the 200 steps "
-    "(+14 MiB), which the advice's one baseline from the probe does not foresee: the peak reached 385.0 MiB "
-    "at step 183 against capacity - headroom 381.2 MiB"))
-def test_advised_budget_runs_200_steps_in_its_capacity_and_1_3x_is_oom_killed(tmp_path: Path) -> None:
+@pytest.mark.parametrize("steps", [pytest.param(STEPS, marks=pytest.mark.slow, id="200-steps"),
+                                   pytest.param(40, id="40-steps")])
+def test_advised_budget_runs_in_its_capacity_and_1_3x_is_oom_killed(tmp_path: Path, steps: int) -> None:
+    """200 steps behind the ``slow`` marker (``pytest -m slow``: ~2 min on 2 idle cores); the 40-step case
+    runs in the default selection."""
     started = time.monotonic()
     probe_dir = tmp_path / "probe"
     with scratch_memory_cgroup(OUT_OF_CGROUP) as cgroup:
@@ -188,7 +187,7 @@ def test_advised_budget_runs_200_steps_in_its_capacity_and_1_3x_is_oom_killed(tm
 
     safe_dir = tmp_path / "safe"
     with scratch_memory_cgroup(limit) as cgroup:
-        safe = train(cgroup, safe_dir, STEPS, budget)
+        safe = train(cgroup, safe_dir, steps, budget)
     run = read_run(str(safe_dir))
     step_peaks = run.series[key_of("peak_rss")][:, 0] * GIB
     safe_tokens = run.series[work_key("update", "mb_tokens")][:, 0]
@@ -202,14 +201,14 @@ def test_advised_budget_runs_200_steps_in_its_capacity_and_1_3x_is_oom_killed(tm
     # The 1.3x run goes before any verdict on the safe one: each run's figures are worth having.
     over_dir = tmp_path / "over"
     with scratch_memory_cgroup(limit) as cgroup:
-        killed = train(cgroup, over_dir, STEPS, over)
-    events = [(e["rank"], e.get("cause")) for e in read_events(str(over_dir)).events if e["kind"] == "killed"]
+        killed = train(cgroup, over_dir, steps, over)
+    events = [(e.rank, getattr(e, "cause", None)) for e in read_events(str(over_dir)).events if e.kind == "killed"]
     figures += (f"\n1.3x run (budget {over}, {killed.wall_s:.0f} s): exit {killed.returncode}, OOM kills "
                 f"{killed.oom_kills}, killed events {events}; whole test {time.monotonic() - started:.0f} s")
     print(figures)
 
     assert (safe.returncode, safe.oom_kills) == (0, 0), figures + "\n" + safe.stderr[-3000:]
-    assert len(run.steps) == STEPS, figures
+    assert len(run.steps) == steps, figures
     assert step_peaks.max() <= capacity - HEADROOM, figures
     assert killed.returncode not in (0, 124) and killed.oom_kills >= 1, figures + "\n" + killed.stderr[-3000:]
     assert events == [(0, "oom_killer")], figures
