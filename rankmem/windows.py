@@ -250,12 +250,6 @@ class Windows:
         window._windows, window._name = self, name
         return window
 
-    def _close_step(self, window: _Window, rss: int | None, dev: DeviceReading | None) -> None:
-        closed = self._closed
-        if closed is not None:  # several steps per collect: merged as they close, so nothing grows
-            window.carry = _carry(closed)
-        self._closed = (window, rss, dev, self._lifetime.peak_rss, self._lifetime.peak_reserved)
-
     def _close_phase(self, name: str, window: _Window, rss: int | None, dev: DeviceReading | None) -> None:
         p = self._phases.setdefault(name, PhaseBytes())
         # A phase run twice in a step: the peak, and the rise of the run that reached it (a run that only
@@ -319,10 +313,15 @@ class _Step(_Window):
 
     def __exit__(self, kind: object, error: BaseException | None, tb: object) -> None:
         windows = self._windows
-        rss, dev = windows._end(self, error is not None)
+        rss, dev = windows._edge(error is not None)
+        if self in windows._folded:
+            windows._folded.remove(self)
         if error is not None:
             windows._failed(error, self, rss, dev)
-        windows._close_step(self, rss, dev)
+        closed = windows._closed
+        if closed is not None:  # several steps per collect: merged as they close, so nothing grows
+            self.carry = _carry(closed)
+        windows._closed = (self, rss, dev, windows._lifetime.peak_rss, windows._lifetime.peak_reserved)
         if self._n is not None:
             windows._step_n = self._n
 
@@ -347,7 +346,9 @@ class _Phase(_Window):
     def __exit__(self, kind: object, error: BaseException | None, tb: object) -> None:
         windows = self._windows
         try:
-            rss, dev = windows._end(self, error is not None)
+            rss, dev = windows._edge(error is not None)
+            if self in windows._folded:
+                windows._folded.remove(self)
             if error is not None:
                 windows._failed(error, self, rss, dev)
             windows._close_phase(self._name, self, rss, dev)

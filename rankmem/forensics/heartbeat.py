@@ -42,8 +42,8 @@ import mmap
 import os
 import struct
 import time
-from time import time as _now
 from dataclasses import dataclass
+from time import time as _now
 
 from rankmem.core.rundir import (
     HEARTBEAT_DIR,
