@@ -3,7 +3,8 @@ after the rank is gone.
 
 A rank killed by SIGKILL (the kernel OOM killer's signal) runs no code, so what it was doing must
 already be in the file: each window edge overwrites one fixed-size binary record in ``<dir>/rank<r>.hb``
-through a shared memory map of the file (``os.pwrite`` where the file cannot be mapped). The page
+through a shared memory map of the file (``os.pwrite`` where the file cannot be mapped); an edge
+stores only the fields it moves (seq, step, RSS, time, phase), the rest is written whole when it changes. The page
 cache holds the mapped page, so the record outlives the process. No system call: a ``pwrite`` costs
 ~1 us in a loop but ~40 us right after a training step's compute has pushed the kernel's paths out of
 the caches, the store into the map ~20 us, most of it the cold interpreter (``bench/bench_cold.py``).
