@@ -7,6 +7,11 @@ in the caches; a training thread meets them cold, once per step, after tens of m
 compute that evicted them. Each round runs ~30 ms of matrix products (one CPU thread), then times
 one operation twice: ``cold`` is the first call, ``warm`` the one right after it. The operations rotate
 from round to round; the median over rounds is reported, wall and this thread's CPU time.
+
+The last three rows are the target's (the training thread's telemetry per step within 1.5x of the
+cold reads its edges must make): two edges' reads done by hand (a ``status`` pread, its parse and a
+``clear_refs`` write, twice), an empty ``Monitor.step()`` window (heartbeat on), and that window with
+the ``collect()`` that follows it (no process group, no sinks: what the Monitor itself adds).
 """
 
 from __future__ import annotations
@@ -42,6 +47,25 @@ def main() -> None:
     os.ftruncate(beat, record.size)
     mapped = mmap.mmap(beat, record.size)
 
+    import rankmem
+    from rankmem.probe import procfs
+
+    monitor = rankmem.Monitor(out_dir=tmp, sinks=(), device="cpu", near_oom_watch=False, leak_check=False)
+
+    def floor_edges() -> None:
+        for _ in range(2):
+            procfs.parse_status_rss_hwm(os.pread(status, 4096, 0))
+            os.write(clear_refs, b"5")
+
+    def step() -> None:
+        with monitor.step():
+            pass
+
+    def step_collect() -> None:
+        with monitor.step():
+            pass
+        monitor.collect()
+
     def pack() -> bytes:
         return record.pack(b"RMHB", 1, 0, 1, 0, 1, 1, 1, time.time(), b"update", 1)
 
@@ -55,6 +79,9 @@ def main() -> None:
                                                                             time.time(), b"update", 1),
         "os.getpid()": os.getpid,
         "empty call": lambda: None,
+        "two edges' reads by hand (the floor)": floor_edges,
+        "rankmem: empty step window": step,
+        "rankmem: step window + collect()": step_collect,
     }
     names = list(ops)
     got: dict[str, list[tuple[float, float, float, float]]] = {n: [] for n in names}
@@ -69,6 +96,7 @@ def main() -> None:
             times += [time.perf_counter() - w, time.thread_time() - c]
         got[name].append((times[0], times[1], times[2], times[3]))
     mapped.close()
+    monitor.close()
     for fd in (status, statm, meminfo, clear_refs, beat):
         os.close(fd)
 
@@ -77,6 +105,9 @@ def main() -> None:
     for name in names:
         cols = [statistics.median(x[j] for x in got[name]) * 1e6 for j in range(4)]
         print(f"{name:44s} {cols[0]:10.1f} {cols[1]:9.1f} {cols[2]:10.1f} {cols[3]:9.1f}")
+    floor = statistics.median(x[1] for x in got["two edges' reads by hand (the floor)"])
+    for name in ("rankmem: empty step window", "rankmem: step window + collect()"):
+        print(f"{name}: cold CPU {statistics.median(x[1] for x in got[name]) / floor:.2f}x the floor's (target 1.5x)")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,11 @@ window is "everything since the last :meth:`Windows.take`" (the implicit window)
 
 This layer is local to one rank: no torch.distributed, no files. What happens when a window ends (a
 heartbeat) or fails (an out-of-memory event) is the business of the :class:`WindowListener` passed in.
+
+An edge is the training thread's whole telemetry between collects, so it is kept to the kernel's
+reads plus a handful of Python calls (``bench/bench_probe.py``, the ``windows`` table): the context
+manager *is* the window (one object per step), the fold is inline, and the probe and the listener run
+in plain ``try`` blocks (free in Python 3.11 until something raises) instead of guarded calls.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ class Where:
 
 
 class WindowListener(Protocol):
-    """Told about edges and failures; it must not raise (the Monitor guards it)."""
+    """Told about edges and failures; it must not raise (the windows guard it)."""
 
     def edge(self, where: Where, rss: int | None, failing: bool = False) -> None:
         """After every edge: a heartbeat's chance to record progress (a few microseconds).
@@ -43,31 +48,41 @@ class WindowListener(Protocol):
         """An exception left a window; ``window`` holds its figures up to that instant."""
 
 
-class _Open:
+_Carry = tuple[int | None, int | None, int | None, int | None, int | None]
+"""The figures of the steps closed before this one since the last take: peak RSS, peak allocated, peak
+reserved, allocation retries and OOMs."""
+_Closed = tuple["_Window", int | None, DeviceReading | None, int | None, int | None]
+"""A step as read at its closing edge: the window, RSS, device reading, lifetime peak RSS and reserved."""
+
+
+class _Window:
     """An open window: its start values and its running max of the peaks seen between edges."""
 
     __slots__ = ("start_rss", "start_allocated", "start_reserved", "start_retries", "start_ooms", "peak_rss",
-                 "peak_allocated", "peak_reserved", "work")
+                 "peak_allocated", "peak_reserved", "work", "carry", "_windows", "_n", "_label", "_name")
+    # Set by Windows.step() and Windows.phase() (no __init__: a call less per window).
+    _windows: Windows
+    _n: int | None
+    _label: int | None
+    _name: str
 
-    def __init__(self, rss: int | None, dev: DeviceReading | None) -> None:
-        self.start_rss = rss
-        self.start_allocated = dev.allocated if dev else None
-        self.start_reserved = dev.reserved if dev else None
-        self.start_retries = dev.alloc_retries if dev else None
-        self.start_ooms = dev.ooms if dev else None
-        if dev is not None and dev.before_init:
+    def start(self, rss: int | None, dev: DeviceReading | None) -> None:
+        """Open at an edge that read ``rss`` and ``dev``: they are the window's start and first point."""
+        self.start_rss = self.peak_rss = rss
+        self.work: Work | None = None
+        self.carry: _Carry | None = None
+        if dev is None:
+            self.start_allocated = self.start_reserved = self.start_retries = self.start_ooms = None
+            self.peak_allocated = self.peak_reserved = None
+        elif dev.before_init:
             # A device without a context has allocated nothing and counted nothing: a window opened
             # before the first CUDA call still reports what happened in it (an OOM in step 0).
             self.start_allocated = self.start_reserved = self.start_retries = self.start_ooms = 0
-        self.peak_rss: int | None = None
-        self.peak_allocated: int | None = None
-        self.peak_reserved: int | None = None
-        self.work: Work | None = None
-
-    def fold(self, rss: int | None, allocated: int | None, reserved: int | None) -> None:
-        self.peak_rss = _max(self.peak_rss, rss)
-        self.peak_allocated = _max(self.peak_allocated, allocated)
-        self.peak_reserved = _max(self.peak_reserved, reserved)
+            self.peak_allocated = self.peak_reserved = None
+        else:
+            self.start_allocated = self.peak_allocated = dev.allocated
+            self.start_reserved = self.peak_reserved = dev.reserved
+            self.start_retries, self.start_ooms = dev.alloc_retries, dev.ooms
 
 
 class Work:
@@ -97,7 +112,8 @@ class Work:
 
 
 class Windows:
-    """This rank's windows over one host probe and one device backend (or none)."""
+    """This rank's windows over one host probe and one device backend (or none); the three are fixed
+    at construction (the edge keeps their bound methods)."""
 
     def __init__(self, host: HostProbe, device: DeviceBackend | None, guard: Guard,
                  listener: WindowListener | None = None) -> None:
@@ -105,98 +121,92 @@ class Windows:
         self.device = device
         self.listener = listener
         self._guard = guard
-        self._edge_scope = guard.scope("edge", "memory probe failed, figures of this window are unavailable")
-        self._listener_scope = guard.scope("listener", "heartbeat failed")
-        self._open: list[_Open] = []
-        self._lifetime = _Open(None, None)
-        # Steps closed since the last take(), as read at their closing edge: their figures are built
-        # (and merged) at the take, not on the training thread's way out of every step.
-        self._closed: list[WindowBytes | tuple[_Open, int | None, DeviceReading | None, int | None, int | None]] = []
+        self._host_edge = host.edge
+        self._listener_edge = listener.edge if listener is not None else None
+        self._lifetime = _Window()
+        self._lifetime.start(None, None)
+        # Every window the peaks fold into: the lifetime first, then the open ones, outermost first.
+        self._folded: list[_Window] = [self._lifetime]
+        # The last step closed since the take, as read at its closing edge (the earlier ones are in its
+        # carry): its figures are built at the take, not on the training thread's way out of every step.
+        self._closed: _Closed | None = None
         self._phases: dict[str, PhaseBytes] = {}
         self._phase_stack: list[str] = []
-        self._where: Where | None = None
         self._step: int | None = None
+        self._where = Where(None, None)  # kept current as steps and phases change: every edge hands it on
         self._step_n: int | None = None  # what the next collect logs: the last numbered step closed, or set_step's
         self._collects = 0
         self._numbered = False  # a collect was given step=: the collect count is no step number then
-        self._implicit: _Open | None = self._begin()
+        self._implicit: _Window | None = self._begin()
 
     @property
     def where(self) -> Where:
-        # Rebuilt only when the step or phase changes: every edge hands it to the listener.
-        where = self._where
-        phase = self._phase_stack[-1] if self._phase_stack else None
-        if where is None or where.step != self._step or where.phase is not phase:
-            where = self._where = Where(self._step, phase)
-        return where
+        return self._where
+
+    def _moved(self) -> None:
+        """The step or the innermost phase changed: the ``Where`` every edge hands on."""
+        self._where = Where(self._step, self._phase_stack[-1] if self._phase_stack else None)
 
     # ---- edges --------------------------------------------------------------------------------------
-    def _edge(self) -> tuple[int | None, DeviceReading | None]:
-        """Fold the peaks since the last edge into every open window, reset them; the current values."""
-        rss, peak_rss = self.host.edge()
-        peak_rss = _max(peak_rss, rss)  # the edge itself is a point of every window
-        if self.device is None:  # the host alone: the common CPU case, kept short
-            if peak_rss is not None:
-                for w in (*self._open, self._lifetime):
-                    if w.peak_rss is None or peak_rss > w.peak_rss:
-                        w.peak_rss = peak_rss
-            return rss, None
-        dev = self.device.read()
-        peak_alloc, peak_res = dev.peak_allocated, dev.peak_reserved
-        for w in self._open:
-            w.fold(peak_rss, peak_alloc, peak_res)
-        self._lifetime.fold(peak_rss, peak_alloc, peak_res)
-        self.device.reset_peaks()
+    def _edge(self, failing: bool = False) -> tuple[int | None, DeviceReading | None]:
+        """Fold the peaks since the last edge into every open window, reset them, tell the listener;
+        the current values (None where the probe failed: telemetry never raises into training)."""
+        rss = dev = None
+        try:
+            rss, peak = self._host_edge()
+            if peak is None or (rss is not None and rss > peak):
+                peak = rss  # the edge itself is a point of every window
+            device = self.device
+            if device is None:  # the host alone: the common CPU case, kept short
+                if peak is not None:
+                    for w in self._folded:
+                        if w.peak_rss is None or peak > w.peak_rss:
+                            w.peak_rss = peak
+            else:
+                dev = device.read()
+                for w in self._folded:
+                    w.peak_rss = _max(w.peak_rss, peak)
+                    w.peak_allocated = _max(w.peak_allocated, dev.peak_allocated)
+                    w.peak_reserved = _max(w.peak_reserved, dev.peak_reserved)
+                device.reset_peaks()
+        except RankmemError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            self._guard.failed("edge", "memory probe failed, figures of this window are unavailable", exc)
+        listener = self._listener_edge
+        if listener is not None:
+            try:
+                listener(self._where, rss, failing)
+            except RankmemError:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                self._guard.failed("listener", "heartbeat failed", exc)
         return rss, dev
 
-    def _safe_edge(self, failing: bool = False) -> tuple[int | None, DeviceReading | None]:
-        reading: tuple[int | None, DeviceReading | None] = (None, None)
-        with self._edge_scope:
-            reading = self._edge()
-        if self.listener is not None:
-            with self._listener_scope:
-                self.listener.edge(self.where, reading[0], failing)
-        return reading
-
-    def _begin(self) -> _Open:
-        rss, dev = self._safe_edge()
-        window = _Open(rss, dev)
-        window.fold(rss, dev.allocated if dev else None, dev.reserved if dev else None)
-        self._open.append(window)
+    def _begin(self) -> _Window:
+        window = _Window()
+        window.start(*self._edge())
+        self._folded.append(window)
         return window
 
-    def _end(self, window: _Open, failing: bool = False) -> tuple[int | None, DeviceReading | None]:
-        rss, dev = self._safe_edge(failing)
-        if window in self._open:
-            self._open.remove(window)
+    def _end(self, window: _Window, failing: bool = False) -> tuple[int | None, DeviceReading | None]:
+        rss, dev = self._edge(failing)
+        if window in self._folded:
+            self._folded.remove(window)
         return rss, dev
 
-    def _bytes(self, window: _Open, rss: int | None, dev: DeviceReading | None,
-               lifetime_rss: int | None, lifetime_reserved: int | None) -> WindowBytes:
-        w = WindowBytes.of(None, dev)
-        w.rss, w.peak_rss, w.lifetime_peak_rss = rss, window.peak_rss, lifetime_rss
-        if dev is not None:
-            w.peak_allocated, w.peak_reserved = window.peak_allocated, window.peak_reserved
-            w.alloc_retries = _delta(dev.alloc_retries, window.start_retries)
-            w.ooms = _delta(dev.ooms, window.start_ooms)
-            w.lifetime_peak_reserved = lifetime_reserved
-        return w
-
-    def _bytes_now(self, window: _Open, rss: int | None, dev: DeviceReading | None) -> WindowBytes:
-        return self._bytes(window, rss, dev, self._lifetime.peak_rss, self._lifetime.peak_reserved)
-
-    def _failed(self, exc: BaseException, window: _Open, rss: int | None, dev: DeviceReading | None) -> None:
+    def _failed(self, exc: BaseException, window: _Window, rss: int | None, dev: DeviceReading | None) -> None:
         if self.listener is not None and isinstance(exc, Exception):
-            figures = self._bytes_now(window, rss, dev)
-            self._guard.call("failed", "recording the failure failed", self.listener.failed, exc, self.where,
+            figures = _figures(window, rss, dev, self._lifetime.peak_rss, self._lifetime.peak_reserved)
+            self._guard.call("failed", "recording the failure failed", self.listener.failed, exc, self._where,
                              figures, default=None)
 
     def micro_batch(self, tokens: float, sequences: float | None, sq_tokens: float | None) -> bool:
         """Tell the innermost open window about one micro-batch (numbers already checked). False when that
         window is no phase: only phases carry work keys."""
-        if not self._phase_stack or not self._open:
+        if not self._phase_stack or len(self._folded) < 2:
             return False
-        window = self._open[-1]
+        window = self._folded[-1]
         if window.work is None:
             window.work = Work()
         window.work.add(tokens, sequences, sq_tokens)
@@ -218,47 +228,29 @@ class Windows:
         """A step window. Steps closed before the next :meth:`take` merge (max peaks, summed events).
         Unnumbered, the listener and failures call it by the collect it will be in (unknown where
         collects are numbered with ``step=``)."""
+        window = _Step()
+        window._windows = self
         if n is not None:
-            n = _step_number(n)  # at entry: a bad number must not replace the step body's own exception
-        return _StepWindow(self, n, self._collects if n is None and not self._numbered else None)
+            window._n = window._label = _step_number(n)  # at entry: a bad number must not replace the body's error
+        else:
+            window._n, window._label = None, self._collects if not self._numbered else None
+        return window
 
     def set_step(self, n: int) -> None:
         """Name the step in progress (for the listener and failures, and the next collect) without
         opening a window."""
         self._step = self._step_n = _step_number(n)
+        self._moved()
 
     def phase(self, name: str) -> AbstractContextManager[None]:
         """A named phase: its own peaks and the RSS / allocated deltas across it."""
         if not isinstance(name, str) or not PHASE_NAME.match(name):
             raise RankmemError(f"phase name must match [A-Za-z0-9_.-]+ (it becomes part of metric keys); got {name!r}")
-        return _PhaseWindow(self, name)
+        window = _Phase()
+        window._windows, window._name = self, name
+        return window
 
-    def _enter_step(self, label: int | None) -> _Open:
-        if self._implicit is not None:
-            self._open.remove(self._implicit)
-            self._implicit = None
-        self._step = label
-        return self._begin()
-
-    def _exit(self, window: _Open, error: BaseException | None) -> tuple[int | None, DeviceReading | None]:
-        """A window's end: read the edge, tell the listener about a failure."""
-        rss, dev = self._end(window, error is not None)
-        if error is not None:
-            self._failed(error, window, rss, dev)
-        return rss, dev
-
-    def _close_step(self, window: _Open, rss: int | None, dev: DeviceReading | None, n: int | None) -> None:
-        if self._closed:  # several steps per collect: merged as they close, so nothing grows
-            earlier = self._closed[0]
-            merged = earlier if isinstance(earlier, WindowBytes) else self._bytes(*earlier)
-            self._closed[0] = _merge(merged, self._bytes(window, rss, dev, self._lifetime.peak_rss,
-                                                         self._lifetime.peak_reserved))
-        else:
-            self._closed.append((window, rss, dev, self._lifetime.peak_rss, self._lifetime.peak_reserved))
-        if n is not None:
-            self._step_n = n
-
-    def _close_phase(self, name: str, window: _Open, rss: int | None, dev: DeviceReading | None) -> None:
+    def _close_phase(self, name: str, window: _Window, rss: int | None, dev: DeviceReading | None) -> None:
         p = self._phases.setdefault(name, PhaseBytes())
         # A phase run twice in a step: the peak, and the rise of the run that reached it (a run that only
         # held a peak an earlier run raised must not hide that rise, nor lend its own to a lower peak).
@@ -281,69 +273,88 @@ class Windows:
     def take(self) -> tuple[WindowBytes, dict[str, PhaseBytes]]:
         """Close what ran since the last take: the merged steps, or (with no step closed) the implicit
         window; add the slow host figures (node, cgroup, children), read once here."""
-        if not self._closed:
+        closed = self._closed
+        if closed is None:
             window = self._implicit if self._implicit is not None else self._begin()
             rss, dev = self._end(window)
-            closed = self._bytes_now(window, rss, dev)
+            figures = _figures(window, rss, dev, self._lifetime.peak_rss, self._lifetime.peak_reserved)
             if self._implicit is not None:
                 self._implicit = self._begin()
         else:
-            first = self._closed[0]
-            closed = first if isinstance(first, WindowBytes) else self._bytes(*first)
+            figures = _figures(*closed)
         phases = self._phases
-        self._closed, self._phases = [], {}
+        self._closed, self._phases = None, {}
         # The node, cgroup and children figures; the closing edge has read this process's RSS and peak.
         host = self._guard.call("host", "host probe failed", self.host.read, False, default=None)
         if host is not None:
-            closed.add_node(host)
-        return closed, phases
+            figures.add_node(host)
+        return figures, phases
 
     def discard(self) -> None:
         """Drop what was measured since the last take (after a failure while measuring)."""
-        self._closed, self._phases = [], {}
+        self._closed, self._phases = None, {}
 
 
-class _StepWindow:
-    """``with windows.step(n):`` one object per window, no generator: an edge at each end."""
+class _Step(_Window):
+    """``with windows.step(n):`` the window itself: an edge at each end, nothing built on the way."""
 
-    __slots__ = ("_windows", "_n", "_label", "_window")
-
-    def __init__(self, windows: Windows, n: int | None, label: int | None) -> None:
-        self._windows, self._n, self._label = windows, n, label
+    __slots__ = ()
 
     def __enter__(self) -> None:
-        self._window = self._windows._enter_step(self._n if self._n is not None else self._label)
+        windows = self._windows
+        if windows._implicit is not None:
+            windows._folded.remove(windows._implicit)
+            windows._implicit = None
+        if self._label != windows._step:
+            windows._step = self._label
+            windows._moved()
+        self.start(*windows._edge())
+        windows._folded.append(self)
 
     def __exit__(self, kind: object, error: BaseException | None, tb: object) -> None:
         windows = self._windows
-        rss, dev = windows._exit(self._window, error)
-        windows._close_step(self._window, rss, dev, self._n)
+        rss, dev = windows._edge(error is not None)
+        if self in windows._folded:
+            windows._folded.remove(self)
+        if error is not None:
+            windows._failed(error, self, rss, dev)
+        closed = windows._closed
+        if closed is not None:  # several steps per collect: merged as they close, so nothing grows
+            self.carry = _carry(closed)
+        windows._closed = (self, rss, dev, windows._lifetime.peak_rss, windows._lifetime.peak_reserved)
+        if self._n is not None:
+            windows._step_n = self._n
 
 
-class _PhaseWindow:
+class _Phase(_Window):
     """``with windows.phase(name):`` the edges at entry and exit both belong to the phase."""
 
-    __slots__ = ("_windows", "_name", "_window")
-
-    def __init__(self, windows: Windows, name: str) -> None:
-        self._windows, self._name = windows, name
+    __slots__ = ()
 
     def __enter__(self) -> None:
         windows = self._windows
         windows._phase_stack.append(self._name)
+        windows._moved()
         try:
-            self._window = windows._begin()
+            self.start(*windows._edge())
         except BaseException:
             windows._phase_stack.pop()
+            windows._moved()
             raise
+        windows._folded.append(self)
 
     def __exit__(self, kind: object, error: BaseException | None, tb: object) -> None:
         windows = self._windows
         try:
-            rss, dev = windows._exit(self._window, error)
-            windows._close_phase(self._name, self._window, rss, dev)
+            rss, dev = windows._edge(error is not None)
+            if self in windows._folded:
+                windows._folded.remove(self)
+            if error is not None:
+                windows._failed(error, self, rss, dev)
+            windows._close_phase(self._name, self, rss, dev)
         finally:
             windows._phase_stack.pop()
+            windows._moved()
 
 
 def _step_number(n: object) -> int:
@@ -354,6 +365,41 @@ def _step_number(n: object) -> int:
     if not -(2**63) <= step < 2**63:  # the run log, heartbeat and events hold steps as int64
         raise RankmemError(f"a step number must fit in 64 bits, got {step}")
     return step
+
+
+def _figures(window: _Window, rss: int | None, dev: DeviceReading | None, lifetime_rss: int | None,
+             lifetime_reserved: int | None) -> WindowBytes:
+    """A window's figures as read at its closing edge, merged with the steps it carries."""
+    w = WindowBytes.of(None, dev)
+    w.rss, w.peak_rss, w.lifetime_peak_rss = rss, window.peak_rss, lifetime_rss
+    if dev is not None:
+        w.peak_allocated, w.peak_reserved = window.peak_allocated, window.peak_reserved
+        w.alloc_retries = _delta(dev.alloc_retries, window.start_retries)
+        w.ooms = _delta(dev.ooms, window.start_ooms)
+        w.lifetime_peak_reserved = lifetime_reserved
+    if window.carry is not None:  # the max of the peaks, the sum of the events, the later current values
+        peak_rss, peak_allocated, peak_reserved, retries, ooms = window.carry
+        w.peak_rss = _max(peak_rss, w.peak_rss)
+        w.peak_allocated = _max(peak_allocated, w.peak_allocated)
+        w.peak_reserved = _max(peak_reserved, w.peak_reserved)
+        w.alloc_retries, w.ooms = _sum(retries, w.alloc_retries), _sum(ooms, w.ooms)
+    return w
+
+
+def _carry(closed: _Closed) -> _Carry:
+    """What a closed step (and the steps it carries) hands to the step that closes after it."""
+    window, _, dev, _, _ = closed
+    carry = window.carry
+    if dev is None:  # no device figures at its edge: only the peak RSS is its own
+        if carry is None:
+            return window.peak_rss, None, None, None, None
+        return _max(carry[0], window.peak_rss), carry[1], carry[2], carry[3], carry[4]
+    own: _Carry = (window.peak_rss, window.peak_allocated, window.peak_reserved,
+                   _delta(dev.alloc_retries, window.start_retries), _delta(dev.ooms, window.start_ooms))
+    if carry is None:
+        return own
+    return (_max(carry[0], own[0]), _max(carry[1], own[1]), _max(carry[2], own[2]), _sum(carry[3], own[3]),
+            _sum(carry[4], own[4]))
 
 
 def _max(a: int | None, b: int | None) -> int | None:
@@ -383,14 +429,3 @@ def _sum(a: int | None, b: int | None) -> int | None:
 
 def _delta(end: int | None, start: int | None) -> int | None:
     return None if end is None or start is None else end - start
-
-
-def _merge(earlier: WindowBytes, later: WindowBytes) -> WindowBytes:
-    """Two consecutive windows as one: the max of the peaks, the sum of the event counts, and the
-    later window's current values."""
-    later.peak_rss = _max(earlier.peak_rss, later.peak_rss)
-    later.peak_allocated = _max(earlier.peak_allocated, later.peak_allocated)
-    later.peak_reserved = _max(earlier.peak_reserved, later.peak_reserved)
-    later.alloc_retries = _sum(earlier.alloc_retries, later.alloc_retries)
-    later.ooms = _sum(earlier.ooms, later.ooms)
-    return later

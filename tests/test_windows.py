@@ -179,3 +179,57 @@ def test_a_bad_phase_name_is_one_clear_error() -> None:
         with windows.phase("a b"):
             pass
     windows.host.close()
+
+
+def test_three_steps_before_a_take_carry_the_first_ones_peak_and_sum_every_retry() -> None:
+    cuda = FakeCuda(total=1 << 30)
+    windows = _windows(cuda)
+    for step, mib in enumerate((300, 20, 40)):
+        held = cuda.malloc(600 * MIB)
+        cuda.free(held)  # cached: the next large request must release it first (a retry)
+        with windows.step(step):
+            block = cuda.malloc(700 * MIB if step == 0 else mib * MIB)
+            cuda.free(block)
+    window, _ = windows.take()
+    assert window.peak_allocated is not None and window.peak_allocated >= 700 * MIB  # step 0's, two merges back
+    assert window.alloc_retries == 1  # step 0's retry survives both merges
+    assert window.ooms == 0
+    windows.host.close()
+
+
+class _Broken:
+    """A host probe whose edge fails (a /proc that vanished): the windows must go on."""
+
+    peak_scope = "window"
+
+    def edge(self) -> tuple[int | None, int | None]:
+        raise OSError("/proc vanished")
+
+    def read(self, process: bool = True) -> Any:
+        raise OSError("/proc vanished")
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_failing_probe_and_a_failing_listener_warn_once_and_never_raise() -> None:
+    class Raising(_Recorder):
+        def edge(self, where: Where, rss: int | None, failing: bool = False) -> None:
+            super().edge(where, rss, failing)
+            raise ValueError("disk full")
+
+    listener = Raising()
+    guard = Guard()
+    with pytest.warns(RuntimeWarning) as caught:
+        windows = Windows(_Broken(), None, guard, listener=listener)  # type: ignore[arg-type]
+        for step in range(3):
+            with windows.step(step), windows.phase("update"):
+                pass
+        window, phases = windows.take()
+    assert window.rss is None and window.peak_rss is None and phases["update"].peak_rss is None
+    assert [w.step for w, _ in listener.edges[-4:]] == [2, 2, 2, 2]  # told at every edge all the same
+    assert [w.phase for w, _ in listener.edges[-4:]] == [None, "update", "update", None]
+    messages = [str(w.message) for w in caught]
+    assert sum("memory probe failed" in m for m in messages) == 1  # once per topic, not per edge
+    assert sum("heartbeat failed" in m for m in messages) == 1
+    assert guard.failures > 10

@@ -115,6 +115,12 @@ class Forensics:
         self._where = where
         if self._heartbeat is not None:
             self._heartbeat.beat(where.step, where.phase, rss)
+        if self._device is not None:  # on the host alone an edge is its heartbeat
+            self._device_edge(where, failing)
+
+    def _device_edge(self, where: Where, failing: bool) -> None:
+        """The observer and history, once the device is initialised; an OOM the observer saw and the
+        caller caught inside the window."""
         if not self._hooked:
             self._hook_device()
         if self._history and self._device is not None and (where.step, where.phase) != self._tag:

@@ -3,7 +3,8 @@ after the rank is gone.
 
 A rank killed by SIGKILL (the kernel OOM killer's signal) runs no code, so what it was doing must
 already be in the file: each window edge overwrites one fixed-size binary record in ``<dir>/rank<r>.hb``
-through a shared memory map of the file (``os.pwrite`` where the file cannot be mapped). The page
+through a shared memory map of the file (``os.pwrite`` where the file cannot be mapped); an edge
+stores only the fields it moves (seq, step, RSS, time, phase), the rest is written whole when it changes. The page
 cache holds the mapped page, so the record outlives the process. No system call: a ``pwrite`` costs
 ~1 us in a loop but ~40 us right after a training step's compute has pushed the kernel's paths out of
 the caches, the store into the map ~20 us, most of it the cold interpreter (``bench/bench_cold.py``).
@@ -43,6 +44,7 @@ import os
 import struct
 import time
 from dataclasses import dataclass
+from time import time as _now
 
 from rankmem.core.rundir import (
     HEARTBEAT_DIR,
@@ -71,6 +73,13 @@ _V2 = struct.Struct(f"<4sHHIiQqqd{PHASE_BYTES}sQ")
 _TAIL = struct.Struct(f"<{RUN_ID_BYTES}sQI16sQ")  # run id, marks, host_pid, boot_id, seq
 _RECORD = struct.Struct(_V2.format + _TAIL.format[1:])
 RECORD_SIZE = _RECORD.size
+# A beat changes only seq, step, rss, time and phase: the record's bytes 16 to 88 (seq to its second copy)
+# and the third seq at its end, stored in that order so a reader that sees the three agree saw one beat.
+_BEAT_AT = struct.calcsize("<4sHHIi")
+_BEAT = struct.Struct(f"<Qqqd{PHASE_BYTES}sQ")
+_SEQ3_AT = RECORD_SIZE - 8
+_SEQ = struct.Struct("<Q")
+assert _BEAT_AT + _BEAT.size == _V2.size, "a beat's fields end where version 2's record does"
 assert _V2.size == HEARTBEAT_RUN_ID_AT, "the run directory reads the run id at this offset"
 MAX_RANK = 1 << 24
 """A rank read from a file beyond this is damage, not a rank (16M ranks: past any cluster)."""
@@ -195,18 +204,25 @@ class Heartbeat:
         return fd
 
     def adopt(self, run_id: str | None) -> None:
-        """Carry ``run_id`` from the next beat on (the run's id, learnt at the first collect)."""
+        """Carry ``run_id`` from now on (the run's id, learnt at the first collect)."""
         self._run = _run_bytes(run_id)
+        self._write(0)  # the whole record: a beat stores only the fields that move
 
     def beat(self, step: int | None, phase: str | None, rss: int | None) -> None:
         """Record a window edge: ``step`` (None before the first), the innermost open ``phase``, and
-        this process's RSS in bytes (None when unknown). One ``pack_into`` the mapped record."""
-        self._seq += 1
+        this process's RSS in bytes (None when unknown). Every window edge's: two stores into the mapped
+        record, the fields a beat moves (the rest was written whole when it last changed)."""
+        self._seq = seq = self._seq + 1
         self._step = NO_STEP if step is None else step
         if phase != self._phase_name:  # most edges repeat the last phase: encode it once
             self._phase_name, self._phase = phase, _phase_bytes(phase)
         self._rss = -1 if rss is None else rss
-        self._write(0)
+        mapped = self._map
+        if mapped is None:
+            self._write(0)
+            return
+        _BEAT.pack_into(mapped, _BEAT_AT, seq, self._step, self._rss, _now(), self._phase, seq)
+        _SEQ.pack_into(mapped, _SEQ3_AT, seq)
 
     def collect_edge(self) -> None:
         """Entering or leaving a collect (they alternate): see the module docstring."""

@@ -110,9 +110,22 @@ class LinuxHostProbe:
         return (rss if rss is not None else self.rss()), hwm
 
     def edge(self) -> tuple[int | None, int | None]:
-        """The window-edge read: current RSS and the peak since the last edge, then the peak reset."""
-        self.check_fork()
-        rss, peak = self.rss_and_peak()
+        """The window-edge read: current RSS and the peak since the last edge, then the peak reset.
+        Every step's hot path: the reads of :meth:`rss_and_peak` and :meth:`reset_peak` inline."""
+        if os.getpid() != self._pid:
+            self.check_fork()
+        data = None
+        if self._status is not None:
+            try:
+                data = os.pread(self._status, _STATUS_BUF, 0)
+            except OSError:
+                pass
+        if data is None:
+            rss, peak = self.rss(), None
+        else:
+            rss, peak = _procfs.parse_status_rss_hwm(data)
+            if rss is None:
+                rss = self.rss()
         if not self._reset_peaks:
             # Never reset, VmHWM only says something of this window where it rose since the last edge:
             # then the window reached exactly it. Otherwise the window's peak is its edges' RSS (a floor).
@@ -120,7 +133,11 @@ class LinuxHostProbe:
                 return rss, None
             self._last_hwm = peak
             return rss, peak
-        self.reset_peak()
+        if self._clear_refs is not None:
+            try:
+                os.write(self._clear_refs, b"5")
+            except OSError:
+                self._reset_failed()
         return rss, peak
 
     def reset_peak(self) -> None:
@@ -128,10 +145,13 @@ class LinuxHostProbe:
             try:
                 os.write(self._clear_refs, b"5")
             except OSError:
-                os.close(self._clear_refs)
-                self._clear_refs = None
-                self.peak_is_lifetime = True
-                self._lifetime_warning()
+                self._reset_failed()
+
+    def _reset_failed(self) -> None:
+        _procfs.close_fd(self._clear_refs)
+        self._clear_refs = None
+        self.peak_is_lifetime = True
+        self._lifetime_warning()
 
     def _lifetime_warning(self) -> None:
         self._warn_once("clear_refs", "cannot reset VmHWM (/proc/self/clear_refs); peak RSS is a lifetime peak")

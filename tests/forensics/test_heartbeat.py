@@ -148,3 +148,35 @@ def test_node_siblings_are_the_live_ranks_of_this_node(tmp_path: Path, monkeypat
     assert _heartbeat.node_siblings(str(tmp_path), 0, translated=True) == ({os.getpid()}, None)
     monkeypatch.setenv("WORLD_SIZE", "4")
     assert _heartbeat.node_siblings(None, 0, translated=False)[1] == "no heartbeats to find the sibling ranks by (no out_dir)"
+
+
+def test_a_beat_moves_its_own_fields_and_keeps_the_rest(tmp_path: Path) -> None:
+    # A beat stores seq, step, rss, time and phase only: what adopt and collect_edge wrote stays.
+    hb = Heartbeat(str(tmp_path), 0, host_pid=4242)
+    hb.adopt("0123456789abcdef")
+    hb.collect_edge()  # inside collect 0: marks 1, the collecting flag on
+    hb.beat(3, "a-long-phase-name", 5 << 20)
+    hb.beat(4, "up", 6 << 20)  # a shorter phase over a longer one: no tail of the old name left
+    rec = read_heartbeats(str(tmp_path))[0]
+    assert (rec.step, rec.phase, rec.rss_bytes, rec.seq) == (4, "up", 6 << 20, 2)
+    assert (rec.run_id, rec.marks, rec.collecting, rec.host_pid) == ("0123456789abcdef", 1, True, 4242)
+    hb.collect_edge()
+    hb.beat(5, None, None)
+    rec = read_heartbeats(str(tmp_path))[0]
+    assert (rec.step, rec.phase, rec.rss_bytes, rec.seq, rec.marks, rec.collecting) == (5, "", None, 3, 2, False)
+    hb.close()
+
+
+def test_a_beat_caught_half_written_reads_as_torn(tmp_path: Path) -> None:
+    # The two stores of a beat: the seq copies at the front, then the last one. Between them a
+    # reader must see a torn record, never a mix of two beats.
+    hb = Heartbeat(str(tmp_path), 0)
+    hb.beat(1, "a", 1)
+    whole = (tmp_path / "rank0.hb").read_bytes()
+    hb.beat(2, "b", 2)
+    after = (tmp_path / "rank0.hb").read_bytes()
+    half = after[:-8] + whole[-8:]  # the first store done, the last not yet
+    assert _heartbeat.unpack_record(half) is None
+    record = _heartbeat.unpack_record(after)
+    assert record is not None and record.seq == 2
+    hb.close()
