@@ -19,6 +19,10 @@ The boundaries (``file: function``: where it stands, why):
   block too: the threads rankmem starts (device attribution, the near-OOM watch, the launcher's stderr
   relay), the signal handler's flush, and the clean-up while a framework's own exception propagates
   (the Hugging Face wrapper).
+- ``windows.py: Windows._edge``: the same rule as :meth:`Guard.call` written inline, for the probe and
+  the listener (heartbeat) at every window edge: the hot path, where a ``with`` scope per call costs
+  more than the edge's own read (bench/bench_probe.py's windows table). A RankmemError passes; any
+  other failure goes to the window's Guard (``failed``), which warns once per topic.
 - ``core/guard.py: attempt``: a call into a foreign probe (torch's allocator, psutil, the driver)
   whose failure means "not available here", without a warning (psutil's ``wrap_exceptions`` in spirit).
 - ``core/guard.py: load_optional``: importing an installed optional dependency, which a broken install
