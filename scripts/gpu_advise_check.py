@@ -157,7 +157,17 @@ def main(argv: list[str]) -> int:
         model = build(attention, max(args.probe + args.check))
         for t in args.check:
             peak, low, high, source = predicted(out, t)
-            real, reserved, other = measured(model, t)
+            try:
+                real, reserved, other = measured(model, t)
+            except torch.OutOfMemoryError:
+                model.zero_grad(set_to_none=True)
+                torch.cuda.empty_cache()
+                capacity = torch.cuda.mem_get_info()[1] / GIB
+                miss = peak < capacity  # the prediction said it would fit
+                misses += miss
+                print(f"gpu_advise_check: {'MISS' if miss else 'ok'} attention={attention} T={t}: out of memory on "
+                      f"this {capacity:.1f} GiB device; predicted {peak:.2f} GiB ({low:.2f}..{high:.2f}, from {source})")
+                continue
             error = (peak - real) / real
             miss = abs(error) > args.tolerance or real > high * (1 + args.tolerance)
             misses += miss
