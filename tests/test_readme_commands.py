@@ -199,6 +199,7 @@ def _check_verl(out: Path, stdout: str) -> None:
     assert abs((rss_max - rss_min) - 0.125) < 1 / 32  # rank 1 holds 128 MiB more, within 32 MiB
     assert rss_min <= float(values["perf/cpu_memory_used_gb"]) <= rss_max
     assert float(values["actor/pg_loss"]) == 0.625  # mean of [0.5, 0.25, 1.5, 0.25]
+    assert float(values["mem/phase/update/heaviest_mb_tokens/max"]) == 12  # rank 1's [3 + 4, 5]
 
 
 CHECKS: dict[str, Any] = {"hf_example": _check_hf, "lightning_example": _check_lightning,

@@ -13,6 +13,15 @@ log steps, evaluation, the final summary; ``Trainer.log`` is not rank-gated), wh
 collective in :meth:`rankmem.Monitor.collect` safe there. The aggregates (``K/max``, ``K/min``,
 ``K/mean``, ``K/max_rank``) are added to ``logs`` and to the matching ``state.log_history`` entry.
 
+Work: :func:`attach` also wraps ``trainer.training_step``, which the Trainer calls once per
+micro-batch (gradient accumulation included) with the collated inputs; no callback hook sees them.
+Each micro-batch's sequence lengths are the row sums of its ``attention_mask`` (every position of
+``input_ids`` when there is none; with ``count_padding=True`` every position, what an eager model
+computes on), and the ``train_step`` phase keeps the heaviest (``mem/phase/train_step/heaviest_mb_tokens``
+and the rest, for ``rankmem advise``). The sums are left on the device and read at ``on_step_end``,
+after the Trainer's own per-micro-batch read of the loss, so they add no synchronisation of their own.
+Inputs that are not a mapping of tensors are passed through untouched, with one warning.
+
 Ordering: the Trainer runs its ``report_to`` trackers' callbacks before the ones passed in
 ``callbacks=``, so those trackers would miss the keys; :func:`attach` puts the callback ahead of them.
 
@@ -27,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -56,23 +66,63 @@ class RankmemCallback(StepWindow, TrainerCallback):  # type: ignore[misc]
     ``/max``, ``/min``, ``/mean``, ``/max_rank``, ``/min_rank``: ~36 keys, ~2 KB per log line); default
     all. ``("mem/host/peak_rss_gib/*", "mem/device/peak_reserved_gib/max*")`` keeps a few; the run log
     keeps them all.
+    ``count_padding``: count every position of a micro-batch's padded input as its tokens (what an
+    eager model computes on) instead of the ones of its attention mask (the default).
     """
 
     def __init__(self, monitor: Monitor | None = None, *, step_phase: str | None = STEP_PHASE,
-                 log_keys: Sequence[str] | None = None, **monitor_options: Any):
+                 log_keys: Sequence[str] | None = None, count_padding: bool = False, **monitor_options: Any):
         self._setup_window(monitor, step_phase, monitor_options, log_keys)
+        self.count_padding = bool(count_padding)
         self.last_metrics: dict[str, float] = {}
         """Every aggregate of the last ``on_log`` (``log_keys`` aside), on every rank."""
+        self._pending: list[Any] = []  # this step's micro-batches: per-row lengths, still on the device
+        self._warned_inputs = False
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._monitor()
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # global_step counts the steps done; on_log names this one global_step + 1 once it is.
+        self._pending.clear()  # left by a step that never reported its end
         self._open_step(int(state.global_step) + 1)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._tell_work()
         self._close_step()
+
+    def _note_inputs(self, inputs: Any) -> None:
+        """One micro-batch's inputs, as ``training_step`` receives them: keep its per-row lengths."""
+        if self._step is None:
+            return
+        try:
+            lengths = _row_lengths(inputs, self.count_padding)
+        except Exception as exc:  # a tensor-like that is not one: the step goes on, unmeasured
+            lengths, why = None, f"reading them failed: {exc!r:.120}"
+        else:
+            why = f"got {type(inputs).__name__}"
+        if lengths is None:
+            self._warn_inputs(f"the Trainer's inputs hold no tensor 'attention_mask' or 'input_ids' ({why})")
+            return
+        self._pending.append(lengths)
+
+    def _warn_inputs(self, what: str) -> None:
+        if not self._warned_inputs:
+            self._warned_inputs = True
+            warnings.warn(f"rankmem: {what}: micro-batch work is not recorded, so rankmem advise has no tokens "
+                          "to fit against", stacklevel=4)
+
+    def _tell_work(self) -> None:
+        pending, self._pending = self._pending, []
+        if self._step is None or self.monitor is None:
+            return
+        for lengths in pending:
+            try:
+                live = [n for n in (int(v) for v in lengths.tolist()) if n > 0]
+                self.monitor.micro_batch(sum(live), len(live), sum(n * n for n in live))
+            except Exception as exc:  # telemetry never stops the step
+                self._warn_inputs(f"a micro-batch's lengths could not be read ({exc!r:.120})")
+                return
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         # A collective: every process reaches on_log at the same points (see the module docstring).
@@ -96,6 +146,27 @@ def ranks_as_ints(metrics: Mapping[str, float]) -> dict[str, float | int]:
     return {k: int(v) if k.endswith("_rank") and math.isfinite(v) and v == int(v) else v for k, v in metrics.items()}
 
 
+def _row_lengths(inputs: Any, count_padding: bool) -> Any:
+    """Per-row token counts of a micro-batch as a 1-D tensor on its device, or ``None`` where the
+    inputs hold no 2-D tensor ``attention_mask`` / ``input_ids``. No device-to-host copy here."""
+    if not isinstance(inputs, Mapping):
+        return None
+    mask, ids = inputs.get("attention_mask"), inputs.get("input_ids")
+    shaped = mask if _is_2d_tensor(mask) else ids if _is_2d_tensor(ids) else None
+    if shaped is None:
+        return None
+    if count_padding or shaped is not mask:
+        import torch
+
+        rows, width = shaped.shape
+        return torch.full((rows,), width, dtype=torch.long)
+    return mask.sum(dim=-1)
+
+
+def _is_2d_tensor(value: Any) -> bool:
+    return hasattr(value, "dim") and hasattr(value, "sum") and hasattr(value, "shape") and value.dim() == 2
+
+
 def attach(trainer: Any, callback: RankmemCallback | None = None, **options: Any) -> RankmemCallback:
     """Add ``callback`` (or a new one from ``options``) to ``trainer`` ahead of its tracker callbacks.
 
@@ -112,6 +183,7 @@ def attach(trainer: Any, callback: RankmemCallback | None = None, **options: Any
     flow = [i for i, c in enumerate(callbacks) if isinstance(c, DefaultFlowCallback)]
     callbacks.insert(flow[0] + 1 if flow else 0, cb)
     if not getattr(trainer.train, _RECORDS_FAILURES, False):
+        trainer.training_step = _telling_work(trainer)
         trainer.train = _recording_failures(trainer, "train", close=True)
         # An OOM that auto_find_batch_size catches (it halves the batch and retries) never leaves train().
         trainer.training_step = _recording_failures(trainer, "training_step", close=False)
@@ -119,6 +191,21 @@ def attach(trainer: Any, callback: RankmemCallback | None = None, **options: Any
 
 
 _RECORDS_FAILURES = "__rankmem_records_failures__"
+
+
+def _telling_work(trainer: Any) -> Callable[..., Any]:
+    """``trainer.training_step``, but each rankmem callback first notes the micro-batch's lengths.
+    Telemetry never stops the step: inputs it cannot read are passed on as they came."""
+    wrapped = trainer.training_step
+
+    @functools.wraps(wrapped)
+    def telling_work(*args: Any, **kwargs: Any) -> Any:
+        inputs = args[1] if len(args) > 1 else kwargs.get("inputs")
+        for cb in [c for c in trainer.callback_handler.callbacks if isinstance(c, RankmemCallback)]:
+            cb._note_inputs(inputs)
+        return wrapped(*args, **kwargs)
+
+    return telling_work
 
 
 def _recording_failures(trainer: Any, method: str, close: bool) -> Callable[..., Any]:

@@ -27,15 +27,25 @@ reduces a list of lists over all of its elements.
 :func:`allgather_dict_into_dict` is a drop-in for verl's function of that name (same result: per key,
 each rank's value in rank order, lists kept whole) that sends numbers in one tensor collective
 instead of pickling, and falls back to a pickled gather only for values that are not numbers.
+
+:func:`tell_micro_batches` tells the monitor each micro-batch's work from verl's own split (the
+micro-batches ``rearrange_micro_batches`` / ``prepare_micro_batches`` return, or their index lists
+with the batch's sequence lengths): tokens are the sum of the attention mask, the unit verl's
+``max_token_len_per_gpu`` budget counts and the one ``rankmem advise`` answers in.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from typing import Any
+
 from rankmem.core.catalogue import VERL_KEYS
+from rankmem.errors import RankmemError
 from rankmem.exchange.dict_gather import VerlDictGather, allgather_dict_into_dict
 from rankmem.monitor import Monitor
 
-__all__ = ["VERL_NAMES", "VerlDictGather", "allgather_dict_into_dict", "metrics_for_gather", "verl_reduction"]
+__all__ = ["VERL_NAMES", "VerlDictGather", "allgather_dict_into_dict", "metrics_for_gather", "tell_micro_batch",
+           "tell_micro_batches", "verl_reduction"]
 
 # verl's key -> the per-rank rankmem key whose value it carries (GiB: verl divides by 1024**3 too).
 VERL_NAMES = {verl: ours.rsplit("/", 1)[0] for verl, ours in VERL_KEYS.items()}
@@ -68,4 +78,83 @@ def metrics_for_gather(monitor: Monitor) -> dict[str, list[float]]:
     for verl_key, ours in VERL_NAMES.items():
         if ours in local:
             out[verl_key] = [local[ours]]
+    return out
+
+
+def tell_micro_batch(monitor: Monitor, micro_batch: Any) -> None:
+    """Tell ``monitor`` one verl micro-batch's work: its tokens, sequences and sum of squared lengths.
+
+    ``micro_batch`` is what verl's split yields: a TensorDict (or a ``DataProto``, or a dict of
+    tensors) holding nested ``input_ids`` (verl's remove-padding layout; lengths are its offsets'
+    differences) or a 2-D ``attention_mask`` (lengths are its row sums). Rows of length 0 (verl's
+    padding micro-batches) are not sequences. Call it inside the phase that runs the micro-batch.
+    Reading a device tensor's lengths is one device-to-host copy, as in verl's own split.
+    """
+    _tell(monitor, _lengths(micro_batch))
+
+
+def tell_micro_batches(monitor: Monitor, micro_batches: Sequence[Any], *, seqlens: Any = None) -> None:
+    """Tell ``monitor`` the work of every micro-batch of a split, in one call inside the phase.
+
+    Either verl's micro-batches (``micro_batches, indices = rearrange_micro_batches(...)``, see
+    :func:`tell_micro_batch`), or, with ``seqlens=``, its index lists: ``micro_batches`` is then
+    ``indices`` and ``seqlens`` this rank's per-sequence lengths in the batch's order (a list, or the
+    batch's 2-D attention mask). verl's ``global_token_num`` lists every data-parallel rank's
+    sequences after its gather, so pass this rank's own. Lengths from a list cost no device copy.
+    """
+    if seqlens is None:
+        for micro_batch in micro_batches:
+            _tell(monitor, _lengths(micro_batch))
+        return
+    lengths = _mask_lengths(seqlens) if _is_tensor(seqlens) else _int_list(seqlens, "seqlens")
+    if any(n < 0 for n in lengths):
+        raise RankmemError("tell_micro_batches: seqlens holds a negative length")
+    splits = [_int_list(indices, f"index list {n}") for n, indices in enumerate(micro_batches)]
+    for n, idx in enumerate(splits):  # all checked before any is told: a refused split leaves no trace
+        bad = [i for i in idx if not 0 <= i < len(lengths)]
+        if bad:
+            raise RankmemError(f"tell_micro_batches: index list {n} holds {bad[0]}, outside the "
+                               f"{len(lengths)} sequences of seqlens: pass the lengths of the batch that was split")
+    for idx in splits:
+        _tell(monitor, [lengths[i] for i in idx])
+
+
+def _tell(monitor: Monitor, lengths: list[int]) -> None:
+    live = [n for n in lengths if n > 0]
+    monitor.micro_batch(sum(live), len(live), sum(n * n for n in live))
+
+
+def _is_tensor(value: Any) -> bool:
+    return hasattr(value, "dim") and hasattr(value, "sum") and hasattr(value, "tolist")
+
+
+def _lengths(micro_batch: Any) -> list[int]:
+    if not isinstance(micro_batch, Mapping) and hasattr(micro_batch, "batch"):
+        micro_batch = micro_batch.batch  # a DataProto: its tensors
+    try:
+        ids = micro_batch["input_ids"] if "input_ids" in micro_batch else None
+        mask = micro_batch["attention_mask"] if "attention_mask" in micro_batch else None
+    except TypeError:
+        ids = mask = None
+    if ids is not None and getattr(ids, "is_nested", False):
+        return _int_list(ids.offsets().diff().tolist(), "input_ids offsets")
+    if mask is not None and _is_tensor(mask):
+        return _mask_lengths(mask)
+    raise RankmemError(f"tell_micro_batch: expected a verl micro-batch holding a 2-D 'attention_mask' or nested "
+                       f"'input_ids', got {type(micro_batch).__name__}: pass the micro-batches verl's split "
+                       "returns, or its index lists with seqlens=")
+
+
+def _mask_lengths(mask: Any) -> list[int]:
+    if mask.dim() != 2:
+        raise RankmemError(f"tell_micro_batch: the attention mask must be 2-D (sequences x positions), "
+                           f"got {mask.dim()}-D: pass the per-sequence lengths with seqlens= instead")
+    return _int_list(mask.sum(dim=-1).tolist(), "attention mask")
+
+
+def _int_list(values: Any, what: str) -> list[int]:
+    try:
+        out = [int(v) for v in values]
+    except (TypeError, ValueError):
+        raise RankmemError(f"tell_micro_batches: {what} must be a sequence of integers, got {values!r:.80}") from None
     return out

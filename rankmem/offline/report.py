@@ -37,7 +37,14 @@ from rankmem.core.text import printable
 from rankmem.offline import Run
 from rankmem.offline.capacity import capacities
 from rankmem.offline.events import read_events
-from rankmem.offline.imbalance import OverBudget, RankExcess, budget_overruns, imbalance_lines, rank_excess
+from rankmem.offline.imbalance import (
+    ImbalanceConfig,
+    OverBudget,
+    RankExcess,
+    budget_overruns,
+    imbalance_lines,
+    rank_excess,
+)
 from rankmem.offline.leaks import LeakConfig, Trend, detect_leaks, worst_first
 from rankmem.offline.phases import PhaseRow, phase_rows
 
@@ -250,17 +257,18 @@ def growth(run: Run, key: str) -> Growth | None:
     return best
 
 
-def build_report(run: Run, leak_config: LeakConfig | None = None) -> Report:
+def build_report(run: Run, leak_config: LeakConfig | None = None,
+                 imbalance_config: ImbalanceConfig | None = None) -> Report:
     # The leak verdicts are the longest part on a long run (medians over every rank's series) and share
     # nothing with the tables: they run on a second thread meanwhile (numpy drops the GIL in them).
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rankmem-leaks") as pool:
         trends = pool.submit(detect_leaks, run, config=leak_config)
-        report = _tables(run)
+        report = _tables(run, imbalance_config or ImbalanceConfig())
         report.trends = trends.result()
     return report
 
 
-def _tables(run: Run) -> Report:
+def _tables(run: Run, imb: ImbalanceConfig) -> Report:
     events = read_events(run.path, run.header.run_id)
     steps = run.steps if run.logged is None else run.logged.steps
     report = Report(
@@ -290,7 +298,7 @@ def _tables(run: Run) -> Report:
     report.phases = phase_rows(run)
     report.limits = limits(run, report)
     if run.logged is None:  # the split needs every step's per-rank values
-        report.imbalance = rank_excess(run)
+        report.imbalance = rank_excess(run, floor_gib=imb.floor_gib, fraction=imb.fraction)
         report.overruns = budget_overruns(run)
     return report
 

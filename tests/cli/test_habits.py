@@ -23,7 +23,8 @@ from tests.runlog_helpers import known_run
 REPORT_USAGE = """usage: rankmem report [-h] [--json] [--html FILE] [--window FRAC] [--last N]
                       [--min-steps N] [--noise-factor K]
                       [--capacity-fraction F] [--min-growth MIB]
-                      [--alpha ALPHA]
+                      [--alpha ALPHA] [--imbalance-floor-mib FLOOR]
+                      [--imbalance-fraction FRACTION]
                       [RUN]
 """
 

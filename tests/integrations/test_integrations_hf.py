@@ -219,3 +219,92 @@ def test_a_failing_step_close_after_train_raised_warns_once_and_the_trainers_err
                 wrapped()
     assert [str(w.message) for w in caught] == [
         "rankmem: closing the step after train() raised failed: RankmemError(\"the step's window is not open\")"]
+
+
+# Sequence lengths of 16 examples, right-padded to 16 positions: 4 micro-batches of 4 rows, 2 per step.
+HF_LENGTHS = [16, 3, 9, 12, 5, 16, 7, 2, 11, 14, 6, 8, 10, 4, 13, 1]
+HF_WIDTH = 16
+
+
+def _work_trainer(tmp_path: Path, fed: list[list[int]], as_lists: bool = False, **options: Any) -> Any:
+    """A Trainer over padded examples whose collator records which lengths each micro-batch got (the
+    sampler shuffles); ``as_lists`` collates plain lists, which a compute_loss override turns into tensors."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments, default_data_collator
+
+    from rankmem.integrations.hf import attach
+
+    torch.manual_seed(0)
+    examples = []
+    for idx, n in enumerate(HF_LENGTHS):
+        ids = torch.randint(0, 127, (HF_WIDTH,))
+        mask = (torch.arange(HF_WIDTH) < n).long()
+        examples.append({"idx": idx, "input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
+
+    def collate(features: list[dict[str, Any]]) -> dict[str, Any]:
+        fed.append([HF_LENGTHS[f["idx"]] for f in features])
+        batch = default_data_collator([{k: v for k, v in f.items() if k != "idx"} for f in features])
+        return {k: v.tolist() for k, v in batch.items()} if as_lists else batch
+
+    class ListTrainer(Trainer):  # type: ignore[misc]
+        def compute_loss(self, model: Any, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+            return super().compute_loss(model, {k: torch.tensor(v) for k, v in inputs.items()}, *args, **kwargs)
+
+        def floating_point_ops(self, inputs: dict[str, Any]) -> int:
+            return 0  # the Trainer's own estimate reads input_ids.numel()
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=128, n_positions=32,
+                                       bos_token_id=127, eos_token_id=127))
+    model.loss_type = "ForCausalLM"
+    args = TrainingArguments(output_dir=str(tmp_path / "hf"), max_steps=2, per_device_train_batch_size=4,
+                             gradient_accumulation_steps=2, logging_steps=1, use_cpu=True, report_to=[],
+                             save_strategy="no", disable_tqdm=True, remove_unused_columns=False)
+    trainer = (ListTrainer if as_lists else Trainer)(model=model, args=args, train_dataset=examples,
+                                                     data_collator=collate)
+    attach(trainer, out_dir=str(tmp_path / "run"), sinks=("jsonl",), near_oom_watch=False, **options)
+    return trainer
+
+
+def test_each_micro_batch_s_attention_mask_reaches_the_run_log_as_work(tmp_path: Path) -> None:
+    from rankmem.core.catalogue import WORK_FIELDS, work_key
+
+    fed: list[list[int]] = []
+    _work_trainer(tmp_path, fed).train()
+    assert sorted(n for mb in fed for n in mb) == sorted(HF_LENGTHS) and len(fed) == 4
+    run = read_run(str(tmp_path / "run"))
+    assert run.steps.tolist()[:2] == [1, 2]
+    for row, step_mbs in enumerate((fed[0:2], fed[2:4])):  # gradient accumulation: 2 micro-batches a step
+        heaviest = max(step_mbs, key=sum)
+        got = {f: run.series[work_key("train_step", f)][row, 0] for f in WORK_FIELDS}
+        assert got == {"mb_tokens": sum(heaviest), "mb_sequences": 4, "mb_sq_tokens": sum(n * n for n in heaviest),
+                       "tokens": sum(map(sum, step_mbs)), "micro_batches": 2}, (row, step_mbs)
+
+
+def test_count_padding_counts_every_position(tmp_path: Path) -> None:
+    from rankmem.core.catalogue import work_key
+
+    fed: list[list[int]] = []
+    _work_trainer(tmp_path, fed, count_padding=True).train()
+    run = read_run(str(tmp_path / "run"))
+    assert run.series[work_key("train_step", "mb_tokens")][0, 0] == 4 * HF_WIDTH
+    assert run.series[work_key("train_step", "mb_sq_tokens")][0, 0] == 4 * HF_WIDTH**2
+    assert run.series[work_key("train_step", "tokens")][1, 0] == 2 * 4 * HF_WIDTH
+
+
+def test_inputs_that_are_not_tensors_train_on_with_one_warning(tmp_path: Path) -> None:
+    import warnings
+
+    from rankmem.core.catalogue import work_key
+
+    fed: list[list[int]] = []
+    trainer = _work_trainer(tmp_path, fed, as_lists=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    ours = [str(w.message) for w in caught if str(w.message).startswith("rankmem:")]
+    assert ours == ["rankmem: the Trainer's inputs hold no tensor 'attention_mask' or 'input_ids' (got dict): "
+                    "micro-batch work is not recorded, so rankmem advise has no tokens to fit against"]
+    assert len(fed) == 4 and trainer.state.global_step == 2
+    run = read_run(str(tmp_path / "run"))
+    assert work_key("train_step", "mb_tokens") not in run.series  # not told: absent, never 0
+    assert "mem/phase/train_step/peak_rss_gib" in run.series

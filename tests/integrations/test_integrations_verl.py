@@ -1,10 +1,14 @@
 """verl integration against verl's own code: its ``reduce_metrics`` and ``allgather_dict_into_dict``.
 
 verl's package ``__init__`` imports ray (and its requirements pin transformers < 5.11), so the wheel
-is installed with ``--no-deps`` and the two functions are read from the installed files: the metric
+is installed with ``--no-deps`` and the functions are read from the installed files: the metric
 module is loaded by path (it imports only numpy and torch), and ``allgather_dict_into_dict`` is
-compiled from its source in ``torch_functional.py`` (whose imports need tensordict). Nothing of verl
-is reimplemented here. Also runs as a torchrun job (``__main__``) for the 2-rank gloo test.
+compiled from its source in ``torch_functional.py`` (whose imports need tensordict), as are the
+micro-batch split of ``seqlen_balancing.py`` and the row selection it calls from
+``tensordict_utils.py``. tensordict is not installed, so its ``TensorDict`` constructor is the one
+thing stood in for (by ``dict``): the split, the balancing and the row selection are verl's code.
+Nothing of verl is reimplemented here. Also runs as a torchrun job (``__main__``) for the 2-rank
+gloo test.
 """
 
 from __future__ import annotations
@@ -55,6 +59,37 @@ def load_verl_allgather() -> Any:
     namespace: dict[str, Any] = {"torch": torch}
     exec(compile(ast.Module(body=[fn], type_ignores=[]), str(root / "utils/torch_functional.py"), "exec"), namespace)
     return namespace["allgather_dict_into_dict"]
+
+
+def load_verl_split() -> Any:
+    """verl's ``rearrange_micro_batches`` with the helpers it calls, compiled from the installed sources."""
+    root = _verl_dir()
+    if root is None:
+        pytest.skip("verl is not installed: pip install --no-deps verl==0.9.1 (make install does)")
+    import copy
+    import heapq
+    from itertools import chain
+
+    import torch
+    import torch.distributed as dist
+
+    def functions(rel: str, names: set[str] | None) -> list[ast.stmt]:
+        tree = ast.parse((root / rel).read_text())
+        return [n for n in tree.body if isinstance(n, ast.FunctionDef) and (names is None or n.name in names)]
+
+    tu: dict[str, Any] = {"torch": torch, "TensorDict": lambda source, batch_size: dict(source)}
+    body = functions("utils/tensordict_utils.py", {"index_select_tensor_dict", "nested_tensor_from_tensor_list"})
+    exec(compile(ast.Module(body=body, type_ignores=[]), str(root / "utils/tensordict_utils.py"), "exec"), tu)
+    namespace: dict[str, Any] = {
+        "torch": torch, "dist": dist, "heapq": heapq, "copy": copy, "chain": chain,
+        "get_device_name": lambda: "cpu", "tu": type("tensordict_utils", (), {
+            "index_select_tensor_dict": staticmethod(tu["index_select_tensor_dict"])}),
+    }
+    split = {"calculate_workload", "karmarkar_karp", "greedy_partition", "get_seqlen_balanced_partitions",
+             "ceildiv", "roundup_divisible", "rearrange_micro_batches"}
+    path = str(root / "utils/seqlen_balancing.py")
+    exec(compile(ast.Module(body=functions("utils/seqlen_balancing.py", split), type_ignores=[]), path, "exec"), namespace)
+    return namespace["rearrange_micro_batches"]
 
 
 # ---- single process ------------------------------------------------------------------------------
@@ -110,6 +145,100 @@ def test_dropin_without_process_group() -> None:
     assert allgather_dict_into_dict({"a": 1.0, "b": [1, 2]}) == {"a": [1.0], "b": [[1.0, 2.0]]}
     with pytest.raises(TypeError, match="expects a dict"):
         allgather_dict_into_dict([("a", 1)])  # type: ignore[arg-type]
+
+
+# Sequence lengths of one rank's mini-batch, padded to 64 positions; verl's split at 160 tokens.
+LENGTHS = [61, 3, 40, 17, 64, 9, 33, 50, 25, 12, 47, 5]
+WIDTH, BUDGET = 64, 160
+
+
+def _padded_batch(left: bool) -> dict[str, Any]:
+    import torch
+
+    mask = torch.zeros(len(LENGTHS), WIDTH, dtype=torch.long)
+    for row, n in enumerate(LENGTHS):
+        if left:
+            mask[row, WIDTH - n:] = 1  # prompts are left-padded in verl's rollout batches
+        else:
+            mask[row, :n] = 1
+    ids = torch.randint(1, 100, (len(LENGTHS), WIDTH)) * mask
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": torch.arange(WIDTH).expand(len(LENGTHS), -1)}
+
+
+def _expected(indices: list[list[int]]) -> dict[str, float]:
+    heaviest = max(([LENGTHS[i] for i in idx] for idx in indices), key=sum)
+    return {"mb_tokens": sum(heaviest), "mb_sequences": len(heaviest), "mb_sq_tokens": sum(n * n for n in heaviest),
+            "tokens": sum(LENGTHS), "micro_batches": len(indices)}
+
+
+def test_verls_own_split_reaches_the_run_log_as_work(tmp_path: Path) -> None:
+    """verl's rearrange_micro_batches on a padded batch, then on a nested (remove-padding) one; the
+    micro-batches themselves, and the index lists with the lengths or the mask, give the same work."""
+    import torch
+
+    import rankmem
+    from rankmem.core.catalogue import WORK_FIELDS, work_key
+    from rankmem.integrations.verl import tell_micro_batch, tell_micro_batches
+    from rankmem.offline import read_run
+
+    rearrange = load_verl_split()
+    padded = _padded_batch(left=True)
+    micro_batches, indices = rearrange(padded, max_token_len=BUDGET)
+    nested = {"input_ids": torch.nested.as_nested_tensor(
+        [torch.arange(n) for n in LENGTHS], layout=torch.jagged)}
+    nested_mbs, nested_indices = rearrange(nested, max_token_len=BUDGET)
+    assert sorted(i for idx in indices for i in idx) == list(range(len(LENGTHS)))
+    assert len(indices) >= 3 and all(sum(LENGTHS[i] for i in idx) <= BUDGET for idx in indices)
+
+    monitor = rankmem.Monitor(out_dir=str(tmp_path), device="cpu", children=False, near_oom_watch=False)
+    tells = [
+        lambda: tell_micro_batches(monitor, micro_batches),
+        lambda: tell_micro_batches(monitor, indices, seqlens=LENGTHS),
+        lambda: tell_micro_batches(monitor, indices, seqlens=padded["attention_mask"]),
+        lambda: [tell_micro_batch(monitor, mb) for mb in nested_mbs],  # one call per micro-batch
+    ]
+    for step, tell in enumerate(tells):
+        with monitor.step(step):
+            with monitor.phase("update"):
+                tell()
+        monitor.collect()
+    monitor.close()
+
+    run = read_run(str(tmp_path))
+    assert list(run.steps) == [0, 1, 2, 3]
+    for step in range(4):
+        want = _expected(nested_indices if step == 3 else indices)
+        assert {f: run.series[work_key("update", f)][step, 0] for f in WORK_FIELDS} == want, step
+    # The heaviest micro-batch is one verl made, not the whole batch: the split is the one measured.
+    assert run.series[work_key("update", "mb_tokens")][0, 0] <= BUDGET < sum(LENGTHS)
+
+
+def test_padding_rows_are_no_sequences_and_bad_input_is_one_clear_error() -> None:
+    import torch
+
+    import rankmem
+    from rankmem.core.catalogue import work_key
+    from rankmem.errors import RankmemError
+    from rankmem.integrations.verl import tell_micro_batch, tell_micro_batches
+
+    monitor = rankmem.Monitor(device="cpu", children=False, near_oom_watch=False)
+    with monitor.step(0):
+        with monitor.phase("update"):
+            mask = torch.tensor([[1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 0, 0]])  # a row of padding only
+            tell_micro_batch(monitor, {"attention_mask": mask})
+            with pytest.raises(RankmemError, match="holding a 2-D 'attention_mask' or nested 'input_ids', got list"):
+                tell_micro_batch(monitor, [1, 2, 3])
+            with pytest.raises(RankmemError, match="must be 2-D .* got 3-D"):
+                tell_micro_batch(monitor, {"attention_mask": mask[None]})
+            with pytest.raises(RankmemError, match="index list 1 holds 7, outside the 3 sequences of seqlens"):
+                tell_micro_batches(monitor, [[0], [7]], seqlens=[4, 5, 6])
+            with pytest.raises(RankmemError, match="seqlens holds a negative length"):
+                tell_micro_batches(monitor, [[0]], seqlens=[-1])
+    got = monitor.local_metrics()
+    monitor.close()
+    assert got[work_key("update", "mb_tokens")] == 5.0
+    assert got[work_key("update", "mb_sequences")] == 2.0
+    assert got[work_key("update", "mb_sq_tokens")] == 13.0
 
 
 # ---- two ranks, real gloo -------------------------------------------------------------------------
