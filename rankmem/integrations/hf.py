@@ -41,7 +41,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rankmem.core.guard import Guard
-from rankmem.errors import MissingExtraError
+from rankmem.errors import MissingExtraError, RankmemError
 from rankmem.integrations._window import StepWindow
 from rankmem.monitor import Monitor
 
@@ -97,7 +97,7 @@ class RankmemCallback(StepWindow, TrainerCallback):  # type: ignore[misc]
             return
         try:
             lengths = _row_lengths(inputs, self.count_padding)
-        except Exception as exc:  # a tensor-like that is not one: the step goes on, unmeasured
+        except (AttributeError, TypeError, ValueError, RuntimeError) as exc:  # a tensor-like that is not one: the step goes on, unmeasured
             lengths, why = None, f"reading them failed: {exc!r:.120}"
         else:
             why = f"got {type(inputs).__name__}"
@@ -120,7 +120,7 @@ class RankmemCallback(StepWindow, TrainerCallback):  # type: ignore[misc]
             try:
                 live = [n for n in (int(v) for v in lengths.tolist()) if n > 0]
                 self.monitor.micro_batch(sum(live), len(live), sum(n * n for n in live))
-            except Exception as exc:  # telemetry never stops the step
+            except (AttributeError, TypeError, ValueError, RuntimeError, RankmemError) as exc:  # never stops the step
                 self._warn_inputs(f"a micro-batch's lengths could not be read ({exc!r:.120})")
                 return
 
