@@ -107,10 +107,16 @@ def window_cases() -> None:
             with monitor.step(), monitor.phase("update"):
                 pass
 
+        def phase_told_four_micro_batches() -> None:  # the work fields: what Monitor.micro_batch adds
+            with monitor.step(), monitor.phase("update"):
+                for tokens in (2048, 1990, 2011, 1730):
+                    monitor.micro_batch(tokens, sequences=40, sq_tokens=tokens * 90)
+
         print("\nwindows (baseline: two kernel-floor edges; target: the empty step window within 1.30x)")
         table({"two floor edges (status pread + parse + clear_refs write)": floor_edges,
                "empty step window (Monitor.step, heartbeat on)": empty_step,
-               "empty phase in a step (four edges)": empty_phase_in_step},
+               "empty phase in a step (four edges)": empty_phase_in_step,
+               "the same, told 4 micro-batches (work fields)": phase_told_four_micro_batches},
               "two floor edges (status pread + parse + clear_refs write)", n=REPEAT // 20,
               rounds=ROUNDS * 5, clock=time.thread_time)
         monitor.close()
