@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from typing import Protocol
 
 from rankmem.core.cadence import Every
@@ -40,8 +41,7 @@ class LinuxHostProbe:
         self._page = os.sysconf("SC_PAGE_SIZE")
         self._children_enabled = children
         self._children_refresh_s = children_refresh_s
-        self._children_fds: dict[int, int] = {}
-        self._children_due = Every(children_refresh_s)
+        self._children_statm = _ChildrenStatm(self._descendants, children_refresh_s, proc)
         self._children_uss: ChildrenUss | None = None
         self._warn_once = WarnOnce()
         self._open()
@@ -81,7 +81,7 @@ class LinuxHostProbe:
         if os.getpid() != self._pid:
             self.close()
             self._pid = os.getpid()
-            self._children_due.expire()
+            self._children_statm.expire()
             self._open()
 
     def rss(self) -> int | None:
@@ -157,20 +157,7 @@ class LinuxHostProbe:
         self._warn_once("clear_refs", "cannot reset VmHWM (/proc/self/clear_refs); peak RSS is a lifetime peak")
 
     def children_rss(self) -> int | None:
-        if not self._children_enabled:
-            return None
-        if self._children_due.due():
-            self._refresh_children()
-        total = 0
-        for pid, fd in list(self._children_fds.items()):
-            data = _procfs.pread(fd, 256)
-            rss = None if not data else _procfs.parse_statm_rss(data, self._page)
-            if rss is None:  # the child exited: its statm reads ESRCH or nothing
-                os.close(fd)
-                del self._children_fds[pid]
-                continue
-            total += rss
-        return total
+        return self._children_statm.total(self._page) if self._children_enabled else None
 
     def children_uss(self) -> int | None:
         """Summed private memory of the descendants, as last read by the refresh thread."""
@@ -191,15 +178,6 @@ class LinuxHostProbe:
             except psutil.Error:
                 return set()
         return _procfs.descendants(self._pid, self._proc)
-
-    def _refresh_children(self) -> None:
-        pids = self._descendants()
-        for gone in set(self._children_fds) - pids:
-            os.close(self._children_fds.pop(gone))
-        for pid in pids - set(self._children_fds):
-            fd = _procfs.open_ro(f"{self._proc}/{pid}/statm")
-            if fd is not None:
-                self._children_fds[pid] = fd
 
     def node(self) -> tuple[int | None, int | None]:
         data = _procfs.pread(self._meminfo, _MEMINFO_BUF)
@@ -227,10 +205,51 @@ class LinuxHostProbe:
         if self._cgroup is not None:
             self._cgroup.close()
             self._cgroup = None
-        for fd in [self._statm, self._status, self._meminfo, self._clear_refs, *self._children_fds.values()]:
+        for fd in [self._statm, self._status, self._meminfo, self._clear_refs]:
             _procfs.close_fd(fd)
-        self._children_fds.clear()
+        self._children_statm.close()
         self._statm = self._status = self._meminfo = self._clear_refs = None
+
+
+class _ChildrenStatm:
+    """The descendants' ``statm`` through cached descriptors: the list of descendants rebuilt at most every
+    ``refresh_s`` seconds, each known child's statm read on every call."""
+
+    def __init__(self, descendants: Callable[[], set[int]], refresh_s: float, proc: str) -> None:
+        self._descendants, self._proc = descendants, proc
+        self._fds: dict[int, int] = {}
+        self._due = Every(refresh_s)
+
+    def expire(self) -> None:
+        self._due.expire()
+
+    def total(self, page: int) -> int:
+        if self._due.due():
+            self._refresh()
+        total = 0
+        for pid, fd in list(self._fds.items()):
+            data = _procfs.pread(fd, 256)
+            rss = None if not data else _procfs.parse_statm_rss(data, page)
+            if rss is None:  # the child exited: its statm reads ESRCH or nothing
+                os.close(fd)
+                del self._fds[pid]
+                continue
+            total += rss
+        return total
+
+    def _refresh(self) -> None:
+        pids = self._descendants()
+        for gone in set(self._fds) - pids:
+            os.close(self._fds.pop(gone))
+        for pid in pids - set(self._fds):
+            fd = _procfs.open_ro(f"{self._proc}/{pid}/statm")
+            if fd is not None:
+                self._fds[pid] = fd
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            _procfs.close_fd(fd)
+        self._fds.clear()
 
 
 class PsutilHostProbe:
