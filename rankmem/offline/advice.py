@@ -20,6 +20,7 @@ Offline code: numpy, no torch.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -121,18 +122,56 @@ class Limit:
 
 def run_capacity(run: Run, kind: str) -> tuple[float, str]:
     """The capacity the run log says, per rank: the device total; on the host the cgroup limit or the
-    node's total memory, shared by the ranks on the node (the most ranks any node ran)."""
+    node's total memory, less what the node's other processes held there (the launcher, torchrun's agent,
+    dataloader workers, anything else: the most seen, used minus the ranks' RSS), shared by the ranks on
+    the node (the tightest node binds)."""
     caps = {c.label: c.value for c in capacities(run)}
     if kind == "device":
         if "device total" in caps:
             return caps["device total"], "device total"
         raise RankmemError(f"{run.path} has no device total: pass --capacity GIB")
-    label = "cgroup limit" if "cgroup limit" in caps else "node total"
+    cgroup = "cgroup limit" in caps
+    label = "cgroup limit" if cgroup else "node total"
     if label not in caps:
         raise RankmemError(f"{run.path} has neither a cgroup limit nor the node's memory: pass --capacity GIB")
+    used = _node_used(run, cgroup)
+    rss = run.series.get(key_of("rss"))
     hosts = [r.host or "?" for r in run.header.ranks]
-    share = max((hosts.count(h) for h in set(hosts)), default=1)
-    return caps[label] / share, label + (f" / {share} ranks" if share > 1 else "")
+    best: tuple[float, float, int] | None = None
+    for host in sorted(set(hosts)):
+        ranks = [k for k, h in enumerate(hosts) if h == host]
+        other = _others(used, rss, ranks)
+        per_rank = (caps[label] - other) / len(ranks)
+        if best is None or per_rank < best[0]:
+            best = (per_rank, other, len(ranks))
+    assert best is not None
+    per_rank, other, share = best
+    said = label + (f" less {other:.3f} GiB of other processes" if other > 0 else "")
+    return per_rank, said + (f" / {share} ranks" if share > 1 else "")
+
+
+def _node_used(run: Run, cgroup: bool) -> np.ndarray | None:
+    """What the node (or the cgroup: its working set, else its usage) had in use, per step and rank."""
+    keys = ("cgroup_working_set", "cgroup_used") if cgroup else ("node_used",)
+    for name in keys:
+        matrix = run.series.get(key_of(name))
+        if matrix is not None and np.isfinite(matrix).any():
+            return np.asarray(matrix, dtype=np.float64)
+    return None
+
+
+def _others(used: np.ndarray | None, rss: np.ndarray | None, ranks: list[int]) -> float:
+    """GiB the node's other processes held at most: its use (the same figure on each of its ranks) minus
+    its ranks' RSS; 0 where either is missing. A rank's file pages the node did not charge to it make
+    this smaller, not larger: it is the part of the limit the ranks' RSS cannot have."""
+    if used is None or rss is None:
+        return 0.0
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a step no rank reported: nan
+        node = np.nanmedian(used[:, ranks], axis=1)
+        gap = node - np.sum(rss[:, ranks], axis=1)
+    finite = gap[np.isfinite(gap)]
+    return float(max(finite.max(), 0.0)) if finite.size else 0.0
 
 
 @dataclass(frozen=True)

@@ -45,9 +45,11 @@ def test_capped_advice_names_verl_s_keys_the_binding_rank_and_the_overshoot(tmp_
     rc, out, _ = advise(capsys, str(line_run(tmp_path)))
     assert rc == 0
     lines = out.splitlines()
-    # Node total 16 GiB shared by the 2 ranks on node0; headroom 5%. Largest T after warm-up: 3200 on
-    # rank 0, 3250 on rank 1; the line fits far past 1.5x either, so rank 0's cap binds.
-    assert lines[0] == "capacity 8.000 GiB per rank (node total / 2 ranks), headroom 0.400 GiB: usable 7.600 GiB against peak RSS"
+    # Node total 16 GiB, of which 6 - (1.0 + 1.1) = 3.9 GiB held by other processes, the rest shared by the
+    # 2 ranks on node0; headroom 5%. Largest T after warm-up: 3200 on rank 0, 3250 on rank 1; the line
+    # fits far past 1.5x either, so rank 0's cap binds.
+    assert lines[0] == ("capacity 6.050 GiB per rank (node total less 3.900 GiB of other processes / 2 ranks), "
+                        "headroom 0.302 GiB: usable 5.747 GiB against peak RSS")
     assert lines[1].startswith("update: at least 4800 tokens in the heaviest micro-batch; binding rank 0, predicted peak ")
     assert lines[1].endswith("; line fit")
     assert lines[2:] == [
@@ -122,3 +124,20 @@ def test_a_run_told_no_micro_batches_is_bad_input(tmp_path: Path, capsys) -> Non
     assert err == (f"rankmem advise: error: no phase of {tmp_path} was told its micro-batches: call "
                    "monitor.micro_batch(tokens, ...) once per micro-batch inside each phase (rankmem train: "
                    "--ppo-max-token-len-per-gpu)\n")
+
+
+def test_a_cgroup_s_capacity_leaves_out_what_its_other_processes_hold(tmp_path: Path) -> None:
+    """One rank in a 2 GiB cgroup whose working set is its RSS plus 0.25 GiB (the launcher, torchrun's
+    agent, the side-file writer): the rank's capacity is 1.75 GiB, the most the others held subtracted."""
+    from rankmem.offline import read_run
+    from rankmem.offline.advice import run_capacity
+
+    steps = 8
+    rss = np.linspace(1.0, 1.2, steps)[:, None]
+    others = np.where(np.arange(steps) == 5, 0.25, 0.2)[:, None]
+    write_run(tmp_path, {key_of("rss"): rss, key_of("cgroup_limit"): np.full((steps, 1), 2.0),
+                         key_of("cgroup_working_set"): rss + others, key_of("cgroup_used"): rss + others + 0.5,
+                         key_of("node_used"): np.full((steps, 1), 9.0), key_of("node_available"): np.full((steps, 1), 7.0)},
+              world=1)
+    capacity, source = run_capacity(read_run(str(tmp_path)), "host")
+    assert capacity == pytest.approx(1.75) and source == "cgroup limit less 0.250 GiB of other processes"
