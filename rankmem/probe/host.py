@@ -10,8 +10,9 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
+from rankmem.core import helpers
 from rankmem.core.cadence import Every
 from rankmem.core.guard import attempt
 from rankmem.core.records import HostReading
@@ -174,10 +175,12 @@ class LinuxHostProbe:
             import psutil
 
             try:
-                return {p.pid for p in psutil.Process(self._pid).children(recursive=True)}
+                found = {p.pid for p in psutil.Process(self._pid).children(recursive=True)}
             except psutil.Error:
                 return set()
-        return _procfs.descendants(self._pid, self._proc)
+        else:
+            found = _procfs.descendants(self._pid, self._proc)
+        return found - helpers.helper_pids()  # rankmem's own writer is not one of the rank's workers
 
     def node(self) -> tuple[int | None, int | None]:
         data = _procfs.pread(self._meminfo, _MEMINFO_BUF)
@@ -295,7 +298,9 @@ class PsutilHostProbe:
         if not self._children_enabled:
             return None
         if self._children_due.due():
-            self._children = attempt(self._proc.children, recursive=True, default=[])
+            own = helpers.helper_pids()
+            found: list[Any] = attempt(self._proc.children, recursive=True, default=[])
+            self._children = [c for c in found if c.pid not in own]
         # A child that exited since the refresh counts 0.
         return sum(attempt(lambda c=child: int(c.memory_info().rss), default=0) for child in self._children)
 

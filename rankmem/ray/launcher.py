@@ -50,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
     world = args.nproc_per_node * int(args.nnodes)
     deadline = None if args.timeout_s is None else time.monotonic() + args.timeout_s
     previous = signal.getsignal(signal.SIGTERM)
+    last_words: list[str] = []  # the diagnosis, printed once the driver has left the cluster
     try:
         cluster = clusters.connect(args.ray_address, clusters.driver_env())
         # SIGTERM (a scheduler, a timeout) unwinds like Ctrl-C, so the actors are killed and a local cluster
@@ -61,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         clusters.check_fit(world, resources.bundle(), one_node)
         group = WorkerGroup(_actor_class(), world, resources, pack=one_node)
         try:
-            return _drive(group, job, cluster, resources, deadline)
+            return _drive(group, job, cluster, resources, deadline, last_words)
         finally:
             group.shutdown()
     except KeyboardInterrupt:
@@ -71,6 +72,10 @@ def run(args: argparse.Namespace) -> int:
     finally:
         clusters.disconnect()
         signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        # After the driver has left the cluster: Ray forwards the actors' output asynchronously, and a
+        # line a dying actor wrote would otherwise land under the diagnosis, which must be the last line.
+        for line in last_words:
+            print(line, file=sys.stderr, flush=True)
 
 
 def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
@@ -98,7 +103,7 @@ def _remaining(deadline: float | None) -> float | None:
 
 
 def _drive(group: WorkerGroup, job: argparse.Namespace, cluster: clusters.Cluster, resources: Resources,
-           deadline: float | None) -> int:
+           deadline: float | None, last_words: list[str]) -> int:
     from rankmem.engine.progress import Progress
     from rankmem.engine.train import headline
 
@@ -123,12 +128,12 @@ def _drive(group: WorkerGroup, job: argparse.Namespace, cluster: clusters.Cluste
     except RankFailed as exc:
         group.shutdown()  # the survivors flush what they logged first: the message below holds
         if not exc.died:
-            print(exc.cause, file=sys.stderr)  # the rank's own traceback, as torchrun shows it
-        print(f"rankmem train: {str(exc).rstrip('.')}; every step logged before it is in {run_log}", file=sys.stderr)
+            last_words.append(str(exc.cause))  # the rank's own traceback, as torchrun shows it
+        last_words.append(f"rankmem train: {str(exc).rstrip('.')}; every step logged before it is in {run_log}")
         return 1
     except TimeoutError as exc:
         group.shutdown()
-        print(f"rankmem train: stopped after --timeout-s: {exc}", file=sys.stderr)
+        last_words.append(f"rankmem train: stopped after --timeout-s: {exc}")
         return 124
     per_node = ", ".join(str(sum(p.node_id == n for p in group.placements))
                          for n in dict.fromkeys(p.node_id for p in group.placements))

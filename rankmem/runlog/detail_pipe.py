@@ -35,6 +35,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from rankmem.core import helpers
 from rankmem.core.records import StepRecord
 from rankmem.core.warnings import WarnOnce
 from rankmem.runlog.columnar import _matrix
@@ -94,6 +95,7 @@ class DetailPipe:
             [sys.executable, "-m", "rankmem.runlog.detail_child", self.path, str(self.world), self.run_id or "",
              self.header_crc],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
+        helpers.register(self._proc.pid)  # rankmem's own: not one of the rank's workers (children figures)
         assert self._proc.stdin is not None
         os.set_blocking(self._proc.stdin.fileno(), False)
 
@@ -230,6 +232,8 @@ class DetailPipe:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(5)
+        finally:
+            helpers.unregister(proc.pid)
             self._warn_once("killed", f"the writer process of {self.path} did not finish in "
                                       f"{EXIT_TIMEOUT_S:.0f} s and was killed; its last batch may be missing")
         if self._queue:

@@ -234,7 +234,7 @@ def test_monitor_without_sinks_builds_no_per_rank_lists() -> None:
         with monitor.step(step):
             pass
         monitor.collect({"loss": 1.5})
-    assert monitor._last_record is None  # the leak watch read the gathered matrix instead
+    assert monitor._publisher._last_record is None  # the leak watch read the gathered matrix instead
     record = monitor.last_record  # still built on demand
     assert record is not None and record.step == 2 and record.ranks["loss"] == [1.5]
     monitor.close()
