@@ -9,6 +9,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -72,3 +73,37 @@ def sigint_as_at_a_terminal() -> None:
     """``preexec_fn`` for a child the test ends with SIGINT, as Ctrl-C would: a suite run as a background
     job (``cmd &`` in a script) inherits SIGINT ignored, and so would the child, which then never ends."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def start_ray(ray: Any, **options: Any) -> None:
+    """A local Ray cluster for an in-process test, through rankmem's own start (which stops what a failed
+    start leaves). Ray gives its raylet a fixed 30 s to register; on a machine loaded by the rest of the
+    suite that can pass, so a failed start is tried once more before the test fails."""
+    from rankmem.ray.cluster import start_local
+
+    try:
+        start_local(ray, **options)
+    except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception when its node times out
+        print(f"the local Ray cluster did not start ({exc}); trying once more")
+        start_local(ray, **options)
+
+
+@pytest.fixture
+def only_new_children() -> Any:
+    """For a test of the children figures in the suite's own process: the descendants it already has (a
+    process another test left behind) are set aside as rankmem's helpers are, so that only what the test
+    starts is counted."""
+    import psutil
+
+    from rankmem.core import helpers
+
+    strays = [p.pid for p in psutil.Process().children(recursive=True)]
+    if strays:
+        print(f"set aside: descendants this test did not start: {strays}")
+    for pid in strays:
+        helpers.register(pid)
+    try:
+        yield strays
+    finally:
+        for pid in strays:
+            helpers.unregister(pid)

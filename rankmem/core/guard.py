@@ -37,7 +37,7 @@ The boundaries (``file: function``: where it stands, why):
   rank's stderr instead of a traceback, exit status 1; the run log's lines go on without it.
 
 Not boundaries: a handler that cleans up and re-raises (``except BaseException: ...; raise``, as in
-``windows.py`` and ``integrations/hf.py``) lets everything through.
+``windows.py``, ``integrations/hf.py`` and ``ray/cluster.py``) lets everything through.
 """
 
 from __future__ import annotations

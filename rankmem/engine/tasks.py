@@ -49,7 +49,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
     return WorkerConfig(engine=args.engine, lr=args.lr, total_steps=args.steps, micro_batch_size=args.micro_batch_size,
                         peak_tflops=args.peak_tflops, max_token_len=args.ppo_max_token_len_per_gpu,
                         log_prob_max_token_len=args.log_prob_max_token_len_per_gpu,
-                        release_heap=args.ppo_max_token_len_per_gpu is not None)
+                        release_heap=packed(args))
 
 
 class SFTSteps:

@@ -166,12 +166,10 @@ def _others(used: np.ndarray | None, rss: np.ndarray | None, ranks: list[int]) -
     this smaller, not larger: it is the part of the limit the ranks' RSS cannot have."""
     if used is None or rss is None:
         return 0.0
-    with np.errstate(all="ignore"), warnings.catch_warnings():
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # a step no rank reported: nan
         node = np.nanmedian(used[:, ranks], axis=1)
-        gap = node - np.sum(rss[:, ranks], axis=1)
-    finite = gap[np.isfinite(gap)]
-    return float(max(finite.max(), 0.0)) if finite.size else 0.0
+    return _nanmax(node - np.sum(rss[:, ranks], axis=1))
 
 
 @dataclass(frozen=True)

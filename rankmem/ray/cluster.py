@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+from rankmem.core.guard import attempt
 from rankmem.errors import MissingExtraError, RankmemError
 
 REACH_TIMEOUT_S = 10.0
@@ -78,8 +79,7 @@ def connect(address: str | None, env_vars: dict[str, str]) -> Cluster:
     options: dict[str, Any] = dict(runtime_env={"env_vars": env_vars}, logging_level=logging.ERROR,
                                    namespace="rankmem")
     if address is None:
-        # The dashboard needs ray[default]; without it, it only costs startup time.
-        ray.init(include_dashboard=False, **options)
+        start_local(ray, **options)
     else:
         _join(ray, address, options)
     session_dir: str | None
@@ -88,6 +88,36 @@ def connect(address: str | None, env_vars: dict[str, str]) -> Cluster:
     except AttributeError:  # a Ray Client (ray://) driver has no local node
         session_dir = None
     return Cluster("local" if address is None else address, address is None, session_dir)
+
+
+def start_local(ray: ModuleType, **options: Any) -> None:
+    """``ray.init()`` of a cluster of this process's own. When it fails (on a loaded machine Ray gives the
+    raylet 30 s to register, then raises), Ray leaves the GCS and raylet it started running as this
+    process's children, holding GiBs: they are stopped here before the error goes on."""
+    import psutil
+
+    me = psutil.Process()
+    none: list[psutil.Process] = []
+    before = {p.pid for p in attempt(me.children, recursive=True, default=none)}
+    try:
+        # The dashboard needs ray[default]; without it, it only costs startup time.
+        ray.init(include_dashboard=False, **options)
+    except BaseException:
+        attempt(ray.shutdown, default=None)
+        stop_processes([p for p in attempt(me.children, recursive=True, default=none) if p.pid not in before])
+        raise
+
+
+def stop_processes(procs: list[Any], grace_s: float = 5.0) -> None:
+    """SIGTERM, then SIGKILL after ``grace_s``, for psutil processes; those already gone are skipped."""
+    import psutil
+
+    for proc in procs:
+        attempt(proc.terminate, default=None)
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for proc in alive:
+        attempt(proc.kill, default=None)
+    psutil.wait_procs(alive, timeout=grace_s)
 
 
 def _join(ray: ModuleType, address: str, options: dict[str, Any]) -> None:

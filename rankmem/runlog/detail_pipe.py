@@ -50,6 +50,7 @@ MAX_QUEUED_BYTES = 64 << 20
 FLUSH_TIMEOUT_S = 10.0
 """How long :meth:`DetailPipe.flush` waits for the writer (its start takes ~0.5 s: pyarrow's import)."""
 EXIT_TIMEOUT_S = 10.0
+"""How long :meth:`DetailPipe.close` waits for the writer to write what waits and exit, in all."""
 
 
 def frame(kind: bytes, *parts: bytes | memoryview) -> bytes:
@@ -177,8 +178,13 @@ class DetailPipe:
         self.dropped += lost
         self._queue.clear()
         self._queued = self._head_sent = 0
-        code = self._proc.poll() if self._proc is not None else None
+        proc = self._proc
+        code = proc.poll() if proc is not None else None
         self._close_pipes()
+        if proc is not None:
+            # A writer that stopped reading is of no more use, and must not outlive the rank.
+            _end(proc)
+            helpers.unregister(proc.pid)
         why = f"exited with code {code}" if code is not None else f"stopped reading ({exc})"
         self._warn_once("gone", f"the writer process of {self.path} {why}: the per-rank values of the "
                                 f"following collects are on the run log's lines only as aggregates")
@@ -217,9 +223,9 @@ class DetailPipe:
         """Send what waits, ask the writer to finish, wait for it (then kill it: it must not outlive us)."""
         if self._proc is None:
             return
-        self.flush()
+        deadline = time.monotonic() + EXIT_TIMEOUT_S  # one bound for the last flush and the exit together
+        self.flush(EXIT_TIMEOUT_S)
         self._put(frame(CLOSE), collect=False)
-        deadline = time.monotonic() + EXIT_TIMEOUT_S
         while self._proc is not None and not self._send():
             if not self._wait(self._proc.stdin, deadline, write=True):
                 break
@@ -230,12 +236,11 @@ class DetailPipe:
         try:
             proc.wait(max(deadline - time.monotonic(), 0.1))
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-        finally:
-            helpers.unregister(proc.pid)
+            _end(proc)
             self._warn_once("killed", f"the writer process of {self.path} did not finish in "
                                       f"{EXIT_TIMEOUT_S:.0f} s and was killed; its last batch may be missing")
+        finally:
+            helpers.unregister(proc.pid)
         if self._queue:
             self.dropped += sum(collect for _, collect, _ in self._queue)
             self._queue.clear()
@@ -250,3 +255,13 @@ class DetailPipe:
                     pipe.close()
                 except OSError:
                     pass  # a writer that is gone: nothing of ours was buffered in the file object
+
+
+def _end(proc: subprocess.Popen[bytes]) -> None:
+    """Kill the writer (if it still runs) and reap it; a writer that will not die is left to init."""
+    if proc.poll() is None:
+        proc.kill()
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        pass  # in uninterruptible sleep: the kernel ends it; waiting longer would stall training

@@ -26,7 +26,7 @@ import psutil
 import pytest
 
 from rankmem.cli import main
-from tests.conftest import REPO, free_port
+from tests.conftest import REPO, free_port, start_ray
 from tests.runlog_helpers import read_log
 
 ray = pytest.importorskip("ray")
@@ -163,6 +163,43 @@ def test_how_many_fit() -> None:
         "ranks on one node): 2 fit; use --nproc-per-node 2, or a smaller --ray-gpus-per-actor (fractions share devices)")
 
 
+def test_a_local_start_that_fails_leaves_no_process_behind() -> None:
+    """Ray raises when its raylet does not register within 30 s, leaving the GCS and raylet it started
+    running: start_local stops every process the failed start added (here a real child and grandchild,
+    started as Ray's ``init`` starts its own), keeps those that were there before, and re-raises."""
+    from rankmem.ray.cluster import start_local
+
+    before = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    started: list[int] = []
+
+    class FailingRay:
+        def init(self, **options: Any) -> None:
+            assert options == {"include_dashboard": False, "num_cpus": 2}
+            gcs = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
+                                    "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+                                    "time.sleep(60)"])
+            started.append(gcs.pid)
+            deadline = time.monotonic() + 30
+            while len(psutil.Process(gcs.pid).children()) < 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            started.extend(c.pid for c in psutil.Process(gcs.pid).children())
+            raise Exception("The current node timed out during startup.")
+
+        def shutdown(self) -> None:
+            raise RuntimeError("Ray never connected")  # what shutdown does then is not ours to trust
+
+    try:
+        with pytest.raises(Exception, match="timed out during startup"):
+            start_local(FailingRay(), num_cpus=2)  # type: ignore[arg-type]
+        assert len(started) == 2
+        for pid in started:
+            assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, pid
+        assert before.poll() is None  # not one of the failed start's
+    finally:
+        before.kill()
+        before.wait(10)
+
+
 def test_is_ray_process() -> None:
     from rankmem.integrations.ray import is_ray_process
 
@@ -272,8 +309,8 @@ def ballast_actor_class() -> type:
 def cluster() -> Any:
     """A local cluster started by this process; ``cluster.children_before`` are the children it had before."""
     children_before = {p.pid for p in psutil.Process().children(recursive=True)}
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR",
-             runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}})
+    start_ray(ray, num_cpus=2, logging_level="ERROR",
+              runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}})
     try:
         yield argparse.Namespace(ray=ray, children_before=children_before)
     finally:

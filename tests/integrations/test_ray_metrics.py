@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.conftest import REPO, free_port
+from tests.conftest import REPO, free_port, start_ray
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("prometheus_client")
@@ -59,8 +59,8 @@ def test_ray_metrics_agent_exports_the_sinks_figures(tmp_path: Path, monkeypatch
     port = free_port()
     # Ray's processes read this at start: the actors report every 0.5 s instead of every 10 s.
     monkeypatch.setenv("RAY_metrics_report_interval_ms", "500")
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", _metrics_export_port=port,
-             runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}})
+    start_ray(ray, num_cpus=2, logging_level="ERROR", _metrics_export_port=port,
+              runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}})
     try:
         parser = argparse.ArgumentParser()
         add_job_arguments(parser)

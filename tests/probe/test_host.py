@@ -250,7 +250,7 @@ def _forked_worker(m_mib: int, ready: int, release: int) -> None:
 
 
 @linux_only
-def test_children_uss_counts_what_forked_workers_add_and_rss_overstates_it() -> None:
+def test_children_uss_counts_what_forked_workers_add_and_rss_overstates_it(only_new_children: list[int]) -> None:
     import gc
 
     n_mib, m_mib, workers = 256, 32, 4

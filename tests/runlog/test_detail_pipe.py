@@ -97,3 +97,36 @@ def test_a_stopped_writer_never_blocks_the_rank_and_what_waits_is_bounded(
     assert table.column("max").to_pylist()[:2] == [0.0, 1.0]
     with_values = sum(v is not None for v in table.column("ranks").to_pylist()) // 2
     assert with_values == 2000 - pipe.dropped and pipe.dropped > 1000
+
+
+def test_close_warns_only_when_the_writer_had_to_be_killed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A writer that finishes says nothing; one that does not finish in time is killed, with one warning,
+    and neither stays among rankmem's helpers (the children figures' exclusions)."""
+    import warnings
+
+    from rankmem.core.helpers import helper_pids
+
+    others = helper_pids()  # writers of the suite's other monitors, if one is still open
+    pipe = DetailPipe(str(tmp_path / "ok.arrow"), 2)
+    pipe.open()
+    pipe.add(0, _record(0, 2), 0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pipe.close()
+    assert [str(w.message) for w in caught] == [] and helper_pids() == others
+
+    monkeypatch.setattr(detail_pipe, "EXIT_TIMEOUT_S", 1.0)
+    stuck = DetailPipe(str(tmp_path / "stuck.arrow"), 2)
+    stuck.open()
+    assert stuck._proc is not None
+    pid = stuck._proc.pid
+    assert stuck.flush(30)  # started and answering
+    os.kill(pid, signal.SIGSTOP)  # takes the close frame into the pipe's buffer, never acts on it
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        start = time.monotonic()
+        stuck.close()
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1 and "was killed" in messages[0], messages
+    assert time.monotonic() - start < 1.0 + 5  # the close's bound, then the kill's reap
+    assert helper_pids() == others and _writers(str(tmp_path / "stuck.arrow")) == []
