@@ -32,7 +32,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from rankmem.core.catalogue import phase_metrics, window_metrics
+from rankmem.core.catalogue import rank_metrics
 from rankmem.core.guard import Guard
 from rankmem.core.records import RunHeader, StepRecord
 from rankmem.core.rundir import current_run_id
@@ -45,6 +45,7 @@ from rankmem.forensics.attribution import device_attribution
 from rankmem.forensics.forensics import Forensics
 from rankmem.probe.device import select_backend
 from rankmem.probe.host import PEAK_SOURCES, HostProbe, make_host_probe, peak_source_default
+from rankmem.probe.nvmlwatch import DeviceAttribution
 from rankmem.publish.publisher import Publisher
 from rankmem.sinks import Sink, check_sink_specs, make_sinks
 from rankmem.windows import Windows
@@ -161,39 +162,17 @@ def _whole(value: Any) -> bool:
     return True
 
 
-class Monitor:
-    """Per-rank memory telemetry. Build it on every rank; :meth:`collect` is a collective.
+class _Readouts:
+    """The read-only side of a :class:`Monitor`: who this rank is and what the layers know of the run.
+    Each property asks the layer that knows and none communicates; kept apart so that the facade holds
+    only what a training loop calls (issue 19)."""
 
-    ``group`` is the process group to aggregate over (default: the world, if initialised; none otherwise,
-    in which case nothing is communicated). ``device_module`` replaces the torch device module of the
-    backend (e.g. :class:`rankmem.testing.FakeCuda`); ``nvml_module`` replaces ``pynvml`` (e.g.
-    :class:`rankmem.testing.FakeNvml`); ``host_probe`` replaces the host probe (any
-    :class:`rankmem.probe.host.HostProbe`). Keyword options are :class:`MonitorConfig` fields.
-    """
-
-    def __init__(self, config: MonitorConfig | None = None, *, group: Any = None, device_module: Any = None,
-                 host_probe: HostProbe | None = None, nvml_module: Any = None, **options: Any) -> None:
-        if config is not None and options:
-            raise RankmemError("pass either a MonitorConfig or keyword options, not both")
-        self.config = c = config if config is not None else MonitorConfig.from_options(options)
-        require_group_if_launched(group)
-        self.group = group
-        self._guard = Guard()
-        device = select_backend(c.device, device_module)
-        host = host_probe if host_probe is not None else make_host_probe(
-            c.children, c.children_refresh_s, reset_peaks=c.peak_source == "window")
-        self._publisher = Publisher(make_sinks(c.sinks or (), c.out_dir, c.sink_options), c.leak_check, self._guard,
-                                    background=c.sink_thread, verl_keys=c.verl_keys)
-        self._run_id = current_run_id()
-        self._attribution = device_attribution(device, c.nvml_refresh_s, c.out_dir, nvml_module,
-                                               lambda: self._windows.where)
-        self._forensics = Forensics(c.out_dir, global_rank(), host, device, oom_history=c.oom_history,
-                                    near_oom_watch=c.near_oom_watch, flush=lambda: self._publisher.flush(2.0),
-                                    attribution=self._attribution, run_id=self._run_id, guard=self._guard)
-        self._windows = Windows(host, device, self._guard, listener=self._forensics)
-        self._exchange = Exchange(group, device.name if device else None, device.module if device else None,
-                                  detail_rank=c.log_rank)
-        self._closed = False
+    config: MonitorConfig
+    group: Any
+    _attribution: DeviceAttribution | None
+    _windows: Windows
+    _exchange: Exchange
+    _publisher: Publisher
 
     @property
     def device_attribution(self) -> str:
@@ -230,13 +209,49 @@ class Monitor:
 
     @property
     def header(self) -> RunHeader | None:
-        """The run header, known on every rank after the first :meth:`collect`."""
+        """The run header, known on every rank after the first :meth:`Monitor.collect`."""
         return self._exchange.header
 
     @property
     def last_record(self) -> StepRecord | None:
         """The last collect's record, per-rank vectors included, on every rank (built on first use)."""
         return self._publisher.last_record
+
+
+class Monitor(_Readouts):
+    """Per-rank memory telemetry. Build it on every rank; :meth:`collect` is a collective.
+
+    ``group`` is the process group to aggregate over (default: the world, if initialised; none otherwise,
+    in which case nothing is communicated). ``device_module`` replaces the torch device module of the
+    backend (e.g. :class:`rankmem.testing.FakeCuda`); ``nvml_module`` replaces ``pynvml`` (e.g.
+    :class:`rankmem.testing.FakeNvml`); ``host_probe`` replaces the host probe (any
+    :class:`rankmem.probe.host.HostProbe`). Keyword options are :class:`MonitorConfig` fields.
+    """
+
+    def __init__(self, config: MonitorConfig | None = None, *, group: Any = None, device_module: Any = None,
+                 host_probe: HostProbe | None = None, nvml_module: Any = None, **options: Any) -> None:
+        if config is not None and options:
+            raise RankmemError("pass either a MonitorConfig or keyword options, not both")
+        self.config = c = config if config is not None else MonitorConfig.from_options(options)
+        require_group_if_launched(group)
+        self.group = group
+        self._guard = Guard()
+        device = select_backend(c.device, device_module)
+        host = host_probe if host_probe is not None else make_host_probe(
+            c.children, c.children_refresh_s, reset_peaks=c.peak_source == "window")
+        self._publisher = Publisher(make_sinks(c.sinks or (), c.out_dir, c.sink_options), c.leak_check, self._guard,
+                                    background=c.sink_thread, verl_keys=c.verl_keys)
+        self._run_id = current_run_id()
+        self._attribution = device_attribution(device, c.nvml_refresh_s, c.out_dir, nvml_module,
+                                               lambda: self._windows.where)
+        self._forensics = Forensics(c.out_dir, global_rank(), host, device, oom_history=c.oom_history,
+                                    near_oom_watch=c.near_oom_watch, flush=lambda: self._publisher.flush(2.0),
+                                    attribution=self._attribution, run_id=self._run_id, guard=self._guard)
+        self._windows = Windows(host, device, self._guard, listener=self._forensics,
+                                attribution=self._attribution)
+        self._exchange = Exchange(group, device.name if device else None, device.module if device else None,
+                                  detail_rank=c.log_rank)
+        self._closed = False
 
     def step(self, n: int | None = None) -> AbstractContextManager[None]:
         """A step window: peaks reset at entry, current values and peaks read at exit. Local; call
@@ -270,15 +285,8 @@ class Monitor:
     def local_metrics(self, metrics: Mapping[str, Any] | None = None) -> dict[str, float]:
         """This rank's per-rank keys for the window that just closed, plus the caller's scalars.
         Consumes the window: the next call starts a new one. :meth:`collect` calls this first."""
-        window, phases = self._open_windows().take()
-        if self._attribution is not None:
-            self._attribution.fill(window, phases)
-        out: dict[str, float] = {}
-        window_metrics(window, out)
-        for name, p in phases.items():
-            phase_metrics(name, p, out)
-        out.update(scalar_items(metrics, self._guard.warn_once))
-        return out
+        window, phases = self._open_windows().take()  # with the slow host figures and the device split
+        return {**rank_metrics(window, phases), **scalar_items(metrics, self._guard.warn_once)}
 
     def collect(self, metrics: Mapping[str, Any] | None = None, step: int | None = None) -> dict[str, float]:
         """Aggregate this window's per-rank figures and ``metrics`` across ranks in one collective.

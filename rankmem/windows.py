@@ -19,7 +19,7 @@ from __future__ import annotations
 import operator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from rankmem.core.catalogue import PHASE_NAME
 from rankmem.core.guard import Guard
@@ -27,6 +27,9 @@ from rankmem.core.records import DeviceReading, PhaseBytes, WindowBytes
 from rankmem.errors import RankmemError
 from rankmem.probe.device import DeviceBackend
 from rankmem.probe.host import HostProbe
+
+if TYPE_CHECKING:
+    from rankmem.probe.nvmlwatch import DeviceAttribution
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,13 +116,15 @@ class Work:
 
 class Windows:
     """This rank's windows over one host probe and one device backend (or none); the three are fixed
-    at construction (the edge keeps their bound methods)."""
+    at construction (the edge keeps their bound methods). ``attribution``, where there is one, adds
+    its last split of device used by owner to every window taken."""
 
     def __init__(self, host: HostProbe, device: DeviceBackend | None, guard: Guard,
-                 listener: WindowListener | None = None) -> None:
+                 listener: WindowListener | None = None, attribution: DeviceAttribution | None = None) -> None:
         self.host = host
         self.device = device
         self.listener = listener
+        self.attribution = attribution
         self._guard = guard
         self._host_edge = host.edge
         self._listener_edge = listener.edge if listener is not None else None
@@ -272,7 +277,7 @@ class Windows:
 
     def take(self) -> tuple[WindowBytes, dict[str, PhaseBytes]]:
         """Close what ran since the last take: the merged steps, or (with no step closed) the implicit
-        window; add the slow host figures (node, cgroup, children), read once here."""
+        window; add the slow host figures (node, cgroup, children), read once here, and the device split."""
         closed = self._closed
         if closed is None:
             window = self._implicit if self._implicit is not None else self._begin()
@@ -288,6 +293,8 @@ class Windows:
         host = self._guard.call("host", "host probe failed", self.host.read, False, default=None)
         if host is not None:
             figures.add_node(host)
+        if self.attribution is not None:  # the split its own thread took: no NVML call here
+            self.attribution.fill(figures, phases)
         return figures, phases
 
     def discard(self) -> None:

@@ -152,7 +152,7 @@ def test_a_bug_while_measuring_still_sends_the_callers_metrics(monkeypatch: pyte
         raise KeyError("a telemetry bug")
 
     monitor = rankmem.Monitor(sinks=(), device="cpu", children=False)
-    monkeypatch.setattr(monitor_module, "window_metrics", broken)
+    monkeypatch.setattr(monitor_module, "rank_metrics", broken)
     with pytest.warns(RuntimeWarning, match="measuring this rank failed, it sends only the caller's metrics"):
         out = monitor.collect({"loss": 3.0})
     assert out["loss/max"] == 3.0 and not any(k.startswith("mem/") for k in out)

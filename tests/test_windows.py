@@ -68,6 +68,31 @@ def test_a_phase_peak_is_what_ran_inside_it_and_the_step_holds_it_too() -> None:
     windows.host.close()
 
 
+class _Split:
+    """An attribution that hands out a fixed split, as the attribution thread would have left it."""
+
+    def __init__(self) -> None:
+        self.filled: list[list[str]] = []
+
+    def fill(self, window: WindowBytes, phases: dict[str, Any]) -> None:
+        window.device_nontorch = 5 * MIB
+        self.filled.append(sorted(phases))
+
+
+@linux_only
+def test_a_take_adds_the_attributions_split_once() -> None:
+    split = _Split()
+    windows = Windows(LinuxHostProbe(children=False), None, Guard(), attribution=split)  # type: ignore[arg-type]
+    with windows.step(0):
+        with windows.phase("update"):
+            pass
+    window, _ = windows.take()
+    assert window.device_nontorch == 5 * MIB and split.filled == [["update"]]
+    windows.take()
+    assert split.filled == [["update"], []]  # every take, the phases of that take only
+    windows.host.close()
+
+
 @linux_only
 def test_the_next_step_does_not_remember_this_ones_peak() -> None:
     windows = _windows()

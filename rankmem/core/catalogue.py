@@ -226,6 +226,15 @@ def phase_metrics(name: str, p: PhaseBytes, out: dict[str, float]) -> None:
             out[prefix + s.key] = value / GIB if s.unit == "GiB" else float(value)
 
 
+def rank_metrics(w: WindowBytes, phases: Mapping[str, PhaseBytes]) -> dict[str, float]:
+    """One rank's keys for a closed window: the step-level keys of ``w``, then each phase's."""
+    out: dict[str, float] = {}
+    window_metrics(w, out)
+    for name, p in phases.items():
+        phase_metrics(name, p, out)
+    return out
+
+
 def verl_metrics(aggregated: Mapping[str, float]) -> dict[str, float]:
     """verl's ``perf/*`` names for the matching aggregated keys that exist."""
     return {verl: aggregated[ours] for verl, ours in VERL_KEYS.items() if ours in aggregated}

@@ -105,3 +105,14 @@ def test_phase_of_peak_names_the_phase_that_equals_the_step_peak() -> None:
     assert phase_of_peak("mem/device/peak_allocated_gib", 2.5, rank_values) == "update"
     assert phase_of_peak("mem/host/peak_rss_gib", 2.0, {"mem/host/peak_rss_gib": 2.0}) is None  # no phases
     assert phase_of_peak("mem/host/rss_gib", 2.0, rank_values) is None  # no phase counterpart
+
+
+def test_rank_metrics_name_the_window_then_its_phases_in_gib() -> None:
+    window = WindowBytes(rss=3 * 2**29, peak_rss=2**31)  # 1.5 GiB, 2 GiB; the rest unavailable
+    phases = {"update": PhaseBytes(peak_rss=2**30, rss_delta=-(2**28))}
+    assert catalogue.rank_metrics(window, phases) == {
+        "mem/host/rss_gib": 1.5,
+        "mem/host/peak_rss_gib": 2.0,
+        "mem/phase/update/peak_rss_gib": 1.0,
+        "mem/phase/update/rss_delta_gib": -0.25,
+    }
