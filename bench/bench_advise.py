@@ -194,11 +194,11 @@ def main() -> None:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from _torchrun import free_port  # type: ignore[import-not-found]
 
-    from rankmem.engine.options import PACKED_MALLOC_ENV
+    from rankmem.engine.options import PACKED_ENV
 
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     out = args.out or tempfile.mkdtemp(prefix="bench_advise_")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **PACKED_MALLOC_ENV}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **PACKED_ENV}
     paths = ("sdpa", "materialized") if args.attention == "both" else (args.attention,)
     # Chunk by chunk, the paths in turn: a run stopped early has seeds of both.
     for i in range(0, len(seeds), args.chunk):

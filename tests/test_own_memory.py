@@ -55,3 +55,56 @@ def test_rankmems_own_work_is_not_booked_to_the_users_phase(runlog_job: Path) ->
     for key in ("mem/phase/update/peak_rss_rise_gib", "mem/phase/update/rss_delta_gib"):
         m = run.series[key] * 1024
         assert np.abs(m[:, 0] - m[:, 1]).max() < 1.0, (key, m.round(2).tolist())
+
+
+OWN_LOOP = """
+import sys, warnings
+import rankmem
+
+def rss_kib():
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS"):
+                return int(line.split()[1])
+
+warnings.simplefilter("always")
+monitor = rankmem.Monitor(out_dir=sys.argv[1], device="cpu", near_oom_watch=False)
+marks = {}
+for step in range(1000):
+    with monitor.step(step), monitor.phase("update"):
+        monitor.micro_batch(100.0, 2.0, 5000.0)
+    monitor.collect({"loss": 1.0})
+    if step in (500, 999):
+        monitor.flush(30)
+        marks[step] = rss_kib()
+monitor.close()
+print(marks[500], marks[999])
+"""
+
+
+def test_rankmems_own_memory_levels_off_and_its_leak_watch_does_not_report_it(tmp_path: Path) -> None:
+    """A job that does nothing but measure: 1,000 collects. What rankmem keeps (the leak watch's
+    series, its statistics' index pairs) is bounded, so RSS (read here from /proc, not through rankmem)
+    levels off, and the leak watch reports no growth of its own making. Before the pairs were bounded to
+    a few lengths, RSS climbed ~14 KiB a collect to ~collect 600 and the watch warned on rank 0."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", OWN_LOOP, str(tmp_path)], capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    at_500, at_999 = map(int, done.stdout.split())
+    assert at_999 - at_500 < 1024, f"RSS grew {(at_999 - at_500) / 1024:.2f} MiB from collect 500 to 999"
+    assert "possible memory leak" not in done.stderr, done.stderr[-2000:]
+
+
+def test_the_statistics_keep_the_index_pairs_of_a_few_lengths_only() -> None:
+    from rankmem.trend import stats
+
+    for n in range(3, 300):
+        i, j = stats.pairs(n)
+        assert i.size == n * (n - 1) // 2 and bool((i < j).all())
+    assert sorted(stats._PAIRS) == list(range(300 - stats.PAIRS_KEPT, 300))
+    stats.pairs(297)  # used again: kept over the older 296
+    stats.pairs(300)
+    assert 297 in stats._PAIRS and 296 not in stats._PAIRS

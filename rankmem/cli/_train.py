@@ -45,7 +45,7 @@ from rankmem.cli._jobtree import JobTree, Signalled, SignalWatch
 from rankmem.cli._relay import StderrRelay, first_traceback
 from rankmem.core.lock import ENV_HELD, RunDirLock
 from rankmem.core.rundir import ENV_RUN_ID, RunDir, current_run_id, rotated_lines
-from rankmem.engine.options import PACKED_MALLOC_ENV, add_job_arguments, job_argv, resolve_job_options
+from rankmem.engine.options import PACKED_ENV, add_job_arguments, job_argv, resolve_job_options
 from rankmem.errors import MissingExtraError, RankmemError
 from rankmem.forensics import heartbeat as _heartbeat
 from rankmem.forensics import nearoom as _nearoom
@@ -319,7 +319,7 @@ def job_environment(args: argparse.Namespace, heartbeat_dir: str, lock: RunDirLo
     if lock.held:
         env[ENV_HELD] = lock.path
     if getattr(args, "ppo_max_token_len_per_gpu", None) is not None:
-        env = {**PACKED_MALLOC_ENV, **env}  # the user's own settings win
+        env = {**PACKED_ENV, **env}  # the user's own settings win
     return env
 
 

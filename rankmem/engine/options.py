@@ -19,14 +19,22 @@ ATTENTION = ("sdpa", "materialized")
 ENGINE_ALIASES = {"fsdp2": "fsdp"}
 """Other names users type for an engine: ``fsdp`` is FSDP2 (``fully_shard``), as README says."""
 
-PACKED_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "4096", "MALLOC_TRIM_THRESHOLD_": "131072"}
-"""glibc settings ``rankmem train`` gives the ranks of a token-budget job (unless already set). glibc's mmap
-threshold grows after a large block is freed (up to 32 MiB on 64-bit), after which activations come
-from the heap and stay resident: a small micro-batch after a large one would show the large one's peak
-RSS. Fixed at one page, every block over 4 KiB (a packed micro-batch's per-sequence pieces included) is
-mmap'd and returned on free, so each window's peak RSS is its own; what is left on the heap the worker
-hands back after each step (:mod:`rankmem.engine.hostheap`). Measured in bench/bench_advise.py: at 64 KiB
-a later, smaller step's peak carried up to 10 MiB of an earlier, larger one's blocks."""
+PACKED_ENV = {"MALLOC_MMAP_THRESHOLD_": "4096", "MALLOC_TRIM_THRESHOLD_": "131072",
+              "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0"}
+"""Settings ``rankmem train`` gives the ranks of a token-budget job (unless already set), so that each
+window's peak RSS is its own and the resident memory between steps does not creep; docs/advice.md says
+why and how to do the same in a job of your own.
+
+- glibc's mmap threshold grows after a large block is freed (up to 32 MiB on 64-bit), after which
+  activations come from the heap and stay resident: a small micro-batch after a large one would show the
+  large one's peak RSS. Fixed at one page, every block over 4 KiB (a packed micro-batch's per-sequence
+  pieces included) is mmap'd and returned on free; what is left on the heap the worker hands back after
+  each step (:mod:`rankmem.engine.hostheap`). Measured in bench/bench_advise.py: at 64 KiB a later,
+  smaller step's peak carried up to 10 MiB of an earlier, larger one's blocks.
+- oneDNN (torch's CPU kernels) keeps a compiled kernel per distinct tensor shape, up to 1,024 of them.
+  Packed micro-batches have a new shape almost every time, so the cache grows for the first thousand or
+  so: measured on the reference GRPO job, +57 KiB of RSS a step (11 MiB over 200 steps), 5 KiB with the
+  cache off, at the same step time (50 s against 48 s for 90 steps)."""
 
 # Options whose default depends on the task (None in the parser until resolve_job_options). GRPO's
 # steps are ``make demo``'s: about two minutes on 2 CPU cores, well past the reward's plateau.

@@ -18,18 +18,24 @@ _NORMAL = statistics.NormalDist()
 _MAD_TO_SD = 1.4826  # the MAD of a normal sample times this estimates its standard deviation
 
 _PAIRS: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+PAIRS_KEPT = 4
+"""Lengths whose index pairs are kept. Few on purpose: at the 256 points a window is reduced to, one
+length's pairs are 0.5 MiB, and the online watch's window grows by a point each check until it gets
+there. Sixteen lengths made rankmem's own RSS climb ~8 MiB over a run's first few hundred steps, which its
+leak watch then reported against the logging rank."""
 
 
 def pairs(n: int) -> tuple[np.ndarray, np.ndarray]:
-    """The index pairs ``i < j`` of ``n`` points, built once per length: the online watch asks for the
-    same few lengths on every check."""
-    found = _PAIRS.get(n)
+    """The index pairs ``i < j`` of ``n`` points, kept for the :data:`PAIRS_KEPT` lengths used last: one
+    check of the online watch asks for the same length for every key and rank."""
+    found = _PAIRS.pop(n, None)
     if found is None:
-        if len(_PAIRS) >= 16:
-            _PAIRS.clear()
         i, j = np.triu_indices(n, 1)
         i.flags.writeable = j.flags.writeable = False
-        found = _PAIRS[n] = (i, j)
+        found = (i, j)
+    _PAIRS[n] = found  # last in the dict: the most recently used
+    while len(_PAIRS) > PAIRS_KEPT:
+        del _PAIRS[next(iter(_PAIRS))]
     return found
 
 

@@ -147,16 +147,8 @@ def advise(run: Path, *args: str) -> list[dict]:
     return rows
 
 
-# The 200-step case fails (measured 2026-12-01, bench/RESULTS.md): the job's between-step RSS grows by
-# ~0.05 MiB a step (the online leak watch names phase 'rollout'), ~8 MiB by step 160, more than the 2 MiB
-# headroom; the advice, fitted on 16 probe steps, does not foresee growth. Kept as a known failure until
-# the advice accounts for the run's own trend (or the growth is gone).
-CREEP = pytest.mark.xfail(strict=False, reason="between-step RSS growth of ~0.05 MiB/step over 200 steps exceeds "
-                                               "the 2 MiB headroom; the advice does not project growth")
-
-
 @pytest.mark.timeout(3 * LAUNCH_TIMEOUT_S)
-@pytest.mark.parametrize("steps", [pytest.param(STEPS, marks=(pytest.mark.slow, CREEP), id="200-steps"),
+@pytest.mark.parametrize("steps", [pytest.param(STEPS, marks=pytest.mark.slow, id="200-steps"),
                                    pytest.param(40, id="40-steps")])
 def test_advised_budget_runs_in_its_capacity_and_1_3x_is_oom_killed(tmp_path: Path, steps: int) -> None:
     """200 steps behind the ``slow`` marker (``pytest -m slow``: ~2 min on 2 idle cores); the 40-step case
