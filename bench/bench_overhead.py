@@ -8,8 +8,10 @@ Four modes run step by step in a rotating order, so drift and a neighbour's load
 
 - ``off``:    the worker's own metrics collective (``allgather_dict_into_dict`` of its scalars), no memory keys.
 - ``shared``: step window + ``Monitor.collect``: the memory keys ride in the worker's metrics collective (a).
-- ``nowork``: ``shared`` without the work fields: the worker's ``Monitor.micro_batch`` calls do nothing,
-  so no phase carries its micro-batches' tokens (c: what telling them costs, ``shared`` minus this).
+- ``work``:   ``shared`` with the step's compute in a phase (``update``), as the reference tasks run it:
+  the worker tells the phase each micro-batch (``Monitor.micro_batch``), the work fields.
+- ``nowork``: ``work`` with ``Monitor.micro_batch`` a no-op, so the phase carries no work keys
+  (c: what the work fields cost, ``work`` minus this).
 - ``own``:    the worker's own collective, then a second ``Monitor.collect`` of the memory keys alone (b).
 - ``bare``:   the worker's own collective, then a bare ``all_gather_into_tensor`` of a float64 vector as
   long as the one ``own``'s collect sends (its keys plus rankmem's 3-value header): (b)'s yardstick.
@@ -41,7 +43,7 @@ import sys
 import tempfile
 import time
 
-MODES = ("off", "shared", "nowork", "own", "bare")
+MODES = ("off", "shared", "work", "nowork", "own", "bare")
 A_TARGET_MS = 0.1
 B_TARGET = 1.2
 
@@ -88,7 +90,7 @@ def worker(args: argparse.Namespace) -> None:
     # One monitor per mode: each collect's vector is as long as its own keys (a monitor's gather keeps
     # the longest layout it has seen as its capacity).
     monitors = {m: rankmem.Monitor(out_dir=tempfile.mkdtemp(prefix="rankmem_bench_"), sinks=("jsonl",))
-                for m in ("shared", "nowork", "own")}
+                for m in ("shared", "work", "nowork", "own")}
     monitors["nowork"].micro_batch = lambda *a, **k: None  # type: ignore[method-assign]  # no work fields
     worker = TrainingWorker(GPT(GPTConfig()), WorkerConfig(total_steps=10**6), device=torch.device("cpu"))
     data = ArithmeticSFT(32, 24, args.batch_size)
@@ -104,15 +106,16 @@ def worker(args: argparse.Namespace) -> None:
     for n in range(total):
         timed = n >= args.warmup
         i = n - args.warmup
-        mode = MODES[(i + i // len(MODES)) % len(MODES)] if timed else ("shared", "nowork", "own")[n % 3]
+        mode = MODES[(i + i // len(MODES)) % len(MODES)] if timed else ("shared", "work", "nowork", "own")[n % 4]
         batch = data.batch(worker.rank, n)
         monitor = monitors.get(mode)
-        worker.monitor = monitor if mode in ("shared", "nowork") else None
+        worker.monitor = monitor if mode in ("shared", "work", "nowork") else None
         window = monitor.step(n) if monitor is not None else contextlib.nullcontext()
         spent = Clock()
         with spent:
             window.__enter__()
-        out = worker.train_batch(batch, sft_loss)
+        with worker.phase("update") if mode in ("work", "nowork") else contextlib.nullcontext():
+            out = worker.train_batch(batch, sft_loss)
         with spent:
             window.__exit__(None, None, None)
         dist.barrier()  # untimed: line the ranks up
@@ -179,7 +182,7 @@ def report(world: int, rounds: dict[str, list[tuple[float, ...]]], clock: str, j
     print(f" {clock} time (ms) on the training thread")
     print(f"  off: the worker's metrics collective {med(off):.3f} [{spread(off)}]")
     print(f"  (a) shared, memory keys in the worker's collective: {med(shared):+.3f} per step [{spread(shared)}]")
-    work = [r[j] - w[j] for r, w in zip(rounds["shared"], rounds["nowork"], strict=True)]
+    work = [r[j] - w[j] for r, w in zip(rounds["work"], rounds["nowork"], strict=True)]
     print(f"  (c) the work fields (micro_batch calls, their keys in the collective): {med(work):+.3f} per step "
           f"[{spread(work)}]")
     print(f"  (b) own collect() {med(own):.3f} [{spread(own)}]; bare all-gather of the same vector "
