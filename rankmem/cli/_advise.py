@@ -43,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="print the predicted peak per phase and rank at T tokens per micro-batch instead")
     parser.add_argument("--phase", action="append", default=None, metavar="P",
                         help="only this phase (repeatable; default: every phase told its micro-batches)")
+    parser.add_argument("--steps", type=int, default=None, metavar="N",
+                        help="the run the advice is for ends at step N: where the memory held between steps grows "
+                             "(as rankmem leaks finds), its growth to step N is kept free too (default: none kept)")
     parser.add_argument("--warmup", type=int, default=2, metavar="N", help="leave out the first N logged steps (default 2)")
     parser.add_argument("--memory", choices=("auto", "host", "device"), default="auto",
                         help="fit the device's peak allocated or the host's peak RSS (default: device where measured)")
@@ -57,6 +60,8 @@ def _check(args: argparse.Namespace) -> None:
         raise RankmemError(f"--headroom must be a finite number of GiB >= 0, got {args.headroom}")
     if args.budget is not None and args.budget < 1:
         raise RankmemError(f"--budget must be a number of tokens >= 1, got {args.budget}")
+    if args.steps is not None and args.steps < 1:
+        raise RankmemError(f"--steps must be a step number >= 1, got {args.steps}")
     if args.warmup < 0:
         raise RankmemError(f"--warmup must be >= 0, got {args.warmup}")
 
@@ -141,8 +146,10 @@ def _advise(run: Run, fits: dict[str, list[PhaseFit]], args: argparse.Namespace)
              f"usable {limit.usable:.3f} GiB against {what}"]
     rows: list[dict[str, Any]] = []
     status = 0
+    growth = _growth(run, args, kind)
+    lines += _growth_lines(run, growth, args)
     for phase, per_rank in fits.items():
-        results = [advise_rank(pf, limit) for pf in per_rank]
+        results = [advise_rank(pf, _kept(limit, growth.get(pf.rank), run, args.steps)) for pf in per_rank]
         failed = [(pf.rank, r) for pf, r in zip(per_rank, results, strict=True) if isinstance(r, str)]
         advised = [r for r in results if isinstance(r, Advice)]
         for rank, reason in failed:
@@ -154,10 +161,43 @@ def _advise(run: Run, fits: dict[str, list[PhaseFit]], args: argparse.Namespace)
             continue
         binding = min(advised, key=lambda a: (a.max_tokens, a.rank))
         phase_rows, phase_lines = _phase_advice(run, phase, per_rank, advised, binding, args)
+        for row in phase_rows:  # the growth between steps found on its rank (0: none), MiB per step
+            row["growth_mib_per_step"] = growth[row["rank"]].slope_mib if row["rank"] in growth else 0.0
         rows += phase_rows
         lines += phase_lines
     print(json.dumps(rows, indent=1) if args.json else "\n".join(lines))
     return status
+
+
+def _growth(run: Run, args: argparse.Namespace, kind: str) -> dict[int, Any]:
+    from rankmem.offline.advice import baseline_growth
+
+    found = {r: baseline_growth(run, r, args.warmup, kind) for r in range(run.world_size)}
+    return {r: t for r, t in found.items() if t is not None}
+
+
+def _kept(limit: Limit, growth: Any, run: Run, steps: int | None) -> Limit:
+    """The limit less the growth still to come to step ``steps`` (none asked or none found: unchanged)."""
+    from rankmem.offline.advice import Limit
+
+    if growth is None or steps is None:
+        return limit
+    ahead = max(steps - int(run.steps[-1]), 0)
+    return Limit(limit.capacity, limit.source, limit.headroom + growth.slope_mib * ahead / 1024)
+
+
+def _growth_lines(run: Run, growth: dict[int, Any], args: argparse.Namespace) -> list[str]:
+    out = []
+    for rank, t in growth.items():
+        line = (f"rank {rank}: what it holds between steps grows {t.slope_mib:+.3f} MiB/step "
+                f"(p={t.p_value:.1e}, steps {t.first_step}..{t.last_step}; rankmem leaks {run.path})")
+        if args.steps is None:
+            line += ": not kept free; --steps N keeps its growth to step N"
+        else:
+            ahead = max(args.steps - int(run.steps[-1]), 0)
+            line += f": {t.slope_mib * ahead:.1f} MiB more by step {args.steps}, kept free"
+        out.append(line)
+    return out
 
 
 def _phase_advice(run: Run, phase: str, per_rank: list[PhaseFit], advised: list[Any], binding: Any,

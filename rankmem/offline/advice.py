@@ -30,6 +30,7 @@ from rankmem.errors import RankmemError
 from rankmem.fit import Fit, FitConfig, NoFit, fit_memory
 from rankmem.offline import Run
 from rankmem.offline.capacity import capacities
+from rankmem.trend.trend import LeakConfig, Trend, trend
 
 EXTRAPOLATION = 1.5
 """The model is trusted up to this multiple of the largest T seen; past it, a step there must be run first."""
@@ -93,6 +94,20 @@ def fit_phase(run: Run, phase: str, rank: int, warmup: int, config: FitConfig | 
         model = fit_memory(col, peak - baseline, q, config)
     sq_max = float(np.nanmax(q)) if q is not None and np.isfinite(q).any() else 0.0
     return PhaseFit(phase, rank, model, baseline, extra, sq_max, col[np.isfinite(col)])
+
+
+def baseline_growth(run: Run, rank: int, warmup: int, kind: str) -> Trend | None:
+    """The leak verdict on what ``rank`` holds between steps after warm-up (RSS on the host, allocated on
+    the device), over the whole of that: the trend where ``rankmem leaks`` would call it growth, else
+    None. The fit's baseline is taken as it was seen; a run that goes on growing needs that growth free
+    too, which ``rankmem advise --steps`` keeps."""
+    key = key_of("allocated") if kind == "device" else key_of("rss")
+    series = run.series.get(key)
+    if series is None:
+        return None
+    rows = slice(min(warmup, run.steps.size), None)
+    found = trend(run.steps[rows], series[rows, rank], key, rank, LeakConfig(window=1.0))
+    return found if found is not None and found.leak and found.slope_mib > 0 else None
 
 
 def _col(run: Run, key: str, rank: int, rows: slice) -> np.ndarray:

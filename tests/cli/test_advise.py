@@ -141,3 +141,37 @@ def test_a_cgroup_s_capacity_leaves_out_what_its_other_processes_hold(tmp_path: 
               world=1)
     capacity, source = run_capacity(read_run(str(tmp_path)), "host")
     assert capacity == pytest.approx(1.75) and source == "cgroup limit less 0.250 GiB of other processes"
+
+
+def test_growth_between_steps_is_named_and_kept_free_to_the_step_asked(tmp_path: Path, capsys) -> None:
+    """Rank 1's memory between steps grows 0.5 MiB a step (its peaks ride on it); rank 0's does not.
+    Without --steps the advice says so and keeps nothing; with --steps 100 rank 1 must keep its growth
+    from the last step (39) to step 100 free, 30.5 MiB = 312 tokens at 100 KiB a token, less advice."""
+    steps = 40
+    i = np.arange(steps, dtype=np.float64)[:, None]
+    tokens = 1000 + 200 * (i % 10) + 0 * np.arange(2)[None, :]
+    jitter = np.where((np.arange(steps) % 2)[:, None] == 0, 0.25, -0.25) / 1024
+    rss = np.tile(np.array(BASE), (steps, 1)) + jitter
+    rss[:, 1] += 0.5 / 1024 * np.arange(steps)
+    series = {
+        key_of("rss"): rss,
+        phase_key("update", "peak_rss_gib"): rss + FIXED + PER_TOKEN * tokens,
+        work_key("update", "mb_tokens"): tokens,
+        work_key("update", "mb_sq_tokens"): tokens * 64,
+    }
+    run = write_run(tmp_path / "grows", series, config={"run": {"ppo_max_token_len_per_gpu": 4096}})
+    base_args = [str(run), "--capacity", "1.6", "--headroom", "0.05", "--json"]
+    rc, out, _ = advise(capsys, *base_args)
+    assert rc == 0
+    before = {r["rank"]: r for r in json.loads(out)}
+    assert before[0]["growth_mib_per_step"] == 0.0
+    assert before[1]["growth_mib_per_step"] == pytest.approx(0.5, rel=0.05)
+    rc, text, _ = advise(capsys, *base_args[:-1])
+    assert rc == 0 and any(line.startswith("rank 1: what it holds between steps grows +0.50") and
+                           line.endswith("not kept free; --steps N keeps its growth to step N") for line in text.splitlines())
+    rc, out, _ = advise(capsys, *base_args, "--steps", "100")
+    assert rc == 0
+    after = {r["rank"]: r for r in json.loads(out)}
+    assert after[0]["max_tokens"] == before[0]["max_tokens"]
+    fewer = before[1]["max_tokens"] - after[1]["max_tokens"]
+    assert abs(fewer - 0.5 * (100 - 39) * 1024 / 100) <= 20, fewer
