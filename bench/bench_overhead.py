@@ -4,7 +4,7 @@ Run:  python bench/bench_overhead.py                 (world 2 then world 4, each
       python bench/bench_overhead.py --worlds 2 --rounds 15 --steps 10
 or:   python -m torch.distributed.run --nproc-per-node 2 bench/bench_overhead.py --worker
 
-Four modes run step by step in a rotating order, so drift and a neighbour's load hit each alike:
+Six modes run step by step in a rotating order, so drift and a neighbour's load hit each alike:
 
 - ``off``:    the worker's own metrics collective (``allgather_dict_into_dict`` of its scalars), no memory keys.
 - ``shared``: step window + ``Monitor.collect``: the memory keys ride in the worker's metrics collective (a).
@@ -36,12 +36,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 MODES = ("off", "shared", "work", "nowork", "own", "bare")
 A_TARGET_MS = 0.1
@@ -91,7 +93,18 @@ def worker(args: argparse.Namespace) -> None:
     # the longest layout it has seen as its capacity).
     monitors = {m: rankmem.Monitor(out_dir=tempfile.mkdtemp(prefix="rankmem_bench_"), sinks=("jsonl",))
                 for m in ("shared", "work", "nowork", "own")}
-    monitors["nowork"].micro_batch = lambda *a, **k: None  # type: ignore[method-assign]  # no work fields
+    # Each micro_batch call is timed into the step's clock (``spent``), the work monitor's real, the
+    # nowork monitor's a no-op: the two differ by what the calls and the keys they add cost.
+    spent_now: list[Clock] = []
+    real_micro_batch = monitors["work"].micro_batch
+
+    def timed_micro_batch(*a: Any, real: Any = None, **k: Any) -> None:
+        with spent_now[-1]:
+            if real is not None:
+                real(*a, **k)
+
+    monitors["work"].micro_batch = functools.partial(timed_micro_batch, real=real_micro_batch)  # type: ignore[method-assign]
+    monitors["nowork"].micro_batch = timed_micro_batch  # type: ignore[method-assign]
     worker = TrainingWorker(GPT(GPTConfig()), WorkerConfig(total_steps=10**6), device=torch.device("cpu"))
     data = ArithmeticSFT(32, 24, args.batch_size)
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -112,11 +125,14 @@ def worker(args: argparse.Namespace) -> None:
         worker.monitor = monitor if mode in ("shared", "work", "nowork") else None
         window = monitor.step(n) if monitor is not None else contextlib.nullcontext()
         spent = Clock()
+        spent_now[:] = [spent]
+        phase = worker.phase("update") if mode in ("work", "nowork") else contextlib.nullcontext()
         with spent:
             window.__enter__()
-        with worker.phase("update") if mode in ("work", "nowork") else contextlib.nullcontext():
-            out = worker.train_batch(batch, sft_loss)
+            phase.__enter__()
+        out = worker.train_batch(batch, sft_loss)
         with spent:
+            phase.__exit__(None, None, None)
             window.__exit__(None, None, None)
         dist.barrier()  # untimed: line the ranks up
         with spent:

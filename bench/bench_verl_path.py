@@ -34,6 +34,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -92,25 +93,35 @@ def worker(args: argparse.Namespace) -> None:
     steps = args.steps or (10 if world <= 2 else 4)
     stock_gather = verl_allgather()
     device = torch.cuda if torch.cuda.is_available() else None
-    import tempfile
-
     monitor = rankmem.Monitor(out_dir=tempfile.mkdtemp(prefix="rankmem_bench_"), sinks=("jsonl",))
     worker = TrainingWorker(GPT(GPTConfig()), WorkerConfig(total_steps=10**6, micro_batch_size=8),
                             device=torch.device("cpu"))
     data = ArithmeticSFT(32, 24, args.batch_size)
     per_step: dict[str, list[tuple[float, float]]] = {m: [] for m in MODES}
     rounds: dict[str, list[tuple[float, float]]] = {m: [] for m in MODES}
+    clocks: list[Clock] = []
+    real_micro_batch = monitor.micro_batch
+
+    def timed_micro_batch(*a: Any, **k: Any) -> None:  # each call into the step's clock
+        with clocks[-1]:
+            real_micro_batch(*a, **k)
+
+    monitor.micro_batch = timed_micro_batch  # type: ignore[method-assign]
     for n in range(args.warmup + args.rounds * steps * len(MODES)):
         timed = n >= args.warmup
-        mode = MODES[(n + n // len(MODES)) % len(MODES)]
+        i = n - args.warmup
+        mode = MODES[(i + i // len(MODES)) % len(MODES)] if timed else MODES[n % len(MODES)]
         clock = Clock()
+        clocks[:] = [clock]
+        worker.monitor = monitor if mode == "rankmem" else None
         window = monitor.step(n) if mode == "rankmem" else contextlib.nullcontext()
+        phase = worker.phase("update") if mode == "rankmem" else contextlib.nullcontext()
         with clock:
             window.__enter__()
-        worker.monitor = monitor if mode == "rankmem" else None
-        with worker.phase("update") if mode == "rankmem" else contextlib.nullcontext():
-            out = worker.train_batch(data.batch(rank, n), sft_loss)
+            phase.__enter__()
+        out = worker.train_batch(data.batch(rank, n), sft_loss)
         with clock:
+            phase.__exit__(None, None, None)
             window.__exit__(None, None, None)
         # What update_policy leaves in the metrics dict: a value per micro-batch (here 4), grad_norm, lr.
         metrics: dict[str, Any] = {k: [out.loss_sum * (i + 1) for i in range(4)] for k in VERL_KEYS}

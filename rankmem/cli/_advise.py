@@ -22,6 +22,7 @@ from rankmem.errors import RankmemError
 if TYPE_CHECKING:
     from rankmem.offline import Run
     from rankmem.offline.advice import Limit, PhaseFit
+    from rankmem.trend.trend import Trend
 
 NO_VERDICT = 3
 HEADROOM_FRACTION = 0.05
@@ -45,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="only this phase (repeatable; default: every phase told its micro-batches)")
     parser.add_argument("--steps", type=int, default=None, metavar="N",
                         help="the run the advice is for ends at step N: where the memory held between steps grows "
-                             "(as rankmem leaks finds), its growth to step N is kept free too (default: none kept)")
+                             "(by rankmem leaks' test), its growth to step N is kept free too (default: none kept)")
     parser.add_argument("--warmup", type=int, default=2, metavar="N", help="leave out the first N logged steps (default 2)")
     parser.add_argument("--memory", choices=("auto", "host", "device"), default="auto",
                         help="fit the device's peak allocated or the host's peak RSS (default: device where measured)")
@@ -146,14 +147,15 @@ def _advise(run: Run, fits: dict[str, list[PhaseFit]], args: argparse.Namespace)
              f"usable {limit.usable:.3f} GiB against {what}"]
     rows: list[dict[str, Any]] = []
     status = 0
-    growth = _growth(run, args, kind)
+    growth = _growth(run, args, kind, limit)
     lines += _growth_lines(run, growth, args)
     for phase, per_rank in fits.items():
-        results = [advise_rank(pf, _kept(limit, growth.get(pf.rank), run, args.steps)) for pf in per_rank]
+        results = [advise_rank(pf, _kept(limit, pf, growth.get(pf.rank), args.steps)) for pf in per_rank]
         failed = [(pf.rank, r) for pf, r in zip(per_rank, results, strict=True) if isinstance(r, str)]
         advised = [r for r in results if isinstance(r, Advice)]
         for rank, reason in failed:
-            rows.append({"phase": phase, "rank": rank, "max_tokens": None, "reason": reason})
+            rows.append({"phase": phase, "rank": rank, "max_tokens": None, "reason": reason,
+                         "growth_mib_per_step": growth[rank].slope_mib if rank in growth else 0.0})
         if failed:
             status = NO_VERDICT
             rank, reason = failed[0]
@@ -169,33 +171,31 @@ def _advise(run: Run, fits: dict[str, list[PhaseFit]], args: argparse.Namespace)
     return status
 
 
-def _growth(run: Run, args: argparse.Namespace, kind: str) -> dict[int, Any]:
+def _growth(run: Run, args: argparse.Namespace, kind: str, limit: Limit) -> dict[int, Trend]:
     from rankmem.offline.advice import baseline_growth
 
-    found = {r: baseline_growth(run, r, args.warmup, kind) for r in range(run.world_size)}
+    found = {r: baseline_growth(run, r, args.warmup, kind, limit.capacity) for r in range(run.world_size)}
     return {r: t for r, t in found.items() if t is not None}
 
 
-def _kept(limit: Limit, growth: Any, run: Run, steps: int | None) -> Limit:
-    """The limit less the growth still to come to step ``steps`` (none asked or none found: unchanged)."""
-    from rankmem.offline.advice import Limit
+def _kept(limit: Limit, pf: PhaseFit, growth: Trend | None, steps: int | None) -> Limit:
+    """The limit less the growth still to come by step ``steps`` (none asked or none found: unchanged)."""
+    from rankmem.offline.advice import Limit, growth_ahead_gib
 
     if growth is None or steps is None:
         return limit
-    ahead = max(steps - int(run.steps[-1]), 0)
-    return Limit(limit.capacity, limit.source, limit.headroom + growth.slope_mib * ahead / 1024)
+    return Limit(limit.capacity, limit.source, limit.headroom + growth_ahead_gib(pf, growth, steps))
 
 
-def _growth_lines(run: Run, growth: dict[int, Any], args: argparse.Namespace) -> list[str]:
+def _growth_lines(run: Run, growth: dict[int, Trend], args: argparse.Namespace) -> list[str]:
     out = []
     for rank, t in growth.items():
         line = (f"rank {rank}: what it holds between steps grows {t.slope_mib:+.3f} MiB/step "
-                f"(p={t.p_value:.1e}, steps {t.first_step}..{t.last_step}; rankmem leaks {run.path})")
+                f"(p={t.p_value:.1e}, steps {t.first_step}..{t.last_step}; see rankmem leaks {run.path})")
         if args.steps is None:
             line += ": not kept free; --steps N keeps its growth to step N"
         else:
-            ahead = max(args.steps - int(run.steps[-1]), 0)
-            line += f": {t.slope_mib * ahead:.1f} MiB more by step {args.steps}, kept free"
+            line += f": its growth to step {args.steps} is kept free"
         out.append(line)
     return out
 

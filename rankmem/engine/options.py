@@ -31,10 +31,10 @@ why and how to do the same in a job of your own.
   pieces included) is mmap'd and returned on free; what is left on the heap the worker hands back after
   each step (:mod:`rankmem.engine.hostheap`). Measured in bench/bench_advise.py: at 64 KiB a later,
   smaller step's peak carried up to 10 MiB of an earlier, larger one's blocks.
-- oneDNN (torch's CPU kernels) keeps a compiled kernel per distinct tensor shape, up to 1,024 of them.
-  Packed micro-batches have a new shape almost every time, so the cache grows for the first thousand or
-  so: measured on the reference GRPO job, +57 KiB of RSS a step (11 MiB over 200 steps), 5 KiB with the
-  cache off, at the same step time (50 s against 48 s for 90 steps)."""
+- oneDNN (torch's CPU kernels) keeps compiled kernels by tensor shape in its primitive cache (1,024 by
+  default), and packed micro-batches have new shapes almost every step. Measured on the reference GRPO
+  job (bench/RESULTS.md): RSS between steps grew 61-64 KiB a step (12 MiB over 200 steps) and 5 KiB with
+  the cache off, at the same step time (50 s against 48 s for 90 steps)."""
 
 # Options whose default depends on the task (None in the parser until resolve_job_options). GRPO's
 # steps are ``make demo``'s: about two minutes on 2 CPU cores, well past the reward's plateau.

@@ -30,7 +30,7 @@ from rankmem.errors import RankmemError
 from rankmem.fit import Fit, FitConfig, NoFit, fit_memory
 from rankmem.offline import Run
 from rankmem.offline.capacity import capacities
-from rankmem.trend.trend import LeakConfig, Trend, trend
+from rankmem.trend.trend import LeakConfig, Trend, regression_axis, trend
 
 EXTRAPOLATION = 1.5
 """The model is trusted up to this multiple of the largest T seen; past it, a step there must be run first."""
@@ -51,6 +51,10 @@ class PhaseFit:
     sq_max: float
     """The largest Q seen (0 if not told): its square root bounds the longest sequence seen."""
     tokens_seen: np.ndarray
+    baseline_step: float = math.nan
+    """The step the predicted peak's baseline stands for. Host: the mean step of the fitted windows (their
+    rises are over the run's lowest RSS, so a growing baseline's average is in the fit). Device: the
+    median step of the last steps whose allocated is the baseline."""
 
     def peak(self, tokens: float, sq_tokens: float | None = None) -> tuple[float, float, float]:
         """(peak, low, high) in GiB, as set against capacity."""
@@ -86,28 +90,41 @@ def fit_phase(run: Run, phase: str, rank: int, warmup: int, config: FitConfig | 
         finite = base[np.isfinite(base)]
         baseline = float(np.median(finite[-BASELINE_STEPS:])) if finite.size else math.nan
         model = fit_memory(col, peak - base, q, config)
+        seen = run.steps[rows][np.isfinite(base)]
+        at = float(np.median(seen[-BASELINE_STEPS:])) if seen.size else math.nan
     else:
         peak = _col(run, phase_key(phase, "peak_rss_gib"), rank, rows)
         base = _col(run, key_of("rss"), rank, rows)
         extra = 0.0
         baseline = float(np.nanmin(base)) if np.isfinite(base).any() else math.nan
         model = fit_memory(col, peak - baseline, q, config)
+        fitted = run.steps[rows][np.isfinite(col) & np.isfinite(peak)]
+        at = float(np.mean(fitted)) if fitted.size else math.nan
     sq_max = float(np.nanmax(q)) if q is not None and np.isfinite(q).any() else 0.0
-    return PhaseFit(phase, rank, model, baseline, extra, sq_max, col[np.isfinite(col)])
+    return PhaseFit(phase, rank, model, baseline, extra, sq_max, col[np.isfinite(col)], at)
 
 
-def baseline_growth(run: Run, rank: int, warmup: int, kind: str) -> Trend | None:
-    """The leak verdict on what ``rank`` holds between steps after warm-up (RSS on the host, allocated on
-    the device), over the whole of that: the trend where ``rankmem leaks`` would call it growth, else
-    None. The fit's baseline is taken as it was seen; a run that goes on growing needs that growth free
-    too, which ``rankmem advise --steps`` keeps."""
+def baseline_growth(run: Run, rank: int, warmup: int, kind: str, capacity_gib: float | None = None) -> Trend | None:
+    """Growth of what ``rank`` holds between steps after warm-up (RSS on the host, allocated on the
+    device): the trend where the leak test (``rankmem leaks``' statistics and bar, against
+    ``capacity_gib``, over every step after warm-up rather than the run's second half) calls it growth,
+    else None; None too where the step numbers do not rise (per-epoch numbering), which leaves no step
+    to project to. The fit takes the baseline as it was seen; a run that goes on growing needs that
+    growth free too, which ``rankmem advise --steps`` keeps."""
     key = key_of("allocated") if kind == "device" else key_of("rss")
     series = run.series.get(key)
-    if series is None:
-        return None
     rows = slice(min(warmup, run.steps.size), None)
-    found = trend(run.steps[rows], series[rows, rank], key, rank, LeakConfig(window=1.0))
+    steps = run.steps[rows]
+    if series is None or regression_axis(steps)[1] != "step":
+        return None
+    found = trend(steps, series[rows, rank], key, rank, LeakConfig(window=1.0), capacity_gib)
     return found if found is not None and found.leak and found.slope_mib > 0 else None
+
+
+def growth_ahead_gib(pf: PhaseFit, growth: Trend, until_step: int) -> float:
+    """GiB the growth adds to the predicted peak by step ``until_step``: from the step the prediction's
+    baseline stands for (:attr:`PhaseFit.baseline_step`), not from the run's last."""
+    return max(until_step - pf.baseline_step, 0.0) * growth.slope_mib / 1024
 
 
 def _col(run: Run, key: str, rank: int, rows: slice) -> np.ndarray:

@@ -89,6 +89,7 @@ class DetailPipe:
         self._flushes = 0
         self._acked = 0
         self._warn_once = WarnOnce()
+        self._killed: subprocess.Popen[bytes] | None = None  # a writer killed by _gone, reaped at close
 
     def open(self) -> None:
         # -m, not a fork: a fork would copy the rank (torch, CUDA state) to run a few hundred lines.
@@ -182,10 +183,16 @@ class DetailPipe:
         code = proc.poll() if proc is not None else None
         self._close_pipes()
         if proc is not None:
-            # A writer that stopped reading is of no more use, and must not outlive the rank.
-            _end(proc)
+            # Of no more use, and it must not outlive the rank; no wait here (add() never waits): the
+            # kill is reaped at close, or by subprocess's own clean-up of a dropped Popen.
+            if code is None:
+                proc.kill()
+                self._killed = proc
             helpers.unregister(proc.pid)
-        why = f"exited with code {code}" if code is not None else f"stopped reading ({exc})"
+        if code is not None:
+            why = f"exited with code {code}"
+        else:
+            why = f"stopped reading ({exc}) and was killed" if exc is not None else "closed its end of the pipe"
         self._warn_once("gone", f"the writer process of {self.path} {why}: the per-rank values of the "
                                 f"following collects are on the run log's lines only as aggregates")
 
@@ -221,6 +228,9 @@ class DetailPipe:
 
     def close(self) -> None:
         """Send what waits, ask the writer to finish, wait for it (then kill it: it must not outlive us)."""
+        if self._killed is not None:
+            _end(self._killed)
+            self._killed = None
         if self._proc is None:
             return
         deadline = time.monotonic() + EXIT_TIMEOUT_S  # one bound for the last flush and the exit together

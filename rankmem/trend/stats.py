@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import threading
 
 import numpy as np
 
@@ -18,6 +19,7 @@ _NORMAL = statistics.NormalDist()
 _MAD_TO_SD = 1.4826  # the MAD of a normal sample times this estimates its standard deviation
 
 _PAIRS: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+_PAIRS_LOCK = threading.Lock()
 PAIRS_KEPT = 4
 """Lengths whose index pairs are kept. Few on purpose: at the 256 points a window is reduced to, one
 length's pairs are 0.5 MiB, and the online watch's window grows by a point each check until it gets
@@ -28,15 +30,16 @@ leak watch then reported against the logging rank."""
 def pairs(n: int) -> tuple[np.ndarray, np.ndarray]:
     """The index pairs ``i < j`` of ``n`` points, kept for the :data:`PAIRS_KEPT` lengths used last: one
     check of the online watch asks for the same length for every key and rank."""
-    found = _PAIRS.pop(n, None)
-    if found is None:
-        i, j = np.triu_indices(n, 1)
-        i.flags.writeable = j.flags.writeable = False
-        found = (i, j)
-    _PAIRS[n] = found  # last in the dict: the most recently used
-    while len(_PAIRS) > PAIRS_KEPT:
-        del _PAIRS[next(iter(_PAIRS))]
-    return found
+    with _PAIRS_LOCK:  # two monitors' publisher threads may judge at once
+        found = _PAIRS.pop(n, None)
+        if found is None:
+            i, j = np.triu_indices(n, 1)
+            i.flags.writeable = j.flags.writeable = False
+            found = (i, j)
+        _PAIRS[n] = found  # last in the dict: the most recently used
+        while len(_PAIRS) > PAIRS_KEPT:
+            del _PAIRS[next(iter(_PAIRS))]
+        return found
 
 
 def pair_differences(rows: np.ndarray) -> np.ndarray:

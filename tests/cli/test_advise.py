@@ -145,14 +145,16 @@ def test_a_cgroup_s_capacity_leaves_out_what_its_other_processes_hold(tmp_path: 
 
 def test_growth_between_steps_is_named_and_kept_free_to_the_step_asked(tmp_path: Path, capsys) -> None:
     """Rank 1's memory between steps grows 0.5 MiB a step (its peaks ride on it); rank 0's does not.
-    Without --steps the advice says so and keeps nothing; with --steps 100 rank 1 must keep its growth
-    from the last step (39) to step 100 free, 30.5 MiB = 312 tokens at 100 KiB a token, less advice."""
-    steps = 40
+    Without --steps the advice says so and keeps nothing; with --steps 100, rank 1's true peak at step
+    100 at the advised tokens (from the formula that made the run) stays within capacity minus headroom.
+    The fit's windows (steps 2..39, mean 20.5) hold the growth to their mean step in their rises, so
+    what is kept is 0.5 MiB x (100 - 20.5): 407 tokens at 100 KiB a token."""
+    steps, grows = 40, 0.5 / 1024  # GiB per step, rank 1
     i = np.arange(steps, dtype=np.float64)[:, None]
     tokens = 1000 + 200 * (i % 10) + 0 * np.arange(2)[None, :]
     jitter = np.where((np.arange(steps) % 2)[:, None] == 0, 0.25, -0.25) / 1024
     rss = np.tile(np.array(BASE), (steps, 1)) + jitter
-    rss[:, 1] += 0.5 / 1024 * np.arange(steps)
+    rss[:, 1] += grows * np.arange(steps)
     series = {
         key_of("rss"): rss,
         phase_key("update", "peak_rss_gib"): rss + FIXED + PER_TOKEN * tokens,
@@ -160,7 +162,8 @@ def test_growth_between_steps_is_named_and_kept_free_to_the_step_asked(tmp_path:
         work_key("update", "mb_sq_tokens"): tokens * 64,
     }
     run = write_run(tmp_path / "grows", series, config={"run": {"ppo_max_token_len_per_gpu": 4096}})
-    base_args = [str(run), "--capacity", "1.6", "--headroom", "0.05", "--json"]
+    capacity, headroom = 1.6, 0.05
+    base_args = [str(run), "--capacity", str(capacity), "--headroom", str(headroom), "--json"]
     rc, out, _ = advise(capsys, *base_args)
     assert rc == 0
     before = {r["rank"]: r for r in json.loads(out)}
@@ -174,4 +177,8 @@ def test_growth_between_steps_is_named_and_kept_free_to_the_step_asked(tmp_path:
     after = {r["rank"]: r for r in json.loads(out)}
     assert after[0]["max_tokens"] == before[0]["max_tokens"]
     fewer = before[1]["max_tokens"] - after[1]["max_tokens"]
-    assert abs(fewer - 0.5 * (100 - 39) * 1024 / 100) <= 20, fewer
+    assert abs(fewer - 0.5 * (100 - 20.5) * 1024 / 100) <= 20, fewer
+    true_peak_at_100 = BASE[1] + grows * 100 + FIXED + PER_TOKEN * after[1]["max_tokens"]
+    assert true_peak_at_100 <= capacity - headroom, true_peak_at_100
+    # Without --steps the same T would not have fitted at step 100: the growth is what it keeps.
+    assert BASE[1] + grows * 100 + FIXED + PER_TOKEN * before[1]["max_tokens"] > capacity - headroom

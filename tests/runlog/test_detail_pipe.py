@@ -130,3 +130,32 @@ def test_close_warns_only_when_the_writer_had_to_be_killed(tmp_path: Path, monke
     assert len(messages) == 1 and "was killed" in messages[0], messages
     assert time.monotonic() - start < 1.0 + 5  # the close's bound, then the kill's reap
     assert helper_pids() == others and _writers(str(tmp_path / "stuck.arrow")) == []
+
+
+def test_a_writer_that_dies_costs_one_warning_and_leaves_no_helper_behind(tmp_path: Path) -> None:
+    """The writer is SIGKILLed mid-run: the next collects find its pipe broken, say so once, count what
+    they could not send, and neither the rank's adds nor its close wait on it."""
+    import warnings
+
+    from rankmem.core.helpers import helper_pids
+
+    others = helper_pids()
+    pipe = DetailPipe(str(tmp_path / "side.arrow"), 2)
+    pipe.open()
+    assert pipe._proc is not None
+    pid = pipe._proc.pid
+    pipe.add(0, _record(0, 2), 0)
+    assert pipe.flush(30)
+    os.kill(pid, signal.SIGKILL)
+    time.sleep(0.5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        start = time.monotonic()
+        for step in range(1, 6):
+            pipe.add(step, _record(step, 2), 0)
+        pipe.close()
+        took = time.monotonic() - start
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1 and "exited with code -9" in messages[0], messages
+    assert took < 2.0 and pipe.dropped >= 1
+    assert helper_pids() == others and _writers(str(tmp_path)) == []
