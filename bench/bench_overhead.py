@@ -37,13 +37,12 @@ import argparse
 import contextlib
 import datetime
 import functools
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from typing import Any
+
+from _torchrun import Clock, run_worker  # type: ignore[import-not-found]
 
 MODES = ("off", "shared", "work", "nowork", "own", "bare")
 A_TARGET_MS = 0.1
@@ -61,13 +60,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--worker", action="store_true", help="run as one rank (under torchrun)")
     return parser.parse_args()
-
-
-def launch(world: int) -> int:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--standalone",
-           "--max-restarts", "0", __file__, "--worker", *sys.argv[1:]]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(cmd, env=env, timeout=900).returncode
 
 
 def spread(values: list[float]) -> str:
@@ -172,20 +164,6 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-class Clock:
-    """Adds up the wall time and this thread's CPU time spent inside ``with`` blocks."""
-
-    def __init__(self) -> None:
-        self.wall = self.cpu = 0.0
-
-    def __enter__(self) -> None:
-        self._wall, self._cpu = time.perf_counter(), time.thread_time()
-
-    def __exit__(self, *exc: object) -> None:
-        self.wall += time.perf_counter() - self._wall
-        self.cpu += time.thread_time() - self._cpu
-
-
 def report(world: int, rounds: dict[str, list[tuple[float, ...]]], clock: str, j: int) -> None:
     """One clock's figures: ``j`` 0 is wall time (the targets'), 1 the training thread's CPU time."""
     off = [r[j] for r in rounds["off"]]
@@ -219,7 +197,7 @@ def main() -> int:
         worker(args)
         return 0
     for world in args.worlds:
-        rc = launch(world)
+        rc = run_worker(__file__, world, sys.argv[1:])
         if rc != 0:
             return rc
     return 0

@@ -29,15 +29,15 @@ import argparse
 import ast
 import contextlib
 import datetime
+import gc
 import importlib.util
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
+
+from _torchrun import Clock, run_worker  # type: ignore[import-not-found]
 
 MODES = ("stock", "rankmem")
 VERL_KEYS = ("actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/entropy",
@@ -59,20 +59,6 @@ def verl_allgather() -> Any:
     namespace: dict[str, Any] = {"torch": torch}
     exec(compile(ast.Module(body=[fn], type_ignores=[]), str(path), "exec"), namespace)
     return namespace["allgather_dict_into_dict"]
-
-
-class Clock:
-    """Adds up the wall time and this thread's CPU time spent inside ``with`` blocks."""
-
-    def __init__(self) -> None:
-        self.wall = self.cpu = 0.0
-
-    def __enter__(self) -> None:
-        self._wall, self._cpu = time.perf_counter(), time.thread_time()
-
-    def __exit__(self, *exc: object) -> None:
-        self.wall += time.perf_counter() - self._wall
-        self.cpu += time.thread_time() - self._cpu
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -164,6 +150,8 @@ def worker(args: argparse.Namespace) -> None:
             print(f" {clock_name} time (ms) on the training thread: stock verl {_med(stock)}, "
                   f"rankmem in verl's path {_med(ours)}; rankmem / stock per round {_med(ratio, 'x')}: "
                   f"{'PASS' if statistics.median(ratio) < 1 else 'FAIL'} (target < 1)", flush=True)
+    del worker
+    gc.collect()  # DDP holds the group: freed while the interpreter is whole (rankmem/engine/train.py says why)
     dist.destroy_process_group()
 
 
@@ -185,9 +173,7 @@ def main() -> int:
         worker(args)
         return 0
     for world in args.worlds:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--standalone",
-               "--max-restarts", "0", __file__, "--worker", *sys.argv[1:]]
-        rc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=900).returncode
+        rc = run_worker(__file__, world, sys.argv[1:])
         if rc != 0:
             return rc
     return 0

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -60,8 +61,29 @@ def _torchrun_once(
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
         *extra, str(script), *args,
     ]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd or REPO)
+    mark = uuid.uuid4().hex
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {}), LAUNCH_MARK: mark}
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd or REPO)
+    finally:
+        _stop_marked(mark)
+
+
+LAUNCH_MARK = "RANKMEM_TEST_LAUNCH"
+"""In the environment of every process a test's torchrun launch starts: a timeout kills torchrun's agent
+alone, and its ranks, orphaned, would go on running (a restarted attempt's gloo mesh then dialled them)."""
+
+
+def _stop_marked(mark: str) -> None:
+    """SIGKILL every process still alive that carries ``mark`` (the launch is over: none should)."""
+    import psutil
+
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get(LAUNCH_MARK) == mark:
+                p.kill()
+        except psutil.Error:
+            continue
 
 
 @pytest.fixture
