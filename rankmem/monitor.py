@@ -274,9 +274,11 @@ class Monitor(_Readouts):
         model computes on it), its ``sequences`` and the sum of its squared sequence lengths ``sq_tokens``
         (attention's quadratic term). Once per micro-batch, inside a phase (outside, ignored with one warning).
 
-        The phase keeps its heaviest micro-batch (by tokens) and the totals, under ``mem/phase/<name>/``
-        ``heaviest_mb_tokens``, ``heaviest_mb_sequences``, ``heaviest_mb_sq_tokens``, ``tokens`` and
-        ``micro_batches``: what ``rankmem advise`` fits the phase's peak against. Local; a few float compares.
+        The phase keeps its heaviest micro-batch's tokens and sequences, the largest ``sq_tokens`` of any
+        of its micro-batches (with materialised attention the one with the longer sequences can set the
+        peak) and the totals, under ``mem/phase/<name>/`` ``heaviest_mb_tokens``, ``heaviest_mb_sequences``,
+        ``heaviest_mb_sq_tokens``, ``tokens`` and ``micro_batches``: what ``rankmem advise`` fits the
+        phase's peak against. Local; a few float compares.
         """
         if not self._open_windows().micro_batch(*work_numbers(tokens, sequences, sq_tokens)):
             self._guard.warn_once("micro_batch", "micro_batch() outside a phase is ignored: call it inside "

@@ -89,7 +89,14 @@ class _Window:
 
 
 class Work:
-    """The micro-batches a window was told about: its heaviest (by tokens) and the totals."""
+    """The micro-batches a window was told about: the heaviest by tokens (its tokens and sequences), the
+    largest sum of squared lengths of any of them, and the totals.
+
+    The two maxima may come from different micro-batches. With materialised attention the micro-batch
+    with the longer sequences can set the peak while holding a few tokens fewer (balanced packing keeps
+    tokens within a few % of each other, their squared lengths not: up to 1.6x apart in the reference
+    worker's packs); ``a + b*T + c*Q`` at both maxima bounds every micro-batch's peak, where the
+    heaviest-by-tokens' own Q would not (bench/RESULTS.md, "Q as the largest of any micro-batch")."""
 
     __slots__ = ("tokens", "sequences", "sq_tokens", "total_tokens", "count")
 
@@ -104,14 +111,20 @@ class Work:
         self.total_tokens += tokens
         self.count += 1
         if tokens > self.tokens:  # the first of equals stays: a few compares, no allocation
-            self.tokens, self.sequences, self.sq_tokens = tokens, sequences, sq_tokens
+            self.tokens, self.sequences = tokens, sequences
+        self.sq_tokens = _larger(self.sq_tokens, sq_tokens)
 
     def into(self, p: PhaseBytes) -> None:
-        """Fold into a phase's figures; a phase run twice in a step keeps the heavier micro-batch."""
+        """Fold into a phase's figures; a phase run twice in a step keeps the larger of each."""
         if p.mb_tokens is None or self.tokens > p.mb_tokens:
-            p.mb_tokens, p.mb_sequences, p.mb_sq_tokens = self.tokens, self.sequences, self.sq_tokens
+            p.mb_tokens, p.mb_sequences = self.tokens, self.sequences
+        p.mb_sq_tokens = _larger(p.mb_sq_tokens, self.sq_tokens)
         p.tokens = (p.tokens or 0.0) + self.total_tokens
         p.micro_batches = (p.micro_batches or 0.0) + self.count
+
+
+def _larger(kept: float | None, new: float | None) -> float | None:
+    return new if kept is None or (new is not None and new > kept) else kept
 
 
 class Windows:

@@ -27,11 +27,24 @@ def test_each_rank_s_heaviest_micro_batch_and_totals_reach_the_run_log(tmp_path:
             heaviest = max(mbs, key=sum)
             got = {f: run.series[work_key("update", f)][step, rank] for f in WORK_FIELDS}
             assert got == {"mb_tokens": sum(heaviest), "mb_sequences": len(heaviest),
-                           "mb_sq_tokens": sum(s * s for s in heaviest),
+                           "mb_sq_tokens": max(sum(s * s for s in mb) for mb in mbs),
                            "tokens": sum(map(sum, mbs)), "micro_batches": len(mbs)}
             assert run.series[work_key("log_prob", "mb_tokens")][step, rank] == 100 * (rank + 1)
     # Not told: absent, never 0.
     assert work_key("log_prob", "mb_sq_tokens") not in run.series
+
+
+def test_q_is_the_largest_of_any_micro_batch_not_the_heaviest_s() -> None:
+    monitor = rankmem.Monitor(device="cpu", children=False, near_oom_watch=False)
+    with monitor.step(0), monitor.phase("update"):
+        monitor.micro_batch(100, 4, 4 * 25**2)  # the heaviest by tokens: four short sequences
+        monitor.micro_batch(90, 1, 90**2)  # fewer tokens, one long sequence: the larger Q
+        monitor.micro_batch(80)  # told no Q: leaves the largest alone
+    got = monitor.local_metrics()
+    monitor.close()
+    assert got[work_key("update", "mb_tokens")] == 100.0
+    assert got[work_key("update", "mb_sequences")] == 4.0
+    assert got[work_key("update", "mb_sq_tokens")] == 8100.0
 
 
 def test_the_innermost_phase_keeps_it_and_a_phase_run_twice_keeps_the_heavier() -> None:

@@ -69,7 +69,7 @@ def _check(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from rankmem.offline import read_run
-    from rankmem.offline.advice import fit_phase, work_phases
+    from rankmem.offline.advice import fit_ranks, work_phases
 
     _check(args)
     the_run = read_run(args.run)
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
             raise RankmemError(f"--phase {unknown[0]}: no such phase with micro-batches in the run; it has: {', '.join(phases)}")
         phases = [p for p in phases if p in args.phase]
     kind = None if args.memory == "auto" else args.memory
-    fits = {p: [fit_phase(the_run, p, r, args.warmup, kind=kind) for r in range(the_run.world_size)] for p in phases}
+    fits = {p: fit_ranks(the_run, p, args.warmup, kind=kind) for p in phases}
     if args.at_tokens is not None:
         return _at_tokens(fits, args)
     return _advise(the_run, fits, args)

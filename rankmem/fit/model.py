@@ -12,6 +12,9 @@ linear in T; materialised attention adds scores linear in Q. The method:
 - **The quadratic term only where the data reject a line**: ``c*Q`` enters when Q varies
   independently of T (its ratio to T spreads by more than :attr:`FitConfig.q_spread`) and its
   coefficient's t statistic is above :attr:`FitConfig.t_quadratic` (a one-sided test at about 0.1%).
+  Where a phase runs on several ranks, :func:`quadratic_across` tests it once on every rank's windows
+  (an intercept per rank, the rise per token and per squared length shared: they are the model's);
+  each rank's fit then keeps the term as that test says, where its own coefficient is positive.
 - **Prediction interval** ``yhat +- t(n - p) * sqrt(s^2 (1 + x0' (X'WX)^-1 x0) + (r * yhat)^2)``, ``s``
   the robust scale (1.4826 MAD, small-sample corrected, at least :attr:`FitConfig.noise_floor`), ``r``
   the run-to-run noise (:attr:`FitConfig.relative_noise`, 1.5%): windows at distinct T understate how
@@ -26,6 +29,7 @@ length): conservative where lengths are long-tailed.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -101,34 +105,77 @@ class Fit:
         return self.b + self.c * self.q_per_token
 
 
-def fit_memory(tokens: np.ndarray, rise: np.ndarray, sq_tokens: np.ndarray | None = None,
-               config: FitConfig | None = None) -> Fit | NoFit:
-    """Fit one phase of one rank; windows with a non-finite value are left out."""
-    cfg = config or FitConfig()
+def _usable(tokens: np.ndarray, rise: np.ndarray, sq_tokens: np.ndarray | None) -> tuple[np.ndarray, ...]:
+    """(T, rise, Q) of the windows with finite T > 0 and rise; Q all nan where not told."""
     t = np.asarray(tokens, dtype=np.float64)
     y = np.asarray(rise, dtype=np.float64)
     q = np.asarray(sq_tokens, dtype=np.float64) if sq_tokens is not None else np.full_like(t, np.nan)
     ok = np.isfinite(t) & np.isfinite(y) & (t > 0)
-    t, y, q = t[ok], y[ok], q[ok]
+    return t[ok], y[ok], q[ok]
+
+
+def _q_separable(t: np.ndarray, q: np.ndarray, cfg: FitConfig) -> bool:
+    ratio = q / t
+    return bool(q.size and np.isfinite(q).all() and ratio.max() > (1 + cfg.q_spread) * ratio.min())
+
+
+def quadratic_across(groups: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray | None]],
+                     config: FitConfig | None = None) -> bool | None:
+    """Whether one phase's windows on several ranks (``(T, rise, Q)`` per rank) reject a line: one robust
+    fit of ``rise = a_rank + b*T + c*Q`` over all of them, Q kept where it varies apart from T and its
+    coefficient's t statistic is above :attr:`FitConfig.t_quadratic`. None where fewer than two ranks
+    have windows enough (each rank then tests its own).
+
+    Why pooled: ``b`` and ``c`` are the model's bytes per token and per squared length, the same on
+    every rank running it; the intercept is not (an engine, a driver duty, a leak: each rank keeps its
+    own). A rank's dozen windows rarely show ``c`` above its noise though it is there (materialised
+    attention in bench/bench_advise.py: the term kept on 37 of 84 rank fits alone, 76 of 84 pooled),
+    and a line left where the peak follows Q is off in a way no interval covers."""
+    cfg = config or FitConfig()
+    kept = [g for g in (_usable(*group) for group in groups) if g[0].size >= cfg.min_windows]
+    if len(kept) < 2:
+        return None
+    t = np.concatenate([g[0] for g in kept])
+    y = np.concatenate([g[1] for g in kept])
+    q = np.concatenate([g[2] for g in kept])
+    if not _q_separable(t, q, cfg):
+        return False
+    x = np.zeros((t.size, len(kept) + 2))
+    row = 0
+    for k, g in enumerate(kept):
+        x[row : row + g[0].size, k] = 1.0
+        row += g[0].size
+    x[:, -2], x[:, -1] = t, q
+    solved = _huber(x, y, cfg)
+    se_c = solved.scale * math.sqrt(max(float(solved.xtwx_inv[-1, -1]), 0.0))
+    return bool(solved.beta[-1] > 0 and se_c > 0 and solved.beta[-1] / se_c > cfg.t_quadratic)
+
+
+def fit_memory(tokens: np.ndarray, rise: np.ndarray, sq_tokens: np.ndarray | None = None,
+               config: FitConfig | None = None, quadratic: bool | None = None) -> Fit | NoFit:
+    """Fit one phase of one rank; windows with a non-finite value are left out. ``quadratic``: the Q
+    term as :func:`quadratic_across` decided it for the phase (kept where this rank's coefficient is
+    positive), or None to test this rank's windows alone."""
+    cfg = config or FitConfig()
+    t, y, q = _usable(tokens, rise, sq_tokens)
     if t.size < cfg.min_windows:
         return NoFit("few", f"{t.size} window(s) with tokens after warm-up, the fit needs {cfg.min_windows}: "
                             f"run more steps")
     if t.max() < cfg.min_spread * t.min():
         return NoFit("flat", f"the heaviest micro-batch's tokens barely vary ({t.min():.0f}..{t.max():.0f}): vary "
                              f"the token budget over a few steps, or run longer on varied data")
-    ratio = q / t
-    use_q = bool(np.isfinite(q).all() and ratio.max() > (1 + cfg.q_spread) * ratio.min())
-    q_per_token = float(ratio.max()) if np.isfinite(q).all() else 0.0
+    use_q = _q_separable(t, q, cfg) and quadratic is not False
+    q_per_token = float((q / t).max()) if np.isfinite(q).all() else 0.0
     line = _huber(np.column_stack([np.ones_like(t), t]), y, cfg)
-    chosen, quadratic = line, False
+    chosen, kept = line, False
     if use_q and t.size >= cfg.min_windows + 1:
         quad = _huber(np.column_stack([np.ones_like(t), t, q]), y, cfg)
         se_c = quad.scale * math.sqrt(max(quad.xtwx_inv[2, 2], 0.0))
-        if quad.beta[2] > 0 and se_c > 0 and quad.beta[2] / se_c > cfg.t_quadratic:
-            chosen, quadratic = quad, True
+        if quad.beta[2] > 0 and se_c > 0 and (quadratic or quad.beta[2] / se_c > cfg.t_quadratic):
+            chosen, kept = quad, True
     beta = chosen.beta
-    c = float(beta[2]) if quadratic else 0.0
-    fit = Fit(a=float(beta[0]), b=float(beta[1]), c=c, quadratic=quadratic, scale=chosen.scale,
+    c = float(beta[2]) if kept else 0.0
+    fit = Fit(a=float(beta[0]), b=float(beta[1]), c=c, quadratic=kept, scale=chosen.scale,
               xtwx_inv=chosen.xtwx_inv, dof=t.size - beta.size, n=int(t.size), t_max=float(t.max()),
               q_per_token=q_per_token, level=cfg.level, relative_noise=cfg.relative_noise)
     return _check_slope(fit, cfg)

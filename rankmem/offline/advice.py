@@ -27,7 +27,7 @@ import numpy as np
 
 from rankmem.core.catalogue import key_of, phase_key, work_key
 from rankmem.errors import RankmemError
-from rankmem.fit import Fit, FitConfig, NoFit, fit_memory
+from rankmem.fit import Fit, FitConfig, NoFit, fit_memory, quadratic_across
 from rankmem.offline import Run
 from rankmem.offline.capacity import capacities
 from rankmem.trend.trend import LeakConfig, Trend, regression_axis, trend
@@ -74,9 +74,29 @@ def work_phases(run: Run) -> list[str]:
     return [p for p in run.phases() if work_key(p, "mb_tokens") in run.series]
 
 
-def fit_phase(run: Run, phase: str, rank: int, warmup: int, config: FitConfig | None = None,
-              kind: str | None = None) -> PhaseFit:
+def fit_ranks(run: Run, phase: str, warmup: int, config: FitConfig | None = None,
+              kind: str | None = None) -> list[PhaseFit]:
+    """Every rank's fit of one phase, the Q term decided once on all ranks' windows
+    (:func:`rankmem.fit.quadratic_across`)."""
     kind = kind or memory_kind(run, phase)
+    series = [_phase_series(run, phase, rank, warmup, kind) for rank in range(run.world_size)]
+    quadratic = quadratic_across([(s.tokens, s.rise, s.sq) for s in series], config)
+    return [_fit(run, phase, rank, s, config, quadratic) for rank, s in enumerate(series)]
+
+
+@dataclass(frozen=True)
+class _Series:
+    """One rank's windows of one phase after warm-up, as the fit takes them."""
+
+    tokens: np.ndarray
+    rise: np.ndarray
+    sq: np.ndarray | None
+    baseline: float
+    extra: float
+    baseline_step: float
+
+
+def _phase_series(run: Run, phase: str, rank: int, warmup: int, kind: str) -> _Series:
     rows = slice(min(warmup, run.steps.size), None)
     col = _col(run, work_key(phase, "mb_tokens"), rank, rows)
     q_key = work_key(phase, "mb_sq_tokens")
@@ -86,22 +106,23 @@ def fit_phase(run: Run, phase: str, rank: int, warmup: int, config: FitConfig | 
         base = _col(run, key_of("allocated"), rank, rows)
         overhead = _col(run, phase_key(phase, "peak_reserved_gib"), rank, rows) - peak
         other = _col(run, key_of("other"), rank, rows) if key_of("other") in run.series else np.zeros_like(peak)
-        extra = _nanmax(overhead) + _nanmax(other)
         finite = base[np.isfinite(base)]
         baseline = float(np.median(finite[-BASELINE_STEPS:])) if finite.size else math.nan
-        model = fit_memory(col, peak - base, q, config)
         seen = run.steps[rows][np.isfinite(base)]
         at = float(np.median(seen[-BASELINE_STEPS:])) if seen.size else math.nan
-    else:
-        peak = _col(run, phase_key(phase, "peak_rss_gib"), rank, rows)
-        base = _col(run, key_of("rss"), rank, rows)
-        extra = 0.0
-        baseline = float(np.nanmin(base)) if np.isfinite(base).any() else math.nan
-        model = fit_memory(col, peak - baseline, q, config)
-        fitted = run.steps[rows][np.isfinite(col) & np.isfinite(peak)]
-        at = float(np.mean(fitted)) if fitted.size else math.nan
-    sq_max = float(np.nanmax(q)) if q is not None and np.isfinite(q).any() else 0.0
-    return PhaseFit(phase, rank, model, baseline, extra, sq_max, col[np.isfinite(col)], at)
+        return _Series(col, peak - base, q, baseline, _nanmax(overhead) + _nanmax(other), at)
+    peak = _col(run, phase_key(phase, "peak_rss_gib"), rank, rows)
+    base = _col(run, key_of("rss"), rank, rows)
+    baseline = float(np.nanmin(base)) if np.isfinite(base).any() else math.nan
+    fitted = run.steps[rows][np.isfinite(col) & np.isfinite(peak)]
+    at = float(np.mean(fitted)) if fitted.size else math.nan
+    return _Series(col, peak - baseline, q, baseline, 0.0, at)
+
+
+def _fit(run: Run, phase: str, rank: int, s: _Series, config: FitConfig | None, quadratic: bool | None) -> PhaseFit:
+    model = fit_memory(s.tokens, s.rise, s.sq, config, quadratic)
+    sq_max = float(np.nanmax(s.sq)) if s.sq is not None and np.isfinite(s.sq).any() else 0.0
+    return PhaseFit(phase, rank, model, s.baseline, s.extra, sq_max, s.tokens[np.isfinite(s.tokens)], s.baseline_step)
 
 
 def baseline_growth(run: Run, rank: int, warmup: int, kind: str, capacity_gib: float | None = None) -> Trend | None:

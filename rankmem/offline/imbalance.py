@@ -24,7 +24,7 @@ from rankmem.core.catalogue import phase_key, work_key
 from rankmem.errors import RankmemError
 from rankmem.fit import Fit
 from rankmem.offline import Run
-from rankmem.offline.advice import fit_phase, memory_kind, work_phases
+from rankmem.offline.advice import fit_ranks, memory_kind, work_phases
 from rankmem.offline.budget import configured_budget, over_budget
 
 FLOOR_GIB = 0.25
@@ -89,7 +89,7 @@ def rank_excess(run: Run, warmup: int = 2, floor_gib: float = FLOOR_GIB, fractio
     if run.world_size < 2:
         return out
     for phase in work_phases(run):
-        fits = [fit_phase(run, phase, r, warmup) for r in range(run.world_size)]
+        fits = fit_ranks(run, phase, warmup)
         slopes = [f.model.per_token() for f in fits if isinstance(f.model, Fit)]
         if not slopes:
             continue

@@ -16,7 +16,7 @@ import numpy as np
 
 from rankmem.core.catalogue import key_of, phase_key, phase_names, work_key
 from rankmem.core.warnings import warn
-from rankmem.fit import Fit, fit_memory
+from rankmem.fit import Fit, fit_memory, quadratic_across
 
 HEADROOM_FRACTION = 0.05
 WARMUP = 2
@@ -81,19 +81,25 @@ class AdviceWatch:
             self.history.setdefault((phase, rank), deque(maxlen=HISTORY)).append(entry)
         self.device[phase] = device
 
+    def _series(self, key: tuple[str, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, float, np.ndarray]:
+        """(T, rise, Q or None, baseline, extra) of one phase and rank, from its history."""
+        t, q, peak, base, extra = (np.array(c) for c in zip(*self.history[key], strict=True))
+        device = self.device[key[0]]
+        baseline = float(np.nanmin(base)) if not device else float(np.nanmedian(base[-5:]))
+        return t, peak - (base if device else baseline), q if np.isfinite(q).all() else None, baseline, extra
+
     def _judge(self) -> list[str]:
         given: list[str] = []
         if self.capacity is None:
             return given
         usable = self.capacity * (1 - HEADROOM_FRACTION)
-        for (phase, rank), entries in self.history.items():
+        series = {key: self._series(key) for key in self.history if key[0] not in self.warned}
+        quadratic = {phase: quadratic_across([(s[0], s[1], s[2]) for (p, _), s in series.items() if p == phase])
+                     for phase in {p for p, _ in series}}
+        for (phase, rank), (t, rise, q, baseline, extra) in series.items():
             if phase in self.warned:
                 continue
-            t, q, peak, base, extra = (np.array(c) for c in zip(*entries, strict=True))
-            device = self.device[phase]
-            baseline = float(np.nanmin(base)) if not device else float(np.nanmedian(base[-5:]))
-            rise = peak - (base if device else baseline)
-            fit = fit_memory(t, rise, q if np.isfinite(q).all() else None)
+            fit = fit_memory(t, rise, q, quadratic=quadratic[phase])
             if not isinstance(fit, Fit):
                 continue
             heaviest = float(np.nanmax(t))

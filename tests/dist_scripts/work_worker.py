@@ -15,8 +15,9 @@ import rankmem
 
 
 def lengths(rank: int, step: int) -> list[list[int]]:
-    """Micro-batches of sequence lengths: the second is the heaviest, and grows with rank and step."""
-    return [[10, 20], [30 + rank, 40 + step, 5], [7]]
+    """Micro-batches of sequence lengths: the second is the heaviest by tokens, and grows with rank and
+    step; the first, lighter, has the largest sum of squared lengths (one long sequence)."""
+    return [[60], [30 + rank, 40 + step, 5], [7]]
 
 
 def main(out: str) -> None:

@@ -47,7 +47,7 @@ def test_a_packed_row_computes_what_each_sequence_alone_does(attention: str) -> 
     assert torch.allclose(packed, alone, atol=1e-5)
 
 
-def test_the_packed_job_tells_each_phase_its_heaviest_micro_batch_per_rank(tmp_path: Path) -> None:
+def test_the_packed_job_tells_each_phase_its_heaviest_micro_batch_and_largest_q_per_rank(tmp_path: Path) -> None:
     budget, longest, steps = 600, 128, 3
     argv = ["--out", str(tmp_path), "--no-progress", "--steps", str(steps), "--ppo-max-token-len-per-gpu",
             str(budget), "--max-seq-len", str(longest), "--attention", "materialized", "--prompts-per-rank", "4"]
@@ -65,7 +65,8 @@ def test_the_packed_job_tells_each_phase_its_heaviest_micro_batch_per_rank(tmp_p
                 got = {f: run.series[work_key(phase, f)][step, rank] for f in
                        ("mb_tokens", "mb_sequences", "mb_sq_tokens", "tokens", "micro_batches")}
                 assert got == {"mb_tokens": sum(heaviest), "mb_sequences": len(heaviest),
-                               "mb_sq_tokens": sum(n * n for n in heaviest), "tokens": sum(lengths),
+                               "mb_sq_tokens": max(sum(lengths[r] ** 2 for r in rows) for rows in bins),
+                               "tokens": sum(lengths),
                                "micro_batches": len(bins)}, (phase, step, rank)
     # The rollout has no micro-batches: no work keys there.
     assert work_key("rollout", "mb_tokens") not in run.series

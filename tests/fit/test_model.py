@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rankmem.fit import Fit, FitConfig, NoFit, fit_memory
+from rankmem.fit import Fit, FitConfig, NoFit, fit_memory, quadratic_across
 from rankmem.fit.model import t_quantile
 
 KIB = 1 / 2**20  # GiB per KiB
@@ -43,6 +43,33 @@ def test_a_quadratic_is_kept_and_predicts_1_5x_the_largest_t() -> None:
     mean, low, high = fit.predict(t0, q0)
     assert abs(mean - truth) / (truth - 0.05) < 0.05
     assert low < truth < high
+
+
+def _rank_windows(rng: np.random.Generator, quadratic: float, offset: float) -> tuple[np.ndarray, ...]:
+    """Ten windows of one rank: a probe's worth; its own intercept (an engine's buffer on one rank)."""
+    t = rng.uniform(1000, 2000, 10)
+    q = t * rng.uniform(60, 140, 10)
+    return t, 0.05 + offset + 60 * KIB * t + quadratic * q + rng.normal(0, 2 / 1024, 10), q
+
+
+def test_the_q_term_is_decided_on_every_rank_s_windows_and_each_rank_keeps_its_intercept() -> None:
+    c = 0.05 * KIB  # 50 bytes per squared token: ~10% of the rise, under a rank's own test at 10 windows
+    pooled = alone = false = 0
+    for seed in range(40):
+        rng = np.random.default_rng(seed)
+        ranks = [_rank_windows(rng, c, 0.2 if k == 1 else 0.0) for k in range(4)]  # rank 1: +200 MiB
+        decided = quadratic_across(ranks)
+        pooled += bool(decided)
+        alone += sum(int(getattr(fit_memory(*r[:2], r[2]), "quadratic", False)) for r in ranks)
+        fit = fit_memory(*ranks[1][:2], ranks[1][2], quadratic=decided)
+        assert isinstance(fit, Fit) and fit.a == pytest.approx(0.25, abs=0.02)  # its own intercept
+        lines = [_rank_windows(rng, 0.0, 0.2 if k == 1 else 0.0) for k in range(4)]
+        false += bool(quadratic_across(lines))
+    assert pooled >= 36  # 4 ranks x 10 windows see the term nearly always ...
+    assert alone <= 80  # ... where each rank alone keeps it in about a third of its fits (56 of 160 here)
+    assert false <= 2  # and a line stays a line: the same 0.1% test
+    one_rank = _rank_windows(np.random.default_rng(0), c, 0.0)
+    assert quadratic_across([one_rank]) is None  # one rank: nothing to pool, the rank tests its own
 
 
 def test_allocator_outliers_do_not_bend_the_fit() -> None:

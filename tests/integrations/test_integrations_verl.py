@@ -167,7 +167,8 @@ def _padded_batch(left: bool) -> dict[str, Any]:
 
 def _expected(indices: list[list[int]]) -> dict[str, float]:
     heaviest = max(([LENGTHS[i] for i in idx] for idx in indices), key=sum)
-    return {"mb_tokens": sum(heaviest), "mb_sequences": len(heaviest), "mb_sq_tokens": sum(n * n for n in heaviest),
+    largest_q = max(sum(LENGTHS[i] ** 2 for i in idx) for idx in indices)
+    return {"mb_tokens": sum(heaviest), "mb_sequences": len(heaviest), "mb_sq_tokens": largest_q,
             "tokens": sum(LENGTHS), "micro_batches": len(indices)}
 
 
