@@ -23,7 +23,10 @@ lengths summing to just under two budgets (so the heaviest micro-batch holds abo
 
 Offline, the model is fitted on the probe's windows per rank (``rankmem.offline.advice``) and
 - predicts each held-out window's peak from its own T and Q (windows at up to 1.5x the largest T seen):
-  error as a share of the window's rise above its baseline; whether the interval held it;
+  error as a share of the window's rise above its baseline; whether the interval held it, counted per
+  window, per seed for the held-out run's peak (each rank's highest window: the one an OOM would be),
+  and per seed for all its windows at once (a pointwise 95% interval over ~34 windows misses one in
+  most seeds even when calibrated: 1 - 0.95^34 = 83%);
 - advises: the largest tokens that fit (the interval's high end) over the probe's overshoot, against
   the bisection's budget.
 Baseline estimator in the same run: the largest probe window's rise scaled in proportion to T.
@@ -156,6 +159,7 @@ def evaluate(out: str) -> dict[str, Any]:
         truth = json.load(f)
     probe, held = read_run(os.path.join(out, "probe")), read_run(os.path.join(out, "held"))
     errors, naive, inside, quadratic = [], [], [], 0
+    peak_inside = []  # per rank: its held-out run's highest window (the one an OOM would be) inside its interval
     advised = []
     budgets = probe.series["bench/budget"]
     overshoot = max(1.0, float(np.nanmax(probe.series[work_key("update", "mb_tokens")][2:] / budgets[2:])))
@@ -169,16 +173,21 @@ def evaluate(out: str) -> dict[str, Any]:
         t = held.series[work_key("update", "mb_tokens")][:, rank]
         q = held.series[work_key("update", "mb_sq_tokens")][:, rank]
         peak = held.series[phase_key("update", "peak_rss_gib")][:, rank]
-        for i in np.nonzero(t <= EXTRAPOLATION * pf.model.t_max)[0]:
+        trusted = np.nonzero(t <= EXTRAPOLATION * pf.model.t_max)[0]
+        for i in trusted:
             rise_true = peak[i] - pf.baseline  # over the phase's baseline, as the model sees it
             pred, low, high = pf.model.predict(float(t[i]), float(q[i]))
             errors.append(abs(pred - rise_true) / rise_true)
             naive.append(abs(per_token * t[i] - rise_true) / rise_true)
             inside.append(low <= rise_true <= high)
+        top = trusted[int(np.argmax(peak[trusted]))]
+        _, low, high = pf.model.predict(float(t[top]), float(q[top]))
+        peak_inside.append(low <= peak[top] - pf.baseline <= high)
         advice = advise_rank(pf, Limit(truth["usable"], "bench", 0.0))
         advised.append(advice.max_tokens if not isinstance(advice, str) else 0)
     return {"naive_max": float(np.max(naive)), "errors": [float(e) for e in errors],
             "coverage": float(np.mean(inside)), "all_inside": bool(all(inside)), "windows": len(errors), "quadratic": quadratic,
+            "peak_inside": bool(all(peak_inside)),
             "advised": min(advised) / overshoot, "bisected": truth["bisected"]}
 
 
@@ -238,7 +247,10 @@ def report(attention: str, rows: list[dict[str, Any]]) -> None:
     print(f"  held-out peak error / rise: mean {statistics.mean(errors):.2%}, 95th percentile {p95:.2%}, "
           f"worst {worst:.2%} (target {target:.0%}: {'met' if worst <= target else 'MISSED'}); "
           f"baseline (proportional to T) worst {max(r['naive_max'] for r in rows):.2%}")
-    print(f"  outside the interval: {missed:.1%} of held-out windows; seeds with any window outside: {seeds_out:.1%} "
+    peaks_out = sum(not r["peak_inside"] for r in rows) / len(rows)
+    print(f"  outside the interval: {missed:.1%} of held-out windows; seeds whose held-out peak (each rank's highest "
+          f"window) fell outside: {peaks_out:.1%} (target <= 5%: {'met' if peaks_out <= 0.05 else 'MISSED'}); "
+          f"seeds with any of their {len(errors) // len(rows)} windows outside: {seeds_out:.1%} "
           f"(target <= 5%: {'met' if seeds_out <= 0.05 else 'MISSED'})")
     print(f"  advised / bisected budget: min {min(ratios):.3f}, median {statistics.median(ratios):.3f} "
           f"(target >= 0.90: {'met' if min(ratios) >= 0.9 else 'MISSED'}); advised over the bisected (unsafe) "

@@ -257,7 +257,9 @@ class Monitor(_Readouts):
         """A step window: peaks reset at entry, current values and peaks read at exit. Local; call
         :meth:`collect` after it on every rank, every step or every N steps. Unnumbered, its events say
         the step the next collect logs (unknown where collects are numbered with ``step=``)."""
-        return self._open_windows().step(n)
+        if self._closed:  # _open_windows' check, inline: every step's entry is on the training thread
+            self._open_windows()
+        return self._windows.step(n)
 
     def set_step(self, n: int) -> None:
         """Name the step in progress for heartbeats, events and the next :meth:`collect` (unless given

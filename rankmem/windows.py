@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import operator
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from rankmem.core.catalogue import PHASE_NAME
 from rankmem.core.guard import Guard
@@ -32,9 +31,10 @@ if TYPE_CHECKING:
     from rankmem.probe.nvmlwatch import DeviceAttribution
 
 
-@dataclass(frozen=True, slots=True)
-class Where:
-    """Where this rank is: the open step (or the last one closed) and the innermost open phase."""
+class Where(NamedTuple):
+    """Where this rank is: the open step (or the last one closed) and the innermost open phase. A named
+    tuple, not a frozen dataclass: one is made whenever the step or phase changes, on the training
+    thread, and a frozen dataclass's ``__init__`` sets each field through ``object.__setattr__``."""
 
     step: int | None
     phase: str | None
@@ -93,10 +93,10 @@ class Work:
     largest sum of squared lengths of any of them, and the totals.
 
     The two maxima may come from different micro-batches. With materialised attention the micro-batch
-    with the longer sequences can set the peak while holding a few tokens fewer (balanced packing keeps
-    tokens within a few % of each other, their squared lengths not: up to 1.6x apart in the reference
-    worker's packs); ``a + b*T + c*Q`` at both maxima bounds every micro-batch's peak, where the
-    heaviest-by-tokens' own Q would not (bench/RESULTS.md, "Q as the largest of any micro-batch")."""
+    with the longer sequences can set the peak while holding a few tokens fewer (in bench/bench_advise.py's
+    packs the micro-batches' tokens are within 1.1% of each other, and in a third of the windows another
+    micro-batch than the heaviest has the larger Q, up to 2.4x it); ``a + b*T + c*Q`` at both maxima
+    bounds every micro-batch's peak, where the heaviest's own Q would not (bench/RESULTS.md)."""
 
     __slots__ = ("tokens", "sequences", "sq_tokens", "total_tokens", "count")
 

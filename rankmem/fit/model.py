@@ -90,15 +90,24 @@ class Fit:
     """The largest Q/T seen: Q predicted at an unseen T is this times T."""
     level: float
     relative_noise: float = 0.0
+    rival: Fit | None = None
+    """The quadratic fit a line was kept over, where Q varies apart from T but the test could not tell
+    the two apart: its interval is joined to the line's (:meth:`predict`)."""
 
     def predict(self, tokens: float, sq_tokens: float | None = None) -> tuple[float, float, float]:
-        """(rise, low, high) at ``tokens`` (and ``sq_tokens``, else T times :attr:`q_per_token`)."""
+        """(rise, low, high) at ``tokens`` (and ``sq_tokens``, else T times :attr:`q_per_token`). With a
+        :attr:`rival`, the interval spans both models': where Q moved with T in the windows seen, a line
+        that leaves it out is off at another Q/T by more than its own interval says (bench/RESULTS.md:
+        the line fits held the worst errors and both advised budgets over the bisected one)."""
         q = sq_tokens if sq_tokens is not None else self.q_per_token * tokens
         x0 = np.array([1.0, tokens, q] if self.quadratic else [1.0, tokens])
         mean = self.a + self.b * tokens + self.c * q
         model_var = self.scale**2 * (1.0 + float(x0 @ self.xtwx_inv @ x0))
         half = t_quantile(0.5 + self.level / 2, self.dof) * math.sqrt(model_var + (self.relative_noise * max(mean, 0.0))**2)
-        return mean, mean - half, mean + half
+        if self.rival is None:
+            return mean, mean - half, mean + half
+        _, low, high = self.rival.predict(tokens, sq_tokens)
+        return mean, min(mean - half, low), max(mean + half, high)
 
     def per_token(self) -> float:
         """The rise per token at the Q/T seen: the slope the imbalance split uses."""
@@ -124,7 +133,7 @@ def quadratic_across(groups: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray |
     """Whether one phase's windows on several ranks (``(T, rise, Q)`` per rank) reject a line: one robust
     fit of ``rise = a_rank + b*T + c*Q`` over all of them, Q kept where it varies apart from T and its
     coefficient's t statistic is above :attr:`FitConfig.t_quadratic`. None where fewer than two ranks
-    have windows enough (each rank then tests its own).
+    have windows enough, each with Q (each rank then tests its own).
 
     Why pooled: ``b`` and ``c`` are the model's bytes per token and per squared length, the same on
     every rank running it; the intercept is not (an engine, a driver duty, a leak: each rank keeps its
@@ -132,7 +141,7 @@ def quadratic_across(groups: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray |
     attention in bench/bench_advise.py: the term kept on 37 of 84 rank fits alone, 76 of 84 pooled),
     and a line left where the peak follows Q is off in a way no interval covers."""
     cfg = config or FitConfig()
-    kept = [g for g in (_usable(*group) for group in groups) if g[0].size >= cfg.min_windows]
+    kept = [g for g in (_usable(*group) for group in groups) if g[0].size >= cfg.min_windows and np.isfinite(g[2]).all()]
     if len(kept) < 2:
         return None
     t = np.concatenate([g[0] for g in kept])
@@ -164,21 +173,30 @@ def fit_memory(tokens: np.ndarray, rise: np.ndarray, sq_tokens: np.ndarray | Non
     if t.max() < cfg.min_spread * t.min():
         return NoFit("flat", f"the heaviest micro-batch's tokens barely vary ({t.min():.0f}..{t.max():.0f}): vary "
                              f"the token budget over a few steps, or run longer on varied data")
-    use_q = _q_separable(t, q, cfg) and quadratic is not False
+    use_q = _q_separable(t, q, cfg)
     q_per_token = float((q / t).max()) if np.isfinite(q).all() else 0.0
     line = _huber(np.column_stack([np.ones_like(t), t]), y, cfg)
+    rival: Fit | None = None
     chosen, kept = line, False
     if use_q and t.size >= cfg.min_windows + 1:
         quad = _huber(np.column_stack([np.ones_like(t), t, q]), y, cfg)
         se_c = quad.scale * math.sqrt(max(quad.xtwx_inv[2, 2], 0.0))
-        if quad.beta[2] > 0 and se_c > 0 and (quadratic or quad.beta[2] / se_c > cfg.t_quadratic):
+        tested = quadratic if quadratic is not None else bool(se_c > 0 and quad.beta[2] / se_c > cfg.t_quadratic)
+        if quad.beta[2] > 0 and se_c > 0 and tested:
             chosen, kept = quad, True
-    beta = chosen.beta
-    c = float(beta[2]) if kept else 0.0
-    fit = Fit(a=float(beta[0]), b=float(beta[1]), c=c, quadratic=kept, scale=chosen.scale,
-              xtwx_inv=chosen.xtwx_inv, dof=t.size - beta.size, n=int(t.size), t_max=float(t.max()),
-              q_per_token=q_per_token, level=cfg.level, relative_noise=cfg.relative_noise)
+        elif quad.beta[2] > 0:
+            rival = _fit_of(quad, True, t, q_per_token, cfg)
+    fit = _fit_of(chosen, kept, t, q_per_token, cfg, rival)
     return _check_slope(fit, cfg)
+
+
+def _fit_of(solved: _Solved, quadratic: bool, t: np.ndarray, q_per_token: float, cfg: FitConfig,
+            rival: Fit | None = None) -> Fit:
+    beta = solved.beta
+    return Fit(a=float(beta[0]), b=float(beta[1]), c=float(beta[2]) if quadratic else 0.0, quadratic=quadratic,
+               scale=solved.scale, xtwx_inv=solved.xtwx_inv, dof=t.size - beta.size, n=int(t.size),
+               t_max=float(t.max()), q_per_token=q_per_token, level=cfg.level, relative_noise=cfg.relative_noise,
+               rival=rival)
 
 
 def _check_slope(fit: Fit, cfg: FitConfig) -> Fit | NoFit:

@@ -89,6 +89,11 @@ class Forensics:
         self._snapshots = 0
         self._flush = flush
         self._watch: NearOomWatch | None = None
+        if device is None and self._heartbeat is not None:
+            # On the host alone an edge is its heartbeat (no observer, no history, no OOM to tag): the
+            # windows call the heartbeat's own edge, a frame less on every edge of the training thread
+            # (bench/bench_cold.py). ``_where`` serves only the device's observer.
+            self.edge = self._heartbeat.edge  # type: ignore[method-assign]
         local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
         if near_oom_watch and self._events is not None and local_rank == 0:
             self._watch = NearOomWatch(self._near_oom, rank=rank, heartbeat_dir=beats).start()

@@ -4,7 +4,8 @@ after the rank is gone.
 A rank killed by SIGKILL (the kernel OOM killer's signal) runs no code, so what it was doing must
 already be in the file: each window edge overwrites one fixed-size binary record in ``<dir>/rank<r>.hb``
 through a shared memory map of the file (``os.pwrite`` where the file cannot be mapped); an edge
-stores only the fields it moves (seq, step, RSS, time, phase), the rest is written whole when it changes. The page
+stores the record from its first seq on in one store (seq, step, RSS, time, phase move; the header before
+it is written whole when it changes). The page
 cache holds the mapped page, so the record outlives the process. No system call: a ``pwrite`` costs
 ~1 us in a loop but ~40 us right after a training step's compute has pushed the kernel's paths out of
 the caches, the store into the map ~20 us, most of it the cold interpreter (``bench/bench_cold.py``).
@@ -56,6 +57,7 @@ from rankmem.core.rundir import (
 )
 from rankmem.core.warnings import WarnOnce
 from rankmem.probe import procfs as _procfs
+from rankmem.windows import Where
 
 __all__ = ["ENV_DIR", "HEARTBEAT_DIR", "Heartbeat", "HeartbeatRecord", "heartbeat_dir", "heartbeat_path", "read_heartbeats"]
 
@@ -73,13 +75,13 @@ _V2 = struct.Struct(f"<4sHHIiQqqd{PHASE_BYTES}sQ")
 _TAIL = struct.Struct(f"<{RUN_ID_BYTES}sQI16sQ")  # run id, marks, host_pid, boot_id, seq
 _RECORD = struct.Struct(_V2.format + _TAIL.format[1:])
 RECORD_SIZE = _RECORD.size
-# A beat changes only seq, step, rss, time and phase: the record's bytes 16 to 88 (seq to its second copy)
-# and the third seq at its end, stored in that order so a reader that sees the three agree saw one beat.
+# A beat changes only seq, step, rss, time and phase, and the third seq at the record's end: one store of
+# the record from its first seq to its end (the tail's unchanged fields rewritten as they are), in order,
+# so a reader that sees the three agree saw one beat. One ``pack_into``, not two: on the training thread,
+# right after compute, each costs ~5 us of cold interpreter (bench/bench_cold.py).
 _BEAT_AT = struct.calcsize("<4sHHIi")
-_BEAT = struct.Struct(f"<Qqqd{PHASE_BYTES}sQ")
-_SEQ3_AT = RECORD_SIZE - 8
-_SEQ = struct.Struct("<Q")
-assert _BEAT_AT + _BEAT.size == _V2.size, "a beat's fields end where version 2's record does"
+_BEAT = struct.Struct(f"<Qqqd{PHASE_BYTES}sQ" + _TAIL.format[1:])
+assert _BEAT_AT + _BEAT.size == RECORD_SIZE, "a beat's store ends where the record does"
 assert _V2.size == HEARTBEAT_RUN_ID_AT, "the run directory reads the run id at this offset"
 MAX_RANK = 1 << 24
 """A rank read from a file beyond this is damage, not a rank (16M ranks: past any cluster)."""
@@ -210,9 +212,16 @@ class Heartbeat:
 
     def beat(self, step: int | None, phase: str | None, rss: int | None) -> None:
         """Record a window edge: ``step`` (None before the first), the innermost open ``phase``, and
-        this process's RSS in bytes (None when unknown). Every window edge's: two stores into the mapped
-        record, the fields a beat moves (the rest was written whole when it last changed)."""
+        this process's RSS in bytes (None when unknown)."""
+        self.edge(Where(step, phase), rss)
+
+    def edge(self, where: Where, rss: int | None, failing: bool = False) -> None:
+        """:meth:`beat` as the windows tell a listener of an edge (``WindowListener.edge``): on the host
+        alone, where an edge is nothing but its heartbeat, Forensics hands this method to the windows
+        itself, a Python call less on each of the training thread's edges. One store into the mapped
+        record, from its first seq to its end (the header before it was written whole when it changed)."""
         self._seq = seq = self._seq + 1
+        step, phase = where.step, where.phase
         self._step = NO_STEP if step is None else step
         if phase != self._phase_name:  # most edges repeat the last phase: encode it once
             self._phase_name, self._phase = phase, _phase_bytes(phase)
@@ -221,8 +230,8 @@ class Heartbeat:
         if mapped is None:
             self._write(0)
             return
-        _BEAT.pack_into(mapped, _BEAT_AT, seq, self._step, self._rss, _now(), self._phase, seq)
-        _SEQ.pack_into(mapped, _SEQ3_AT, seq)
+        _BEAT.pack_into(mapped, _BEAT_AT, seq, self._step, self._rss, _now(), self._phase, seq, self._run, self._marks,
+                        self._host_pid, self._boot, seq)
 
     def collect_edge(self) -> None:
         """Entering or leaving a collect (they alternate): see the module docstring."""

@@ -72,6 +72,36 @@ def test_the_q_term_is_decided_on_every_rank_s_windows_and_each_rank_keeps_its_i
     assert quadratic_across([one_rank]) is None  # one rank: nothing to pool, the rank tests its own
 
 
+def test_a_line_kept_where_q_moved_with_t_carries_the_quadratic_s_interval() -> None:
+    """Q/T climbing with T in the windows seen: the test cannot tell c*Q from b*T and keeps a line,
+    which is then off at a step of short sequences by more than its own interval says."""
+    import dataclasses
+
+    c = 0.1 * KIB
+    lines = covered = covered_alone = 0
+    for seed in range(40):
+        rng = np.random.default_rng(seed)
+        t = np.linspace(1000, 2000, 10)
+        q = t * (50 + 0.04 * t + rng.uniform(-8, 8, 10))
+        rise = 0.02 + 50 * KIB * t + c * q + rng.normal(0, 2 / 1024, 10)
+        fit = fit_memory(t, rise, q)
+        assert isinstance(fit, Fit)
+        if fit.quadratic:
+            continue
+        lines += 1
+        assert fit.rival is None or fit.rival.quadratic  # none where the quadratic's own c came out <= 0
+        t0, q0 = 2800.0, 2800.0 * 60  # a held-out step of short sequences
+        truth = 0.02 + 50 * KIB * t0 + c * q0
+        mean, low, high = fit.predict(t0, q0)
+        alone = dataclasses.replace(fit, rival=None).predict(t0, q0)
+        assert mean == alone[0] and low <= alone[1] and high >= alone[2]  # the line's point, a wider interval
+        covered += low <= truth <= high
+        covered_alone += alone[1] <= truth <= alone[2]
+    assert lines >= 20
+    assert covered_alone <= 0.1 * lines  # the line's own interval misses nearly always (0 of 34 here) ...
+    assert covered >= 0.7 * lines  # ... the joined one holds the truth (28 of 34 here)
+
+
 def test_allocator_outliers_do_not_bend_the_fit() -> None:
     rng = np.random.default_rng(2)
     t, q, rise = windows(rng, n=20)
