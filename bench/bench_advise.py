@@ -88,7 +88,9 @@ def worker(args: argparse.Namespace) -> None:
         probe = Monitor(out_dir=os.path.join(out, "probe"), device="cpu", children=False, near_oom_watch=False,
                         leak_check=False)
         w = TrainingWorker(model, cfg, device=torch.device("cpu"), monitor=probe)
-        plan = [(WARMUP_BUDGET, 0), (WARMUP_BUDGET, 1)] + [(b, 2 + i) for i, b in enumerate(PROBE_BUDGETS[args.attention])]
+        n = args.probe_draws  # steps per probe budget, each on fresh data
+        plan = [(WARMUP_BUDGET, 0), (WARMUP_BUDGET, 1)] + [(b, 2 + n * i + j) for i, b in enumerate(PROBE_BUDGETS[args.attention])
+                                                           for j in range(n)]
         rows = run_steps(w, probe, draw, plan)
         probe.close()
         # Per rank: its lowest between-step RSS after warm-up plus 1.25x its largest rise; the tightest binds.
@@ -200,6 +202,7 @@ def main() -> None:
     p.add_argument("--out", default=None)
     p.add_argument("--seed-list", type=lambda s: [int(x) for x in s.split(",")], default=None)
     p.add_argument("--chunk", type=int, default=5, help="seeds per torchrun launch")
+    p.add_argument("--probe-draws", type=int, default=1, help="probe steps per budget, each on fresh data")
     args = p.parse_args()
     if args.worker:
         worker(args)
@@ -222,7 +225,8 @@ def main() -> None:
                 continue  # done in an earlier run with this --out
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
                    "--rdzv-endpoint", f"127.0.0.1:{free_port()}", os.path.abspath(__file__), "--worker",
-                   "--attention", attention, "--out", out, "--seed-list", ",".join(map(str, chunk))]
+                   "--attention", attention, "--out", out, "--seed-list", ",".join(map(str, chunk)),
+                   "--probe-draws", str(args.probe_draws)]
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600 + 240 * len(chunk), env=env)
             if proc.returncode != 0:
                 raise SystemExit(proc.stderr[-3000:])

@@ -14,7 +14,9 @@ linear in T; materialised attention adds scores linear in Q. The method:
   coefficient's t statistic is above :attr:`FitConfig.t_quadratic` (a one-sided test at about 0.1%).
   Where a phase runs on several ranks, :func:`quadratic_across` tests it once on every rank's windows
   (an intercept per rank, the rise per token and per squared length shared: they are the model's);
-  each rank's fit then keeps the term as that test says, where its own coefficient is positive.
+  each rank's fit then keeps the term as that test says, where its own coefficient is positive. A
+  line kept where Q varies apart from T carries the quadratic fit as its :attr:`Fit.rival`, whose
+  interval it joins: the data could not tell the two apart.
 - **Prediction interval** ``yhat +- t(n - p) * sqrt(s^2 (1 + x0' (X'WX)^-1 x0) + (r * yhat)^2)``, ``s``
   the robust scale (1.4826 MAD, small-sample corrected, at least :attr:`FitConfig.noise_floor`), ``r``
   the run-to-run noise (:attr:`FitConfig.relative_noise`, 1.5%): windows at distinct T understate how
@@ -138,26 +140,22 @@ def quadratic_across(groups: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray |
     Why pooled: ``b`` and ``c`` are the model's bytes per token and per squared length, the same on
     every rank running it; the intercept is not (an engine, a driver duty, a leak: each rank keeps its
     own). A rank's dozen windows rarely show ``c`` above its noise though it is there (materialised
-    attention in bench/bench_advise.py: the term kept on 37 of 84 rank fits alone, 76 of 84 pooled),
-    and a line left where the peak follows Q is off in a way no interval covers."""
+    attention in bench/bench_advise.py, 50 seeds: the term kept on 54 of 100 rank fits alone, 84 of 100
+    pooled), and a line left where the peak follows Q is off in a way its interval does not cover."""
     cfg = config or FitConfig()
     kept = [g for g in (_usable(*group) for group in groups) if g[0].size >= cfg.min_windows and np.isfinite(g[2]).all()]
     if len(kept) < 2:
         return None
-    t = np.concatenate([g[0] for g in kept])
-    y = np.concatenate([g[1] for g in kept])
-    q = np.concatenate([g[2] for g in kept])
-    if not _q_separable(t, q, cfg):
+    if not _q_separable(np.concatenate([g[0] for g in kept]), np.concatenate([g[2] for g in kept]), cfg):
         return False
-    x = np.zeros((t.size, len(kept) + 2))
-    row = 0
-    for k, g in enumerate(kept):
-        x[row : row + g[0].size, k] = 1.0
-        row += g[0].size
-    x[:, -2], x[:, -1] = t, q
-    solved = _huber(x, y, cfg)
-    se_c = solved.scale * math.sqrt(max(float(solved.xtwx_inv[-1, -1]), 0.0))
-    return bool(solved.beta[-1] > 0 and se_c > 0 and solved.beta[-1] / se_c > cfg.t_quadratic)
+    # An intercept per rank, as each rank's own centring (Frisch-Waugh-Lovell): two columns whatever the
+    # world size, where one column per rank would be a (ranks x windows, ranks) matrix on the logging rank.
+    t, y, q = (np.concatenate([g[i] - g[i].mean() for g in kept]) for i in (0, 1, 2))
+    solved = _huber(np.column_stack([t, q]), y, cfg)
+    # The scale's degrees of freedom: the ranks' intercepts are parameters too.
+    dof_fix = math.sqrt((t.size - 2) / max(t.size - 2 - len(kept), 1))
+    se_c = solved.scale * dof_fix * math.sqrt(max(float(solved.xtwx_inv[1, 1]), 0.0))
+    return bool(solved.beta[1] > 0 and se_c > 0 and solved.beta[1] / se_c > cfg.t_quadratic)
 
 
 def fit_memory(tokens: np.ndarray, rise: np.ndarray, sq_tokens: np.ndarray | None = None,

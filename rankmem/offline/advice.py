@@ -81,7 +81,7 @@ def fit_ranks(run: Run, phase: str, warmup: int, config: FitConfig | None = None
     kind = kind or memory_kind(run, phase)
     series = [_phase_series(run, phase, rank, warmup, kind) for rank in range(run.world_size)]
     quadratic = quadratic_across([(s.tokens, s.rise, s.sq) for s in series], config)
-    return [_fit(run, phase, rank, s, config, quadratic) for rank, s in enumerate(series)]
+    return [_fit(phase, rank, s, config, quadratic) for rank, s in enumerate(series)]
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ def _phase_series(run: Run, phase: str, rank: int, warmup: int, kind: str) -> _S
     return _Series(col, peak - baseline, q, baseline, 0.0, at)
 
 
-def _fit(run: Run, phase: str, rank: int, s: _Series, config: FitConfig | None, quadratic: bool | None) -> PhaseFit:
+def _fit(phase: str, rank: int, s: _Series, config: FitConfig | None, quadratic: bool | None) -> PhaseFit:
     model = fit_memory(s.tokens, s.rise, s.sq, config, quadratic)
     sq_max = float(np.nanmax(s.sq)) if s.sq is not None and np.isfinite(s.sq).any() else 0.0
     return PhaseFit(phase, rank, model, s.baseline, s.extra, sq_max, s.tokens[np.isfinite(s.tokens)], s.baseline_step)
