@@ -23,11 +23,12 @@ def _report(path: Path) -> dict:  # type: ignore[type-arg]
 
 
 def test_the_clean_attempt_after_a_restart_reports_no_event_of_the_failed_one(tmp_path: Path) -> None:
-    for tries in range(3):
+    for tries in range(5):
         out = tmp_path / f"try{tries}"
         done = torchrun(SCRIPT, 2, [str(out)], extra=["--max-restarts", "1"], timeout=240)
         # gloo's mesh of a restarted attempt sometimes dials the failed attempt's ports on a loaded
-        # machine ("connectFullMesh failed ... Connection refused"): torch's, not this test's, so again.
+        # machine ("connectFullMesh failed ... Connection refused"): torch's, not this test's, so again
+        # (three tries in a row failed so once in the full suite, ~9 s each; alone it passes).
         if "connectFullMesh failed" not in done.stderr:
             break
     assert done.returncode == 0, done.stderr[-3000:]
