@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import operator
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeVar
 
 from rankmem.core.catalogue import PHASE_NAME
 from rankmem.core.guard import Guard
@@ -29,6 +29,8 @@ from rankmem.probe.host import HostProbe
 
 if TYPE_CHECKING:
     from rankmem.probe.nvmlwatch import DeviceAttribution
+
+_N = TypeVar("_N", int, float)
 
 
 class Where(NamedTuple):
@@ -112,19 +114,15 @@ class Work:
         self.count += 1
         if tokens > self.tokens:  # the first of equals stays: a few compares, no allocation
             self.tokens, self.sequences = tokens, sequences
-        self.sq_tokens = _larger(self.sq_tokens, sq_tokens)
+        self.sq_tokens = _max(self.sq_tokens, sq_tokens)
 
     def into(self, p: PhaseBytes) -> None:
         """Fold into a phase's figures; a phase run twice in a step keeps the larger of each."""
         if p.mb_tokens is None or self.tokens > p.mb_tokens:
             p.mb_tokens, p.mb_sequences = self.tokens, self.sequences
-        p.mb_sq_tokens = _larger(p.mb_sq_tokens, self.sq_tokens)
+        p.mb_sq_tokens = _max(p.mb_sq_tokens, self.sq_tokens)
         p.tokens = (p.tokens or 0.0) + self.total_tokens
         p.micro_batches = (p.micro_batches or 0.0) + self.count
-
-
-def _larger(kept: float | None, new: float | None) -> float | None:
-    return new if kept is None or (new is not None and new > kept) else kept
 
 
 class Windows:
@@ -422,7 +420,7 @@ def _carry(closed: _Closed) -> _Carry:
             _sum(carry[4], own[4]))
 
 
-def _max(a: int | None, b: int | None) -> int | None:
+def _max(a: _N | None, b: _N | None) -> _N | None:
     if a is None:
         return b
     return a if b is None or a >= b else b

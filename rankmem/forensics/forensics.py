@@ -119,7 +119,7 @@ class Forensics:
     def edge(self, where: Where, rss: int | None, failing: bool = False) -> None:
         self._where = where
         if self._heartbeat is not None:
-            self._heartbeat.beat(where.step, where.phase, rss)
+            self._heartbeat.edge(where, rss)
         if self._device is not None:  # on the host alone an edge is its heartbeat
             self._device_edge(where, failing)
 
