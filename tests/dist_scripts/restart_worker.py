@@ -1,7 +1,8 @@
 """Run under torchrun with ``--max-restarts 1`` by tests/faults/test_restart_faults.py (2 ranks): the first
 attempt logs 3 steps, records an OOM on rank 1 and fails; the second (the restart) runs clean.
 
-    python -m torch.distributed.run --nproc-per-node 2 --max-restarts 1 tests/dist_scripts/restart_worker.py OUT
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 \
+        python -m torch.distributed.run --nproc-per-node 2 --max-restarts 1 tests/dist_scripts/restart_worker.py OUT
 """
 
 from __future__ import annotations
