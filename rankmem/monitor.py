@@ -70,6 +70,10 @@ class MonitorConfig:
     """Measure the RSS of descendant processes (dataloader workers)."""
     children_refresh_s: float = 5.0
     """Seconds between re-listings of descendant processes; their RSS is read on every collect."""
+    node_refresh_s: float | None = 0.5
+    """Seconds between reads of the node, cgroup and children figures on a thread of their own (a collect
+    takes the last one; ``mem/node/age_s`` says how old); None reads them at every collect, on its
+    thread. A ``host_probe`` of the caller's is always read at the collect."""
     verl_keys: bool = True
     """Also return verl's ``perf/*`` memory keys with their corrected meaning."""
     run_config: dict[str, Any] = field(default_factory=dict)
@@ -128,11 +132,13 @@ class MonitorConfig:
         if isinstance(refresh, bool) or not isinstance(refresh, numbers.Real) or not 0 < refresh < math.inf:
             raise RankmemError(f"children_refresh_s must be a finite number of seconds > 0, got {refresh!r}")
         object.__setattr__(self, "children_refresh_s", float(refresh))
-        nvml = self.nvml_refresh_s
-        if nvml is not None:
-            if isinstance(nvml, bool) or not isinstance(nvml, numbers.Real) or not 0 < nvml < math.inf:
-                raise RankmemError(f"nvml_refresh_s must be a finite number of seconds > 0, or None (off); got {nvml!r}")
-            object.__setattr__(self, "nvml_refresh_s", float(nvml))
+        for name, off in (("nvml_refresh_s", "off"), ("node_refresh_s", "read at every collect")):
+            value = getattr(self, name)
+            if value is not None:
+                if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < math.inf:
+                    raise RankmemError(f"{name} must be a finite number of seconds > 0, or None ({off}); "
+                                       f"got {value!r}")
+                object.__setattr__(self, name, float(value))
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> MonitorConfig:
@@ -248,7 +254,8 @@ class Monitor(_Readouts):
                                     near_oom_watch=c.near_oom_watch, flush=lambda: self._publisher.flush(2.0),
                                     attribution=self._attribution, run_id=self._run_id, guard=self._guard)
         self._windows = Windows(host, device, self._guard, listener=self._forensics,
-                                attribution=self._attribution)
+                                attribution=self._attribution,
+                                node_refresh_s=c.node_refresh_s if host_probe is None else None)
         self._exchange = Exchange(group, device.name if device else None, device.module if device else None,
                                   detail_rank=c.log_rank)
         self._closed = False
@@ -359,7 +366,7 @@ class Monitor(_Readouts):
         self._forensics.close(clean=sys.exc_info()[0] is None)
         if self._attribution is not None:
             self._attribution.close()
-        self._windows.host.close()
+        self._windows.close()
 
     def __enter__(self) -> Monitor:
         return self

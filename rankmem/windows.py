@@ -26,6 +26,7 @@ from rankmem.core.records import DeviceReading, PhaseBytes, WindowBytes
 from rankmem.errors import RankmemError
 from rankmem.probe.device import DeviceBackend
 from rankmem.probe.host import HostProbe
+from rankmem.probe.nodewatch import NodeFigures
 
 if TYPE_CHECKING:
     from rankmem.probe.nvmlwatch import DeviceAttribution
@@ -131,8 +132,10 @@ class Windows:
     its last split of device used by owner to every window taken."""
 
     def __init__(self, host: HostProbe, device: DeviceBackend | None, guard: Guard,
-                 listener: WindowListener | None = None, attribution: DeviceAttribution | None = None) -> None:
+                 listener: WindowListener | None = None, attribution: DeviceAttribution | None = None,
+                 node_refresh_s: float | None = None) -> None:
         self.host = host
+        self.node = NodeFigures(lambda: host.read(False), node_refresh_s, guard)
         self.device = device
         self.listener = listener
         self.attribution = attribution
@@ -300,13 +303,21 @@ class Windows:
             figures = _figures(*closed)
         phases = self._phases
         self._closed, self._phases = None, {}
-        # The node, cgroup and children figures; the closing edge has read this process's RSS and peak.
-        host = self._guard.call("host", "host probe failed", self.host.read, False, default=None)
-        if host is not None:
-            figures.add_node(host)
+        # The node, cgroup and children figures (the closing edge has read this process's RSS and peak),
+        # as the node thread last read them.
+        node = self._guard.call("host", "host probe failed", self.node.read, default=None)
+        if node is not None:
+            figures.add_node(node[0])
+            figures.node_age_s = node[1]
         if self.attribution is not None:  # the split its own thread took: no NVML call here
             self.attribution.fill(figures, phases)
         return figures, phases
+
+    def close(self) -> None:
+        """Stop the node thread and close the probe's descriptors (left open while a read is still
+        running on that thread: closed, their numbers could go to another file it would then read)."""
+        if self.node.close():
+            self.host.close()
 
     def discard(self) -> None:
         """Drop what was measured since the last take (after a failure while measuring)."""

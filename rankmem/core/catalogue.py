@@ -37,8 +37,8 @@ class KeySpec:
 
     key: str
     field: str
-    """The :class:`~rankmem.core.records.WindowBytes` attribute (bytes or a count) it is made from."""
-    unit: Literal["GiB", "count"]
+    """The :class:`~rankmem.core.records.WindowBytes` attribute (bytes, a count or seconds) it is made from."""
+    unit: Literal["GiB", "count", "s"]
     worse: Worse = "high"
     """Which end is dangerous: ``high`` for usage and peaks, ``low`` for headroom and available memory."""
     phase_suffix: str | None = None
@@ -109,6 +109,8 @@ CATALOGUE: tuple[KeySpec, ...] = (
     KeySpec("mem/device/unattributed_gib", "device_unattributed", "GiB"),
     KeySpec("mem/device/alloc_retries", "alloc_retries", "count"),
     KeySpec("mem/device/ooms", "ooms", "count"),
+    # How old the node, cgroup and children figures are: read on a thread of their own (probe/nodewatch.py).
+    KeySpec("mem/node/age_s", "node_age_s", "s"),
 )
 
 PHASE_CATALOGUE: tuple[KeySpec, ...] = (

@@ -91,6 +91,8 @@ class WindowBytes:
     cgroup_limit: int | None = None
     children_uss: int | None = None
     cgroup_working_set: int | None = None
+    node_age_s: float | None = None
+    """Seconds since the node, cgroup and children figures were read (rankmem.probe.nodewatch)."""
     allocated: int | None = None
     reserved: int | None = None
     peak_allocated: int | None = None

@@ -19,11 +19,45 @@ def _as_numbers(value: Any) -> tuple[str, list[float]] | None:
     if not isinstance(value, (bool, list, tuple)) and (number := to_float(value)) is not None:
         return "s", [number]  # a bool is verl's object, not a number: it keeps its type
     if isinstance(value, (list, tuple)) and all(isinstance(v, _NUMBER) and not isinstance(v, bool) for v in value):
-        return "l", [float(v) for v in value]
+        try:
+            return "l", [float(v) for v in value]
+        except OverflowError:  # an int beyond float64's range: the object goes pickled, as verl's does
+            return None
     return None
 
 
 _NUMBER = (int, float)
+
+
+def _encode(data: Mapping[str, Any]) -> tuple[tuple[tuple[str, str], ...], list[float], dict[str, Any]]:
+    """The layout (key, kind) in insertion order, the payload (list lengths, then the numbers) and the
+    objects. Every step's metrics dict passes here: plain floats and lists of plain floats, by far the
+    common values, skip the general test."""
+    layout: list[tuple[str, str]] = []
+    list_lengths: list[float] = []
+    values: list[float] = []
+    objects: dict[str, Any] = {}
+    for key, value in data.items():  # insertion order, as verl's result keeps it
+        kind = type(value)
+        if kind is float:
+            layout.append((key, "s"))
+            values.append(value)
+            continue
+        if kind is list and all(type(v) is float for v in value):
+            layout.append((key, "l"))
+            list_lengths.append(len(value))
+            values.extend(value)
+            continue
+        numbers = _as_numbers(value)
+        if numbers is None:
+            layout.append((key, "o"))
+            objects[key] = value
+        else:
+            layout.append((key, numbers[0]))
+            if numbers[0] == "l":
+                list_lengths.append(len(numbers[1]))
+            values.extend(numbers[1])
+    return tuple(layout), list_lengths + values, objects
 
 
 class VerlDictGather:
@@ -37,45 +71,48 @@ class VerlDictGather:
     def __init__(self, group: Any = None) -> None:
         self.group = group
         self._gather = PackedGather(group)
+        self._counted: tuple[object, int] = ((), 0)
 
     def __call__(self, data: Mapping[str, Any]) -> dict[str, list[Any]]:
         if not isinstance(data, Mapping):
             raise TypeError(f"allgather_dict_into_dict expects a dict, got {type(data).__name__}")
-        layout: list[tuple[str, str]] = []
-        list_lengths: list[float] = []
-        values: list[float] = []
-        objects: dict[str, Any] = {}
-        for key, value in data.items():  # insertion order, as verl's result keeps it
-            numbers = _as_numbers(value)
-            if numbers is None:
-                layout.append((key, "o"))
-                objects[key] = value
-            else:
-                layout.append((key, numbers[0]))
-                if numbers[0] == "l":
-                    list_lengths.append(len(numbers[1]))
-                values.extend(numbers[1])
-        layouts, rows = self._gather.gather(tuple(layout), list_lengths + values)
+        layout, payload, objects = _encode(data)
+        layouts, rows = self._gather.gather(layout, payload)
         # Every rank sees every layout, so all take the pickled path together or none does.
         gathered_objects: list[dict[str, Any]] = [objects]
         if any(kind == "o" for lay in layouts for _, kind in lay):
             gathered_objects = all_gather_objects(objects, self.group)
         out: dict[str, list[Any]] = {}
         for rank, (rank_layout, row) in enumerate(zip(layouts, rows, strict=True)):
-            n_lists = sum(1 for _, kind in rank_layout if kind == "l")
-            lengths = iter(int(x) for x in row[:n_lists])
+            n_lists = self._lists_in(rank_layout)
+            numbers = row.tolist()  # once per rank: float64 gives Python floats, integers exact up to 2**53
             pos = n_lists
+            lists = 0
             for key, kind in rank_layout:
                 item: Any
-                if kind == "o":
-                    item = gathered_objects[rank][key]
-                else:
-                    length = 1 if kind == "s" else next(lengths)
-                    chunk = row[pos : pos + length].tolist()  # float64: integers exact up to 2**53
+                if kind == "s":
+                    item = numbers[pos]
+                    pos += 1
+                elif kind == "l":
+                    length = int(numbers[lists])
+                    lists += 1
+                    item = numbers[pos : pos + length]
                     pos += length
-                    item = chunk[0] if kind == "s" else chunk
-                out.setdefault(key, []).append(item)
+                else:
+                    item = gathered_objects[rank][key]
+                entry = out.get(key)
+                if entry is None:
+                    out[key] = [item]
+                else:
+                    entry.append(item)
         return out
+
+    def _lists_in(self, layout: tuple[tuple[str, str], ...]) -> int:
+        """How many list values ``layout`` holds (their lengths lead the payload); the steady state's
+        layout counted once."""
+        if layout is not self._counted[0]:
+            self._counted = (layout, sum(1 for _, kind in layout if kind == "l"))
+        return self._counted[1]
 
 
 # One gather per process group, so that its learned capacity is shared by every call on that group

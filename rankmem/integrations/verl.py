@@ -71,14 +71,29 @@ def metrics_for_gather(monitor: Monitor) -> dict[str, list[float]]:
     local = monitor.local_metrics()
     out: dict[str, list[float]] = {}
     for key, value in local.items():
-        for stat in _STATS:
-            name = f"{key}/{stat}"
-            if verl_reduction(name) == stat:
-                out[name] = [value]
+        names = _gather_names.get(key)
+        if names is None:
+            names = _names_for_gather(key)
+        for name in names:
+            out[name] = [value]
     for verl_key, ours in VERL_NAMES.items():
         if ours in local:
             out[verl_key] = [local[ours]]
     return out
+
+
+def _names_for_gather(key: str) -> tuple[str, ...]:
+    """The names under which verl's ``reduce_metrics`` applies to ``key`` the statistic each name says
+    (``peak_gib/max`` is maxed; a key with "min" in it is also min'd under ``/min``)."""
+    names = tuple(f"{key}/{stat}" for stat in _STATS if verl_reduction(f"{key}/{stat}") == stat)
+    if len(_gather_names) < _GATHER_NAMES_KEPT:  # every step asks again for the same few dozen keys
+        _gather_names[key] = names
+    return names
+
+
+_gather_names: dict[str, tuple[str, ...]] = {}
+_GATHER_NAMES_KEPT = 4096
+"""A bound on the memo: a caller's per-step unique keys must not grow it for the life of the job."""
 
 
 def tell_micro_batch(monitor: Monitor, micro_batch: Any) -> None:

@@ -145,6 +145,14 @@ def test_dropin_without_process_group() -> None:
     assert allgather_dict_into_dict({"a": 1.0, "b": [1, 2]}) == {"a": [1.0], "b": [[1.0, 2.0]]}
     with pytest.raises(TypeError, match="expects a dict"):
         allgather_dict_into_dict([("a", 1)])  # type: ignore[arg-type]
+    # Plain floats take the short road, everything else the general one: the same answers either way.
+    import numpy as np
+
+    mixed = {"f": 0.5, "fl": [0.25, 1.5], "i": 3, "il": [1, 2.5], "np": np.float32(2.0), "t": [True], "s": "x",
+             "huge": [10**400], "empty": []}
+    assert allgather_dict_into_dict(mixed) == {"f": [0.5], "fl": [[0.25, 1.5]], "i": [3.0], "il": [[1.0, 2.5]],
+                                               "np": [2.0], "t": [[True]], "s": ["x"], "huge": [[10**400]],
+                                               "empty": [[]]}
 
 
 # Sequence lengths of one rank's mini-batch, padded to 64 positions; verl's split at 160 tokens.

@@ -70,7 +70,8 @@ def test_the_side_file_writer_is_not_one_of_the_ranks_children(tmp_path: Path, o
 
     pytest.importorskip("pyarrow")
     before = helper_pids()  # the strays set aside, and any other test's writer still open
-    monitor = rankmem.Monitor(out_dir=str(tmp_path), device="cpu", near_oom_watch=False, children_refresh_s=0.05)
+    monitor = rankmem.Monitor(out_dir=str(tmp_path), device="cpu", near_oom_watch=False, children_refresh_s=0.05,
+                              node_refresh_s=0.05)
     try:
         monitor.collect({"loss": 1.0})
         assert monitor.flush(30)

@@ -1,0 +1,84 @@
+"""The node, cgroup and children figures, read on a thread of their own and handed over with their age.
+
+These figures describe the node and this rank's workers, not the window: no window edge reads them,
+only a collect, and there they cost ~85 us of the training thread's CPU right after a step's compute
+(``/proc/meminfo``, the cgroup's files, every child's ``statm``; bench/RESULTS.md). Here a daemon
+thread reads them every ``refresh_s`` seconds and a collect takes the last reading, a few attribute
+reads; ``mem/node/age_s`` says how old it was. The per-window peaks stay exact: the edges read them.
+
+The caller's thread reads for itself, as before, where no reading can be handed over: the first
+collect (the thread starts then), a forked child (the thread did not come with it), a reading that
+failed (its error reaches the caller's guard, as an inline read's did) and ``refresh_s=None``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable
+
+from rankmem.core.guard import Guard
+from rankmem.core.records import HostReading
+
+Read = Callable[[], HostReading]
+
+
+class NodeFigures:
+    """``read()`` on the caller's thread returns the last reading and its age in seconds."""
+
+    def __init__(self, read: Read, refresh_s: float | None, guard: Guard) -> None:
+        self._read = read
+        self._refresh_s = refresh_s
+        self._guard = guard
+        self._latest: tuple[HostReading, float] | None = None  # the reading, time.monotonic() at its read
+        self._pid = os.getpid()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def read(self) -> tuple[HostReading, float]:
+        """The last reading the thread took and its age; where there is none, one read now (age 0)."""
+        latest = self._latest
+        if latest is not None and self._pid == os.getpid():
+            return latest[0], max(time.monotonic() - latest[1], 0.0)
+        reading = self._read()  # raises as a read always did: the caller's guard says so
+        if self._refresh_s is not None and self._thread is None and not self._stop.is_set():
+            self._pid = os.getpid()
+            self._latest = (reading, time.monotonic())
+            # The thread holds the figures weakly: a Monitor dropped without close() ends it too.
+            self._thread = threading.Thread(target=_serve, args=(weakref.ref(self), self._stop, self._refresh_s),
+                                            name="rankmem-node", daemon=True)
+            self._thread.start()
+        return reading, 0.0
+
+    def close(self, timeout: float = 2.0) -> bool:
+        """Stop the thread; False when it is still inside a read (its descriptors must stay open)."""
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+            return not thread.is_alive()
+        return True
+
+
+def _serve(ref: weakref.ref[NodeFigures], stop: threading.Event, refresh_s: float) -> None:
+    """The thread: a reading every ``refresh_s`` until stopped, the figures dropped, or a read failed."""
+    node = ref()
+    if node is None:
+        return
+    guard, read = node._guard, node._read
+    del node
+    try:  # telemetry never kills training: a failed read warns once and ends the thread
+        with guard.contain("node", "the node figures' thread stopped; each collect reads them itself"):
+            while not stop.wait(refresh_s):
+                reading = read()
+                node = ref()
+                if node is None:
+                    return
+                node._latest = (reading, time.monotonic())
+                del node
+    finally:
+        node = ref()
+        if node is not None:
+            node._latest = None  # the caller's thread reads for itself from now on, its guard the judge
