@@ -44,7 +44,7 @@ from rankmem.forensics.attribution import OFF as ATTRIBUTION_OFF
 from rankmem.forensics.attribution import device_attribution
 from rankmem.forensics.forensics import Forensics
 from rankmem.probe.device import select_backend
-from rankmem.probe.host import PEAK_SOURCES, HostProbe, make_host_probe, peak_source_default
+from rankmem.probe.host import PEAK_SOURCES, HostProbe, LinuxHostProbe, make_host_probe, peak_source_default
 from rankmem.probe.nvmlwatch import DeviceAttribution
 from rankmem.publish.publisher import Publisher
 from rankmem.sinks import Sink, check_sink_specs, make_sinks
@@ -69,11 +69,12 @@ class MonitorConfig:
     children: bool = True
     """Measure the RSS of descendant processes (dataloader workers)."""
     children_refresh_s: float = 5.0
-    """Seconds between re-listings of descendant processes; their RSS is read on every collect."""
+    """Seconds between re-listings of descendant processes; their RSS is read with the node figures."""
     node_refresh_s: float | None = 0.5
     """Seconds between reads of the node, cgroup and children figures on a thread of their own (a collect
     takes the last one; ``mem/node/age_s`` says how old); None reads them at every collect, on its
-    thread. A ``host_probe`` of the caller's is always read at the collect."""
+    thread. Linux's own probe only: a ``host_probe`` of the caller's (the Ray integration's too) and
+    psutil's (off Linux, whose read feeds its sampled peak) are read at the collect."""
     verl_keys: bool = True
     """Also return verl's ``perf/*`` memory keys with their corrected meaning."""
     run_config: dict[str, Any] = field(default_factory=dict)
@@ -255,7 +256,7 @@ class Monitor(_Readouts):
                                     attribution=self._attribution, run_id=self._run_id, guard=self._guard)
         self._windows = Windows(host, device, self._guard, listener=self._forensics,
                                 attribution=self._attribution,
-                                node_refresh_s=c.node_refresh_s if host_probe is None else None)
+                                node_refresh_s=c.node_refresh_s if isinstance(host, LinuxHostProbe) else None)
         self._exchange = Exchange(group, device.name if device else None, device.module if device else None,
                                   detail_rank=c.log_rank)
         self._closed = False

@@ -316,8 +316,7 @@ class Windows:
     def close(self) -> None:
         """Stop the node thread and close the probe's descriptors (left open while a read is still
         running on that thread: closed, their numbers could go to another file it would then read)."""
-        if self.node.close():
-            self.host.close()
+        self.node.close(self.host.close)
 
     def discard(self) -> None:
         """Drop what was measured since the last take (after a failure while measuring)."""

@@ -108,8 +108,8 @@ class VerlDictGather:
         return out
 
     def _lists_in(self, layout: tuple[tuple[str, str], ...]) -> int:
-        """How many list values ``layout`` holds (their lengths lead the payload); the steady state's
-        layout counted once."""
+        """How many list values ``layout`` holds (their lengths lead the payload); counted once per
+        call where every rank sent one layout (the gather hands back the same object for each)."""
         if layout is not self._counted[0]:
             self._counted = (layout, sum(1 for _, kind in layout if kind == "l"))
         return self._counted[1]

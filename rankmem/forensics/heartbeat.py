@@ -43,7 +43,6 @@ import math
 import mmap
 import os
 import struct
-import sys
 import time
 from dataclasses import dataclass
 from time import time as _now
@@ -84,34 +83,6 @@ _BEAT_AT = struct.calcsize("<4sHHIi")
 _BEAT = struct.Struct(f"<Qqqd{PHASE_BYTES}sQ" + _TAIL.format[1:])
 assert _BEAT_AT + _BEAT.size == RECORD_SIZE, "a beat's store ends where the record does"
 assert _V2.size == HEARTBEAT_RUN_ID_AT, "the run directory reads the run id at this offset"
-_SEQ2_AT = _BEAT_AT + struct.calcsize(f"<Qqqd{PHASE_BYTES}s")
-
-
-class _Fields:
-    """The fields a beat moves, as typed views into the mapped record (``memoryview.cast``): a beat
-    is then six item stores, each through the same C path; one ``pack_into`` of the record's tail cost
-    ~15 us cold on the training thread, right after a step's compute (bench/bench_cold.py), the stores
-    ~1 us each. Native byte order is the record's only on a little-endian machine: elsewhere, no views."""
-
-    __slots__ = ("seq", "step_rss", "time", "phase", "seq2", "seq3", "_all")
-
-    def __init__(self, mapped: mmap.mmap) -> None:
-        base = memoryview(mapped)
-        at = _BEAT_AT
-        self.seq = base[at : at + 8].cast("Q")
-        self.step_rss = base[at + 8 : at + 24].cast("q")
-        self.time = base[at + 24 : at + 32].cast("d")
-        self.phase = base[at + 32 : at + 32 + PHASE_BYTES]
-        self.seq2 = base[_SEQ2_AT : _SEQ2_AT + 8].cast("Q")
-        self.seq3 = base[RECORD_SIZE - 8 : RECORD_SIZE].cast("Q")
-        self._all = (self.seq, self.step_rss, self.time, self.phase, self.seq2, self.seq3, base)
-
-    def release(self) -> None:
-        """Before the map closes: an exported view would make ``mmap.close()`` refuse."""
-        for view in self._all:
-            view.release()
-
-
 MAX_RANK = 1 << 24
 """A rank read from a file beyond this is damage, not a rank (16M ranks: past any cluster)."""
 _NO_RUN = b"\0" * RUN_ID_BYTES
@@ -209,14 +180,11 @@ class Heartbeat:
         self._fd = self._open(directory)
         if self._fd is not None:
             self._write(0)  # the first pwrite: where the disk refuses, no map is made over a hole
-        self._views: _Fields | None = None
         if self._fd is not None:
             try:
                 self._map = mmap.mmap(self._fd, RECORD_SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             except (OSError, ValueError):
                 self._map = None  # a file system that cannot map files: every beat is a pwrite
-        if self._map is not None and sys.byteorder == "little":
-            self._views = _Fields(self._map)
 
     def _open(self, directory: str) -> int | None:
         try:
@@ -253,29 +221,16 @@ class Heartbeat:
         itself, a Python call less on each of the training thread's edges. One store into the mapped
         record, from its first seq to its end (the header before it was written whole when it changed)."""
         self._seq = seq = self._seq + 1
-        step, phase = where
-        self._step = step = NO_STEP if step is None else step
-        self._rss = rss = -1 if rss is None else rss
-        fields = self._views
-        if fields is not None:  # in the record's order: a reader that sees the three seqs agree saw one beat
-            fields.seq[0] = seq
-            body = fields.step_rss
-            body[0] = step
-            body[1] = rss
-            fields.time[0] = _now()
-            if phase != self._phase_name:  # most edges repeat the last phase, already in the record
-                self._phase_name, self._phase = phase, _phase_bytes(phase)
-                fields.phase[:] = self._phase.ljust(PHASE_BYTES, b"\0")  # as '32s' pads
-            fields.seq2[0] = seq
-            fields.seq3[0] = seq
-            return
-        if phase != self._phase_name:
+        step, phase = where.step, where.phase
+        self._step = NO_STEP if step is None else step
+        if phase != self._phase_name:  # most edges repeat the last phase: encode it once
             self._phase_name, self._phase = phase, _phase_bytes(phase)
+        self._rss = -1 if rss is None else rss
         mapped = self._map
         if mapped is None:
             self._write(0)
             return
-        _BEAT.pack_into(mapped, _BEAT_AT, seq, step, rss, _now(), self._phase, seq, self._run, self._marks,
+        _BEAT.pack_into(mapped, _BEAT_AT, seq, self._step, self._rss, _now(), self._phase, seq, self._run, self._marks,
                         self._host_pid, self._boot, seq)
 
     def collect_edge(self) -> None:
@@ -286,9 +241,6 @@ class Heartbeat:
     def close(self, clean: bool = True) -> None:
         """Mark the exit (``clean``: a normal one) and close the file; later beats are dropped."""
         self._write(_CLEAN if clean else 0)
-        if self._views is not None:
-            self._views.release()
-            self._views = None
         if self._map is not None:
             self._map.close()
             self._map = None

@@ -333,7 +333,11 @@ def limits(run: Run, report: Report) -> list[Limit]:
 
 
 def _fmt(value: float, key: str) -> str:
-    return f"{value:.3f}" if key.endswith("_gib") else f"{value:g}"
+    return f"{value:.3f}" if key.endswith(("_gib", "_s")) else f"{value:g}"
+
+
+def _unit(key: str) -> str:
+    return "GiB" if key.endswith("_gib") else "s" if key.endswith("_s") else ""
 
 
 def stdout_console(width: int) -> Any:
@@ -385,7 +389,7 @@ def key_table(report: Report) -> tuple[Columns, list[list[str]]]:
     """(name, justify) columns and rows of the per-key table, for the terminal and the HTML page."""
     columns = [("key", "left"), ("worst", "right"), ("unit", "left"), ("step", "right"), ("rank", "right"),
                ("phase", "left"), ("max/mean", "right")]
-    rows = [[k.key, f"{k.worst} {_fmt(k.value, k.key)}", "GiB" if k.key.endswith("_gib") else "", str(k.step),
+    rows = [[k.key, f"{k.worst} {_fmt(k.value, k.key)}", _unit(k.key), str(k.step),
              str(k.rank), k.phase or "", f"{k.imbalance:.2f}" if k.imbalance is not None else ""]
             for k in report.keys]
     return columns, rows
@@ -505,7 +509,7 @@ def worst_lines(report: Report) -> list[str]:
     step 7 (phase update)``."""
     lines = []
     for label, k in report.worst():
-        unit = " GiB" if k.key.endswith("_gib") else ""
+        unit = f" {_unit(k.key)}" if _unit(k.key) else ""
         phase = "" if not k.phase else f" (phase {k.phase})" if k.phase_verdict == "rose" else f" {k.phase}"
         lines.append(f"worst {label}: rank {k.rank}, {k.worst} {_fmt(k.value, k.key)}{unit} at step {k.step}{phase}")
     return lines

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -45,6 +46,9 @@ class LinuxHostProbe:
         self._children_statm = _ChildrenStatm(self._descendants, children_refresh_s, proc)
         self._children_uss: ChildrenUss | None = None
         self._warn_once = WarnOnce()
+        # read() runs on the node thread, and on the training thread where an OOM event or the first
+        # collect reads for itself: the children's descriptors are closed as children exit, once.
+        self._read_lock = threading.Lock()
         self._open()
 
     def _open(self) -> None:
@@ -198,8 +202,9 @@ class LinuxHostProbe:
     def read(self, process: bool = True) -> HostReading:
         """Every figure, node, cgroup and children included; without ``process`` (a collect, right after
         the window's closing edge read them) this process's RSS and peak are left ``None``."""
-        self.check_fork()
-        return read_host(self, process)
+        with self._read_lock:
+            self.check_fork()
+            return read_host(self, process)
 
     def close(self) -> None:
         if self._children_uss is not None:
@@ -234,8 +239,8 @@ class _ChildrenStatm:
             data = _procfs.pread(fd, 256)
             rss = None if not data else _procfs.parse_statm_rss(data, page)
             if rss is None:  # the child exited: its statm reads ESRCH or nothing
-                os.close(fd)
-                del self._fds[pid]
+                if self._fds.pop(pid, None) == fd:
+                    os.close(fd)
                 continue
             total += rss
         return total
@@ -243,7 +248,9 @@ class _ChildrenStatm:
     def _refresh(self) -> None:
         pids = self._descendants()
         for gone in set(self._fds) - pids:
-            os.close(self._fds.pop(gone))
+            fd = self._fds.pop(gone, None)
+            if fd is not None:
+                os.close(fd)
         for pid in pids - set(self._fds):
             fd = _procfs.open_ro(f"{self._proc}/{pid}/statm")
             if fd is not None:

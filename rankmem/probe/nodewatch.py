@@ -36,6 +36,8 @@ class NodeFigures:
         self._pid = os.getpid()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._release: Callable[[], None] | None = None  # set by close(): whoever finishes last calls it
+        self._releasing = threading.Lock()
 
     def read(self) -> tuple[HostReading, float]:
         """The last reading the thread took and its age; where there is none, one read now (age 0)."""
@@ -52,14 +54,27 @@ class NodeFigures:
             self._thread.start()
         return reading, 0.0
 
-    def close(self, timeout: float = 2.0) -> bool:
-        """Stop the thread; False when it is still inside a read (its descriptors must stay open)."""
-        self._stop.set()
+    def close(self, release: Callable[[], None], timeout: float = 2.0) -> None:
+        """Stop the thread, then ``release()`` the probe's descriptors; where the thread is still inside
+        a read after ``timeout`` s, the thread releases them when that read returns (closed under it,
+        their numbers could go to another file it would then read)."""
         thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)
-            return not thread.is_alive()
-        return True
+        if thread is None or self._pid != os.getpid():
+            # No thread, or a forked child's copy of the parent's: that thread is not in this process,
+            # and its Event's lock may have been copied held.
+            release()
+            return
+        self._release = release
+        self._stop.set()
+        thread.join(timeout)
+        if not thread.is_alive():
+            self._release_once()
+
+    def _release_once(self) -> None:
+        with self._releasing:
+            release, self._release = self._release, None
+        if release is not None:
+            release()
 
 
 def _serve(ref: weakref.ref[NodeFigures], stop: threading.Event, refresh_s: float) -> None:
@@ -82,3 +97,5 @@ def _serve(ref: weakref.ref[NodeFigures], stop: threading.Event, refresh_s: floa
         node = ref()
         if node is not None:
             node._latest = None  # the caller's thread reads for itself from now on, its guard the judge
+            if stop.is_set():
+                node._release_once()  # a close() that stopped waiting for this read left it to us

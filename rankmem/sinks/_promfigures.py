@@ -5,7 +5,8 @@ Ray path (:mod:`rankmem.sinks._raymetrics`, through ``ray.util.metrics``), so bo
 
 The naming scheme (docs/prometheus.md): a per-rank key ``mem/<area>/<name>_gib`` becomes the gauge
 ``rankmem_<area>_<name>_bytes`` in bytes (``x 2**30``); a phase key ``mem/phase/<P>/<name>_gib`` becomes
-``rankmem_phase_<name>_bytes{phase="<P>"}``; a count keeps its name without a unit; a caller's scalar
+``rankmem_phase_<name>_bytes{phase="<P>"}``; ``..._s`` seconds become ``..._seconds``; a count keeps its
+name without a unit; a caller's scalar
 ``K`` becomes ``rankmem_scalar_<K>`` (characters outside ``[a-zA-Z0-9_]`` as ``_``). Per key:
 
 - ``<name>{stat="max"|"min"|"mean"}``: the cross-rank aggregates of the last collect (and ``p50``,
@@ -73,6 +74,8 @@ def key_name(key: str) -> KeyName:
     scale = 1.0
     if body.endswith("_gib"):
         body, scale = body[: -len("_gib")] + "_bytes", float(GIB)
+    elif key.startswith(MEMORY_PREFIX) and body.endswith("_s"):
+        body = body[: -len("_s")] + "_seconds"  # Prometheus's base unit spelled out: mem/node/age_s
     return KeyName("rankmem_" + _BAD.sub("_", body), phase, scale)
 
 

@@ -180,26 +180,3 @@ def test_a_beat_caught_half_written_reads_as_torn(tmp_path: Path) -> None:
     record = _heartbeat.unpack_record(after)
     assert record is not None and record.seq == 2
     hb.close()
-
-
-def test_the_beats_stored_through_views_are_the_records_pack_into_writes(tmp_path: Path,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """A beat stores its fields through typed views of the map (little-endian machines) or packs the
-    record's tail (elsewhere): the same bytes either way, phases longer and shorter than before included."""
-    monkeypatch.setattr(_heartbeat, "_now", lambda: 1234.5)
-    beats = [(3, "update", 7 << 20), (3, "update", None), (4, "a_much_longer_phase_name_than_32_bytes", 1),
-             (4, "x", 2), (None, None, None), (-5, "é" * 20, 3 << 30)]
-    files = {}
-    for name, order in (("views", "little"), ("packed", "big")):
-        monkeypatch.setattr(_heartbeat.sys, "byteorder", order)
-        hb = Heartbeat(str(tmp_path / name), 2, run_id="0123456789abcdef0123456789abcdef")
-        assert (hb._views is not None) == (order == "little")
-        records = []
-        for step, phase, rss in beats:
-            hb.beat(step, phase, rss)
-            records.append((tmp_path / name / "rank2.hb").read_bytes())
-        hb.close()
-        files[name] = records
-    assert files["views"] == files["packed"]
-    last = _heartbeat.unpack_record(files["views"][-1])
-    assert last is not None and (last.step, last.phase, last.rss_bytes, last.seq) == (-5, "é" * 16, 3 << 30, 6)

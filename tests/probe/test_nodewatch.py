@@ -32,6 +32,13 @@ class _Reads:
                            node_available=len(self.threads), cgroup_used=None, cgroup_limit=None)
 
 
+def _closed(node: NodeFigures) -> None:
+    released: list[int] = []
+    node.close(lambda: released.append(1))
+    assert released == [1]  # the probe's descriptors closed, once
+    assert node._thread is None or not node._thread.is_alive()
+
+
 def test_after_the_first_read_the_caller_only_takes_the_threads_readings() -> None:
     reads = _Reads()
     node = NodeFigures(reads, 0.05, Guard())
@@ -45,7 +52,7 @@ def test_after_the_first_read_the_caller_only_takes_the_threads_readings() -> No
         assert reading.node_available is not None and reading.node_available >= 3  # ~10 at 0.05 s apart
         assert 0.0 <= age < 0.05 + 0.5  # the refresh, plus a loaded machine's scheduling
     finally:
-        assert node.close()
+        _closed(node)
 
 
 def test_the_age_is_the_time_since_the_read() -> None:
@@ -57,7 +64,7 @@ def test_the_age_is_the_time_since_the_read() -> None:
         reading, age = node.read()
         assert reading.node_available == 1 and 0.3 <= age < 0.3 + 0.5
     finally:
-        assert node.close()
+        _closed(node)
 
 
 def test_none_reads_on_the_callers_thread_every_time() -> None:
@@ -66,7 +73,7 @@ def test_none_reads_on_the_callers_thread_every_time() -> None:
     got = [node.read() for _ in range(3)]
     assert [(r.node_available, age) for r, age in got] == [(1, 0.0), (2, 0.0), (3, 0.0)]
     assert node._thread is None  # no thread was started
-    assert node.close()
+    _closed(node)
 
 
 def test_a_failed_read_warns_once_and_hands_the_reads_back_to_the_caller() -> None:
@@ -88,7 +95,7 @@ def test_a_failed_read_warns_once_and_hands_the_reads_back_to_the_caller() -> No
     reads.fail_after = None
     reading, age = node.read()
     assert age == 0.0 and reads.threads[-1] == threading.current_thread().name  # inline from now on
-    assert node.close()
+    _closed(node)
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
@@ -113,7 +120,7 @@ def test_a_forked_child_reads_for_itself() -> None:
     finally:
         os.close(read_end)
         os.waitpid(pid, 0)
-        assert node.close()
+        _closed(node)
 
 
 WORKER_48_MIB = "import sys; b = bytearray(48 * 2**20); b[::4096] = b'x' * len(b[::4096]); print('ready', flush=True); sys.stdin.read()"
@@ -151,3 +158,28 @@ def test_figures_dropped_without_close_end_their_thread() -> None:
     gc.collect()
     thread.join(5)
     assert not thread.is_alive()
+
+
+def test_a_close_that_outwaits_a_stuck_read_leaves_the_release_to_the_thread() -> None:
+    """Closing descriptors under a read still running could hand their numbers to another file: the
+    thread releases them when its read returns."""
+    stuck = threading.Event()
+    go_on = threading.Event()
+    reads = _Reads()
+
+    def read() -> HostReading:
+        if len(reads.threads) >= 1 and threading.current_thread().name == "rankmem-node":
+            stuck.set()
+            go_on.wait(10)
+        return reads()
+
+    node = NodeFigures(read, 0.01, Guard())
+    node.read()
+    assert stuck.wait(10)
+    released: list[str] = []
+    node.close(lambda: released.append(threading.current_thread().name), timeout=0.1)
+    assert released == []  # still inside the read
+    go_on.set()
+    node._thread.join(10)  # type: ignore[union-attr]
+    assert released == ["rankmem-node"]
+
