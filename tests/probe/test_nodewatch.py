@@ -144,7 +144,8 @@ def test_a_monitor_sees_a_new_worker_within_the_refreshes_and_says_how_old_its_f
         worker.kill()
         worker.wait(10)
         monitor.close()
-    assert "rankmem-node" not in {t.name for t in threading.enumerate()}  # close stopped it
+    thread = monitor._windows.node._thread
+    assert thread is not None and not thread.is_alive()  # close stopped it (other tests' monitors may hold theirs)
 
 
 def test_figures_dropped_without_close_end_their_thread() -> None:
