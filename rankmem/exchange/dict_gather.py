@@ -71,7 +71,6 @@ class VerlDictGather:
     def __init__(self, group: Any = None) -> None:
         self.group = group
         self._gather = PackedGather(group)
-        self._counted: tuple[object, int] = ((), 0)
 
     def __call__(self, data: Mapping[str, Any]) -> dict[str, list[Any]]:
         if not isinstance(data, Mapping):
@@ -84,7 +83,7 @@ class VerlDictGather:
             gathered_objects = all_gather_objects(objects, self.group)
         out: dict[str, list[Any]] = {}
         for rank, (rank_layout, row) in enumerate(zip(layouts, rows, strict=True)):
-            n_lists = self._lists_in(rank_layout)
+            n_lists = sum(1 for _, kind in rank_layout if kind == "l")  # their lengths lead the payload
             numbers = row.tolist()  # once per rank: float64 gives Python floats, integers exact up to 2**53
             pos = n_lists
             lists = 0
@@ -106,13 +105,6 @@ class VerlDictGather:
                 else:
                     entry.append(item)
         return out
-
-    def _lists_in(self, layout: tuple[tuple[str, str], ...]) -> int:
-        """How many list values ``layout`` holds (their lengths lead the payload); counted once per
-        call where every rank sent one layout (the gather hands back the same object for each)."""
-        if layout is not self._counted[0]:
-            self._counted = (layout, sum(1 for _, kind in layout if kind == "l"))
-        return self._counted[1]
 
 
 # One gather per process group, so that its learned capacity is shared by every call on that group
