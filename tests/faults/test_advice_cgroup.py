@@ -15,8 +15,8 @@ charged) - the rank's RssFile and RssShmem``.
 The job is sized for 2 shared CPU cores: 64 heavy-tailed responses per step, 1,300-3,100 tokens. The probe
 packs them under a budget above every step's total, so each of its windows is one micro-batch of the step's
 tokens (T spread over 1,500-3,100: the fit needs 15%). Its windows then show the rise per token alone: a
-step split in two also keeps ~2 KiB per token of the whole step through the update, which a fit on the
-heaviest micro-batch's tokens only sees as noise (bench/RESULTS.md). The capacity is set inside the T the
+step split in two holds ~2.9 MiB more through its update than one micro-batch of the same T, which a
+fit on the heaviest micro-batch's tokens sees as noise (bench/RESULTS.md). The capacity is set inside the T the
 probe saw, so the advised runs split the larger steps and the 1.3x run carries steps past the capacity.
 Every launch has a timeout; the scratch cgroup kills whatever is left in it.
 
