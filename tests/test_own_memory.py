@@ -98,13 +98,19 @@ def test_rankmems_own_memory_is_not_reported_by_its_own_leak_watch(tmp_path: Pat
     assert "possible memory leak" not in done.stderr, done.stderr[-2000:]
 
 
-def test_the_statistics_keep_the_index_pairs_of_a_few_lengths_only() -> None:
+def test_the_statistics_keep_one_set_of_index_pairs() -> None:
+    """Every length's pairs are views of one pair of arrays, built for the 256 points a window is
+    reduced to (the online window grows a point a check up to there): nothing new is built on the way."""
+    import numpy as np
+
     from rankmem.trend import stats
 
-    for n in range(3, 300):
+    built = stats.pairs(2)
+    for n in range(3, 257):
         i, j = stats.pairs(n)
-        assert i.size == n * (n - 1) // 2 and bool((i < j).all())
-    assert sorted(stats._PAIRS) == list(range(300 - stats.PAIRS_KEPT, 300))
-    stats.pairs(297)  # used again: kept over the older 296
-    stats.pairs(300)
-    assert 297 in stats._PAIRS and 296 not in stats._PAIRS
+        assert i.size == n * (n - 1) // 2 and bool((i < j).all()) and int(j.max()) == n - 1
+        assert i.base is built[0].base and j.base is built[1].base  # views: nothing allocated
+    wanted = set(zip(*np.triu_indices(40, 1), strict=True))
+    assert set(zip(*stats.pairs(40), strict=True)) == wanted
+    i, j = stats.pairs(300)  # past the 256: built once more, for 300
+    assert i.size == 300 * 299 // 2 and stats.pairs(299)[0].base is i.base

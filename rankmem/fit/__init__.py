@@ -5,6 +5,6 @@ Pure numpy (no torch, no files), shared by the offline advice and anything onlin
 
 from __future__ import annotations
 
-from rankmem.fit.model import Fit, FitConfig, NoFit, fit_memory, quadratic_across
+from rankmem.fit.model import Fit, FitConfig, NoFit, fit_memory, prime, quadratic_across
 
-__all__ = ["Fit", "FitConfig", "NoFit", "fit_memory", "quadratic_across"]
+__all__ = ["Fit", "FitConfig", "NoFit", "fit_memory", "prime", "quadratic_across"]

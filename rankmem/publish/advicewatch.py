@@ -6,13 +6,8 @@ lowest RSS between steps, or the device's peak allocated over the step's allocat
 overhead and the memory outside torch. Capacity: the device total, else the cgroup limit, else the
 node's memory shared by the ranks on the node. Headroom: 5% of it. Refitted every ``every`` collects.
 
-The watch runs on the logging rank, in the training process, whose memory the fit reads: a first fit
-there costs ~2-3 MiB of RSS that stays (numpy's linear algebra loads and keeps its workspaces:
-measured on the reference job, its between-step RSS stepped up 2.3-3.0 MiB at the 10th collect, the
-first judge, and not with the watch off). That step would sit in the middle of the windows a fit
-reads, as noise the advice then pays for in its interval. So the watch fits a made-up series once,
-at the first collect that carries micro-batch tokens (a job's first steps: inside the warm-up every fit
-leaves out); a job that tells none never pays for it.
+Its first fit leaves ~2 MiB resident (numpy's code and workspaces): the publisher takes that on every
+rank when it is made (:func:`rankmem.fit.prime`), not here at the 10th collect.
 """
 
 from __future__ import annotations
@@ -42,16 +37,12 @@ class AdviceWatch:
         self.history: dict[tuple[str, int], deque[tuple[float, float, float, float, float]]] = {}
         self.capacity: float | None = None
         self.device: dict[str, bool] = {}
-        self.primed = False
 
     def feed_matrix(self, step: int, keys: Sequence[str], matrix: np.ndarray) -> list[str]:
         """Take one collect; every ``every`` collects, judge. Returns the warnings given (for tests)."""
         self.fed += 1
         index = {k: i for i, k in enumerate(keys)}
         self._capacity(index, matrix)
-        if not self.primed and any(work_key(p, "mb_tokens") in index for p in phase_names(keys)):
-            self.primed = True
-            _first_fit()
         if self.fed <= WARMUP:
             return []
         for phase in phase_names(keys):
@@ -124,13 +115,3 @@ class AdviceWatch:
                 warn(message, stacklevel=2)
                 given.append(message)
         return given
-
-
-def _first_fit() -> None:
-    """One fit of each kind the judge makes (a line, a quadratic, the pooled Q test), on made-up windows:
-    the one-time memory of the first fit taken now (see the module docstring)."""
-    t = np.arange(8.0, 16.0)
-    q = t * t * (1.0 + 0.1 * (t % 3))
-    rise = 1e-3 * (t + 1e-3 * q) + 1e-6 * (t % 2)
-    quadratic_across([(t, rise, q), (t, rise + 1e-3, q)])
-    fit_memory(t, rise, q)

@@ -18,28 +18,37 @@ import numpy as np
 _NORMAL = statistics.NormalDist()
 _MAD_TO_SD = 1.4826  # the MAD of a normal sample times this estimates its standard deviation
 
-_PAIRS: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 _PAIRS_LOCK = threading.Lock()
-PAIRS_KEPT = 4
-"""Lengths whose index pairs are kept. Few on purpose: at the 256 points a window is reduced to, one
-length's pairs are 0.5 MiB, and the online watch's window grows by a point each check until it gets
-there. Sixteen lengths made rankmem's own RSS climb ~8 MiB over a run's first few hundred steps, which its
-leak watch then reported against the logging rank."""
+PAIRS_AT_LEAST = 256
+"""Points the index pairs are first built for: the 256 block medians a window is reduced to by default
+(:attr:`rankmem.trend.trend.LeakConfig.max_points`), 0.5 MiB."""
+_pairs: tuple[np.ndarray, np.ndarray] = (np.zeros(0, dtype=np.intp), np.zeros(0, dtype=np.intp))
+
+
+def _build_pairs(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every pair ``i < j`` of ``n`` points, ordered by ``j`` then ``i``: the pairs of the first ``m``
+    points are then the first ``m * (m - 1) / 2``."""
+    counts = np.arange(1, n, dtype=np.intp)  # point j >= 1 pairs with the j points before it
+    j = np.repeat(counts, counts)
+    i = np.arange(j.size, dtype=np.intp) - np.repeat(counts * (counts - 1) // 2, counts)
+    i.flags.writeable = j.flags.writeable = False
+    return i, j
 
 
 def pairs(n: int) -> tuple[np.ndarray, np.ndarray]:
-    """The index pairs ``i < j`` of ``n`` points, kept for the :data:`PAIRS_KEPT` lengths used last: one
-    check of the online watch asks for the same length for every key and rank."""
+    """The index pairs ``i < j`` of ``n`` points (ordered by ``j``, then ``i``): views of one pair of
+    arrays, built for :data:`PAIRS_AT_LEAST` points or the most asked since. Why one: the online watch's
+    window grows by a point each check until it reaches its 256, and a pair of arrays per length
+    (kept for the last few lengths, or built afresh each time) made the logging rank's RSS climb 3.4 MiB
+    over collects 150-500 (the arrays and the heap their churn left), which its leak watch then
+    reported against that rank."""
+    global _pairs
     with _PAIRS_LOCK:  # two monitors' publisher threads may judge at once
-        found = _PAIRS.pop(n, None)
-        if found is None:
-            i, j = np.triu_indices(n, 1)
-            i.flags.writeable = j.flags.writeable = False
-            found = (i, j)
-        _PAIRS[n] = found  # last in the dict: the most recently used
-        while len(_PAIRS) > PAIRS_KEPT:
-            del _PAIRS[next(iter(_PAIRS))]
-        return found
+        i, j = _pairs
+        if j.size == 0 or int(j[-1]) < n - 1:
+            i, j = _pairs = _build_pairs(max(n, PAIRS_AT_LEAST))
+    m = n * (n - 1) // 2
+    return i[:m], j[:m]
 
 
 def pair_differences(rows: np.ndarray) -> np.ndarray:
