@@ -114,3 +114,6 @@ def test_the_statistics_keep_one_set_of_index_pairs() -> None:
     assert set(zip(*stats.pairs(40), strict=True)) == wanted
     i, j = stats.pairs(300)  # past the 256: built once more, for 300
     assert i.size == 300 * 299 // 2 and stats.pairs(299)[0].base is i.base
+    long = stats.pairs(stats.PAIRS_KEPT_UP_TO + 1)  # past what is kept: its own arrays, let go
+    assert long[0].size == (stats.PAIRS_KEPT_UP_TO + 1) * stats.PAIRS_KEPT_UP_TO // 2
+    assert stats.pairs(299)[0].base is i.base

@@ -22,6 +22,8 @@ _PAIRS_LOCK = threading.Lock()
 PAIRS_AT_LEAST = 256
 """Points the index pairs are first built for: the 256 block medians a window is reduced to by default
 (:attr:`rankmem.trend.trend.LeakConfig.max_points`), 0.5 MiB."""
+PAIRS_KEPT_UP_TO = 1024
+"""Longer series get pairs of their own that are not kept (1,024 points' pairs are 8 MiB)."""
 _pairs: tuple[np.ndarray, np.ndarray] = (np.zeros(0, dtype=np.intp), np.zeros(0, dtype=np.intp))
 
 
@@ -43,6 +45,8 @@ def pairs(n: int) -> tuple[np.ndarray, np.ndarray]:
     over collects 150-500 (the arrays and the heap their churn left), which its leak watch then
     reported against that rank."""
     global _pairs
+    if n > PAIRS_KEPT_UP_TO:  # a long raw series (``theil_sen`` called directly): built, used, let go
+        return _build_pairs(n)
     with _PAIRS_LOCK:  # two monitors' publisher threads may judge at once
         i, j = _pairs
         if j.size == 0 or int(j[-1]) < n - 1:
