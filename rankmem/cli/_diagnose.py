@@ -183,6 +183,7 @@ class RankStates:
         self._proc = proc
         self.last: dict[int, str] = {}
         """Rank -> its state at the last sample that found its process alive."""
+        self._stuck_at: dict[int, int] = {}  # rank -> its heartbeat seq when it was last seen stuck
 
     def sample(self, root_pid: int, heartbeats: dict[int, HeartbeatRecord]) -> None:
         local = _procfs.descendants(root_pid, self._proc)
@@ -195,9 +196,18 @@ class RankStates:
             except OSError:
                 continue
             # A dying process passes through Z (zombie) and X: keep what it was doing while alive, or a
-            # rank stopped until torchrun killed it would read as merely dead.
-            if state is not None and state not in ("Z", "X"):
-                self.last[beat.rank] = state
+            # rank stopped until torchrun killed it would read as merely dead. Likewise a stopped rank
+            # continued only to act on torchrun's SIGTERM runs for a moment without beating again: while
+            # its heartbeat has not moved, it is still the rank that was stopped.
+            if state is None or state in ("Z", "X"):
+                continue
+            if state in STUCK_STATES:
+                self._stuck_at[beat.rank] = beat.seq
+            elif self._stuck_at.get(beat.rank) == beat.seq:
+                continue
+            else:
+                self._stuck_at.pop(beat.rank, None)
+            self.last[beat.rank] = state
 
 
 def stalled(heartbeats: dict[int, HeartbeatRecord], now: float, exclude: set[int],

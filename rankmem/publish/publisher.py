@@ -51,7 +51,7 @@ class Publisher(Handoff):
         self.header: RunHeader | None = None
         """The run header, on every rank once :meth:`start` has been given it."""
         if leak_check:
-            # The watches' first judgements leave ~2.5 MiB resident in the logging rank (numpy's code
+            # The watches' first judgements leave ~2.7 MiB resident in the logging rank (numpy's code
             # pages and workspaces after a first fit, the leak statistics' index pairs): mid-run, in the
             # windows the advice fits read. Taken now, on every rank, it is in every baseline and the
             # ranks stay alike (bench/RESULTS.md). Only memory is at stake: a failure is one warning.

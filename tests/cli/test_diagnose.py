@@ -190,6 +190,13 @@ def test_rank_states_read_only_the_launched_job(tmp_path: Path) -> None:
     (tmp_path / "102" / "stat").unlink()  # rank 1 gone: its last state is kept
     states.sample(100, beats)
     assert states.last == {0: "S", 1: "T"}
+    # Rank 1 continued only to act on torchrun's SIGTERM: running, but its heartbeat has not moved since
+    # it was seen stopped, so it is still the stopped rank; once it beats again, it is running.
+    proc_file(102, "stat", "102 (python) R 100")
+    states.sample(100, beats)
+    assert states.last == {0: "S", 1: "T"}
+    states.sample(100, {**beats, 1: beat(1, 102, 4, seq=beats[1].seq + 1)})
+    assert states.last == {0: "S", 1: "R"}
 
 
 def test_stall_on_the_launchers_own_timeout_without_torchrun_output() -> None:

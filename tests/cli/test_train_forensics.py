@@ -66,6 +66,16 @@ def rank1(out: Path) -> HeartbeatRecord:
     return read_heartbeats(str(out / "heartbeat"))[1]
 
 
+def freeze(pid: int) -> None:
+    """SIGSTOP ``pid`` and wait until it is stopped: the signal is delivered asynchronously, so a heartbeat
+    read straight after ``kill`` can predate the rank's last beat (it may still enter another phase)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] not in ("T", "t"):
+        assert time.monotonic() < deadline, f"rank {pid} did not stop within 10 s of SIGSTOP"
+        time.sleep(0.005)
+
+
 _LAST = re.compile(r"rankmem train: the job failed \(exit -?\d+\): (rank .*?)\. (?:torchrun's report|every step)")
 
 
@@ -85,7 +95,7 @@ def test_sigkilled_rank_is_named_with_its_last_step(tmp_path: Path) -> None:
     with launch(tmp_path, "--task", "sft", "--steps", "2000") as proc:
         wait_for("rank 1's step 3", proc, rank1_at_step(tmp_path, 3))
         pid = rank1(tmp_path).pid
-        os.kill(pid, signal.SIGSTOP)  # freeze it, so the heartbeat read next is its last
+        freeze(pid)  # so the heartbeat read next is its last
         last = rank1(tmp_path)
         os.kill(pid, signal.SIGKILL)
         out, err = proc.communicate(timeout=LAUNCH_TIMEOUT_S + 30)
@@ -116,7 +126,7 @@ def test_stopped_rank_is_named_not_the_rank_that_timed_out(tmp_path: Path) -> No
     with launch(tmp_path, "--task", "grpo", "--steps", "2000", "--pg-timeout-s", str(pg_timeout)) as proc:
         wait_for("rank 1's step 2", proc, rank1_at_step(tmp_path, 2))
         pid = rank1(tmp_path).pid
-        os.kill(pid, signal.SIGSTOP)
+        freeze(pid)
         last = rank1(tmp_path)
         # Rank 0 times out in its collective and fails; torchrun then SIGTERMs rank 1, which, stopped,
         # cannot act on it until continued (else torchrun waits 30 s and SIGKILLs it).
