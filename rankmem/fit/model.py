@@ -24,8 +24,8 @@ linear in T; materialised attention adds scores linear in Q. The method:
 - **Verdicts instead of fits** (:class:`NoFit`): too few windows, T that barely varies (flat), or a
   slope that is not above its noise (noisy).
 
-At a T never seen, Q is predicted as T times the largest Q/T seen (the longest token-weighted sequence
-length): conservative where lengths are long-tailed.
+At a T never seen, Q is not known: it is predicted as T times the mean Q/T seen, and its spread (Q/T's
+shrinking as 1/sqrt(T), :meth:`Fit.sq_sd_at`) goes into the interval in quadrature.
 """
 
 from __future__ import annotations
@@ -89,9 +89,15 @@ class Fit:
     t_max: float
     """The largest T seen: the advice extrapolates to at most 1.5 times this."""
     q_per_token: float
-    """The largest Q/T seen: Q predicted at an unseen T is this times T."""
+    """The largest Q/T seen (the longest token-weighted sequence length)."""
     level: float
     relative_noise: float = 0.0
+    q_mean: float = 0.0
+    """The mean Q/T seen."""
+    q_sd: float = 0.0
+    """The standard deviation of ``(Q/T - q_mean) * sqrt(T)`` over the windows: how far the heaviest
+    micro-batch's Q/T strays from its mean, in units that do not shrink as a micro-batch holds more
+    sequences (see :meth:`sq_at`)."""
     rival: Fit | None = None
     """The quadratic fit a line was kept over, where Q varies apart from T but the test could not tell
     the two apart: its interval is joined to the line's (:meth:`predict`)."""
@@ -101,15 +107,31 @@ class Fit:
         :attr:`rival`, the interval spans both models': where Q moved with T in the windows seen, a line
         that leaves it out is off at another Q/T by more than its own interval says (bench/RESULTS.md:
         the line fits held the worst errors and both advised budgets over the bisected one)."""
-        q = sq_tokens if sq_tokens is not None else self.q_per_token * tokens
+        q = sq_tokens if sq_tokens is not None else self.sq_at(tokens)
         x0 = np.array([1.0, tokens, q] if self.quadratic else [1.0, tokens])
         mean = self.a + self.b * tokens + self.c * q
         model_var = self.scale**2 * (1.0 + float(x0 @ self.xtwx_inv @ x0))
+        if sq_tokens is None:  # a micro-batch not seen: its Q is as uncertain as the windows' Q/T was
+            model_var += (self.c * self.sq_sd_at(tokens))**2
         half = t_quantile(0.5 + self.level / 2, self.dof) * math.sqrt(model_var + (self.relative_noise * max(mean, 0.0))**2)
         if self.rival is None:
             return mean, mean - half, mean + half
         _, low, high = self.rival.predict(tokens, sq_tokens)
         return mean, min(mean - half, low), max(mean + half, high)
+
+    def sq_at(self, tokens: float) -> float:
+        """Q expected of a heaviest micro-batch of ``tokens`` never seen: the mean Q/T seen times T. Its
+        spread (:meth:`sq_sd_at`) goes into the prediction interval."""
+        return self.q_mean * tokens
+
+    def sq_sd_at(self, tokens: float) -> float:
+        """The standard deviation of that Q. A micro-batch's Q/T is its token-weighted mean sequence
+        length: over n sequences its spread shrinks as 1/sqrt(n), so as 1/sqrt(T), and Q's grows as
+        sqrt(T) (materialised attention in bench/bench_advise.py: Q/T's sd 22.7 at T ~1,100, 18.4 at
+        ~1,900, 15.1 at ~2,700, where 1/sqrt(T) says 14.5). Taking the largest Q/T seen instead, at the
+        small T where it strays most, and the full interval on top of it, put the advice 11% under the
+        bisected budget (bench/RESULTS.md)."""
+        return self.q_sd * math.sqrt(max(tokens, 0.0))
 
     def per_token(self) -> float:
         """The rise per token at the Q/T seen: the slope the imbalance split uses."""
@@ -172,7 +194,7 @@ def fit_memory(tokens: np.ndarray, rise: np.ndarray, sq_tokens: np.ndarray | Non
         return NoFit("flat", f"the heaviest micro-batch's tokens barely vary ({t.min():.0f}..{t.max():.0f}): vary "
                              f"the token budget over a few steps, or run longer on varied data")
     use_q = _q_separable(t, q, cfg)
-    q_per_token = float((q / t).max()) if np.isfinite(q).all() else 0.0
+    q_per_token, q_mean, q_sd = _q_spread(t, q)
     line = _huber(np.column_stack([np.ones_like(t), t]), y, cfg)
     rival: Fit | None = None
     chosen, kept = line, False
@@ -183,18 +205,28 @@ def fit_memory(tokens: np.ndarray, rise: np.ndarray, sq_tokens: np.ndarray | Non
         if quad.beta[2] > 0 and se_c > 0 and tested:
             chosen, kept = quad, True
         elif quad.beta[2] > 0:
-            rival = _fit_of(quad, True, t, q_per_token, cfg)
-    fit = _fit_of(chosen, kept, t, q_per_token, cfg, rival)
+            rival = _fit_of(quad, True, t, (q_per_token, q_mean, q_sd), cfg)
+    fit = _fit_of(chosen, kept, t, (q_per_token, q_mean, q_sd), cfg, rival)
     return _check_slope(fit, cfg)
 
 
-def _fit_of(solved: _Solved, quadratic: bool, t: np.ndarray, q_per_token: float, cfg: FitConfig,
+def _q_spread(t: np.ndarray, q: np.ndarray) -> tuple[float, float, float]:
+    """(largest, mean, scaled standard deviation) of Q/T, as :class:`Fit` keeps them; zeros where Q was
+    not told."""
+    if not (q.size > 1 and np.isfinite(q).all()):
+        return 0.0, 0.0, 0.0
+    ratio = q / t
+    mean = float(ratio.mean())
+    return float(ratio.max()), mean, float(((ratio - mean) * np.sqrt(t)).std(ddof=1))
+
+
+def _fit_of(solved: _Solved, quadratic: bool, t: np.ndarray, q: tuple[float, float, float], cfg: FitConfig,
             rival: Fit | None = None) -> Fit:
     beta = solved.beta
     return Fit(a=float(beta[0]), b=float(beta[1]), c=float(beta[2]) if quadratic else 0.0, quadratic=quadratic,
                scale=solved.scale, xtwx_inv=solved.xtwx_inv, dof=t.size - beta.size, n=int(t.size),
-               t_max=float(t.max()), q_per_token=q_per_token, level=cfg.level, relative_noise=cfg.relative_noise,
-               rival=rival)
+               t_max=float(t.max()), q_per_token=q[0], level=cfg.level, relative_noise=cfg.relative_noise,
+               q_mean=q[1], q_sd=q[2], rival=rival)
 
 
 def _check_slope(fit: Fit, cfg: FitConfig) -> Fit | NoFit:

@@ -45,6 +45,40 @@ def test_a_quadratic_is_kept_and_predicts_1_5x_the_largest_t() -> None:
     assert low < truth < high
 
 
+def _packed(rng: np.random.Generator, tokens: float) -> tuple[float, float]:
+    """(T, Q) of one micro-batch of heavy-tailed sequence lengths filled to ``tokens``."""
+    lengths = np.minimum(rng.pareto(1.5, 4096) * 24 + 8, 256).astype(int)
+    kept = lengths[: int(np.searchsorted(np.cumsum(lengths), tokens))]
+    return float(kept.sum()), float((kept.astype(float) ** 2).sum())
+
+
+def test_q_at_an_unseen_t_is_predicted_with_its_spread() -> None:
+    # A micro-batch's Q/T is its token-weighted mean length: the peak of one at an unseen T depends on
+    # lengths not drawn yet. The interval at T alone must hold fresh micro-batches there at its level;
+    # the largest Q/T seen (drawn at small T, where it strays most) would put the peak's mean too high.
+    c = 0.5 * KIB
+    inside = drawn = 0
+    for seed in range(20):
+        rng = np.random.default_rng(seed)
+        probe = [_packed(rng, tokens) for tokens in np.repeat(np.linspace(1000, 2000, 10), 2)]
+        t, q = (np.array(v) for v in zip(*probe, strict=True))
+        rise = 0.05 + 60 * KIB * t + c * q + rng.normal(0, 1 / 1024, t.size)
+        fit = fit_memory(t, rise, q)
+        assert isinstance(fit, Fit) and fit.quadratic
+        ratio = q / t
+        assert fit.sq_at(2800) == pytest.approx(ratio.mean() * 2800)
+        assert 0 < fit.sq_sd_at(2800) / 2800 < ratio.std()  # Q/T strays less in a bigger micro-batch
+        mean, low, high = fit.predict(2800)
+        assert mean < fit.predict(2800, fit.q_per_token * 2800)[0]
+        for _ in range(50):
+            t0, q0 = _packed(rng, 2800)
+            truth = 0.05 + 60 * KIB * t0 + c * q0
+            _, low0, high0 = fit.predict(t0)
+            inside += low0 <= truth <= high0
+            drawn += 1
+    assert 0.90 <= inside / drawn <= 0.995, inside / drawn
+
+
 def _rank_windows(rng: np.random.Generator, quadratic: float, offset: float) -> tuple[np.ndarray, ...]:
     """Ten windows of one rank: a probe's worth; its own intercept (an engine's buffer on one rank)."""
     t = rng.uniform(1000, 2000, 10)
