@@ -66,6 +66,16 @@ def main() -> None:
             pass
         monitor.collect()
 
+    words = memoryview(mapped)[:64].cast("q")
+    floats = memoryview(mapped)[:64].cast("d")
+
+    def item_stores() -> None:  # what a beat stores (Heartbeat.edge): seq, step, RSS, time, seq again
+        words[2] = 1
+        words[3] = 1
+        words[4] = 1
+        floats[5] = time.time()
+        words[7] = 1
+
     def pack() -> bytes:
         return record.pack(b"RMHB", 1, 0, 1, 0, 1, 1, 1, time.time(), b"update", 1)
 
@@ -75,8 +85,9 @@ def main() -> None:
         "pread /proc/meminfo (node)": lambda: os.pread(meminfo, 8192, 0),
         "write /proc/self/clear_refs (peak reset)": lambda: os.write(clear_refs, b"5"),
         "heartbeat: pwrite of the record": lambda: os.pwrite(beat, pack(), 0),
-        "heartbeat: store into the mapped record": lambda: record.pack_into(mapped, 0, b"RMHB", 1, 0, 1, 0, 1, 1, 1,
-                                                                            time.time(), b"update", 1),
+        "heartbeat: pack_into the mapped record": lambda: record.pack_into(mapped, 0, b"RMHB", 1, 0, 1, 0, 1, 1, 1,
+                                                                           time.time(), b"update", 1),
+        "heartbeat: five item stores into the map": item_stores,
         "os.getpid()": os.getpid,
         "empty call": lambda: None,
         "two edges' reads by hand (the floor)": floor_edges,
@@ -95,6 +106,8 @@ def main() -> None:
             fn()
             times += [time.perf_counter() - w, time.thread_time() - c]
         got[name].append((times[0], times[1], times[2], times[3]))
+    words.release()
+    floats.release()
     mapped.close()
     monitor.close()
     for fd in (status, statm, meminfo, clear_refs, beat):

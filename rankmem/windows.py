@@ -43,6 +43,11 @@ class Where(NamedTuple):
     phase: str | None
 
 
+# A named tuple's own constructor is a Python function: the training thread makes a Where at every step
+# through tuple's, a frame less (cold, right after compute, a frame is a few microseconds).
+_make_where = tuple.__new__
+
+
 class WindowListener(Protocol):
     """Told about edges and failures; it must not raise (the windows guard it)."""
 
@@ -164,7 +169,7 @@ class Windows:
 
     def _moved(self) -> None:
         """The step or the innermost phase changed: the ``Where`` every edge hands on."""
-        self._where = Where(self._step, self._phase_stack[-1] if self._phase_stack else None)
+        self._where = _make_where(Where, (self._step, self._phase_stack[-1] if self._phase_stack else None))
 
     # ---- edges --------------------------------------------------------------------------------------
     def _edge(self, failing: bool = False) -> tuple[int | None, DeviceReading | None]:
@@ -342,8 +347,11 @@ class _Step(_Window):
     def __exit__(self, kind: object, error: BaseException | None, tb: object) -> None:
         windows = self._windows
         rss, dev = windows._edge(error is not None)
-        if self in windows._folded:
-            windows._folded.remove(self)
+        folded = windows._folded
+        if folded[-1] is self:  # the innermost open window, as it is unless a phase was left open in it
+            folded.pop()
+        elif self in folded:
+            folded.remove(self)
         if error is not None:
             windows._failed(error, self, rss, dev)
         closed = windows._closed

@@ -4,11 +4,11 @@ after the rank is gone.
 A rank killed by SIGKILL (the kernel OOM killer's signal) runs no code, so what it was doing must
 already be in the file: each window edge overwrites one fixed-size binary record in ``<dir>/rank<r>.hb``
 through a shared memory map of the file (``os.pwrite`` where the file cannot be mapped); an edge
-stores the record from its first seq on in one store (seq, step, RSS, time, phase move; the header before
-it is written whole when it changes). The page
+stores the fields that move (seq, step, RSS, time, phase where it changed, the seq copies) one by one
+through typed views of the map; the rest is written whole when it changes. The page
 cache holds the mapped page, so the record outlives the process. No system call: a ``pwrite`` costs
 ~1 us in a loop but ~40 us right after a training step's compute has pushed the kernel's paths out of
-the caches, the store into the map ~20 us, most of it the cold interpreter (``bench/bench_cold.py``).
+the caches, the stores into the map ~5 us of cold interpreter (``bench/bench_cold.py``).
 The launcher sets ``RANKMEM_HEARTBEAT_DIR`` so that it knows where to look; a rank whose sequence
 counter stopped while the others moved on is the one that hung.
 
@@ -21,7 +21,8 @@ Record layout (little-endian, :data:`RECORD_SIZE` bytes; version 3 appends to ve
     boot_id 16 bytes (zeros: unknown), seq u64 a third time
 
 ``seq`` repeats: a reader that sees different values read the record while it was being written (a
-store into the page is not atomic against a concurrent ``read``) and reads again. ``collect marks``
+store into the page is not atomic against a concurrent ``read``) and reads again; a record that stays
+so was left by a writer stopped mid-beat, and is read as torn (:attr:`HeartbeatRecord.torn`). ``collect marks``
 count the collect edges passed (entering collect k makes it 2k+1, leaving it 2k+2): a rank stopped
 after its step window closed and before ``collect()`` is behind one that entered the collect and waits
 there, though both beat last at the same window edge.
@@ -75,13 +76,17 @@ _V2 = struct.Struct(f"<4sHHIiQqqd{PHASE_BYTES}sQ")
 _TAIL = struct.Struct(f"<{RUN_ID_BYTES}sQI16sQ")  # run id, marks, host_pid, boot_id, seq
 _RECORD = struct.Struct(_V2.format + _TAIL.format[1:])
 RECORD_SIZE = _RECORD.size
-# A beat changes only seq, step, rss, time and phase, and the third seq at the record's end: one store of
-# the record from its first seq to its end (the tail's unchanged fields rewritten as they are), in order,
-# so a reader that sees the three agree saw one beat. One ``pack_into``, not two: on the training thread,
-# right after compute, each costs ~5 us of cold interpreter (bench/bench_cold.py).
+# A beat changes only seq, step, rss, time and phase, and the two later copies of seq: it stores those
+# fields one by one through typed views of the map, the first seq first and the other two last, so a
+# reader that sees the three agree saw one beat whole. Item stores, not a ``pack_into`` of the record:
+# on the training thread, right after compute, struct's packing path costs ~14 us of cold interpreter
+# and five item stores ~5 us (bench/bench_cold.py). A writer killed between its stores leaves a torn
+# record, each moving field its last beat's or the one before's: the reader keeps it (see
+# :func:`unpack_record`); ``pack_into`` could be torn the same way, if in a shorter window.
 _BEAT_AT = struct.calcsize("<4sHHIi")
-_BEAT = struct.Struct(f"<Qqqd{PHASE_BYTES}sQ" + _TAIL.format[1:])
-assert _BEAT_AT + _BEAT.size == RECORD_SIZE, "a beat's store ends where the record does"
+_STEP_AT, _RSS_AT, _TIME_AT, _PHASE_AT = _BEAT_AT + 8, _BEAT_AT + 16, _BEAT_AT + 24, _BEAT_AT + 32
+_SEQ2_AT, _SEQ3_AT = _PHASE_AT + PHASE_BYTES, RECORD_SIZE - 8
+assert _BEAT_AT % 8 == 0 and _SEQ2_AT == _V2.size - 8 and _SEQ2_AT % 8 == 0, "the views' items are aligned"
 assert _V2.size == HEARTBEAT_RUN_ID_AT, "the run directory reads the run id at this offset"
 MAX_RANK = 1 << 24
 """A rank read from a file beyond this is damage, not a rank (16M ranks: past any cluster)."""
@@ -113,8 +118,9 @@ def heartbeat_path(directory: str, rank: int) -> str:
 
 def _phase_bytes(phase: str | None) -> bytes:
     raw = (phase or "").encode("utf-8")[:PHASE_BYTES]
-    # Never cut a multi-byte character in half: drop the partial tail.
-    return raw.decode("utf-8", "ignore").encode("utf-8")
+    # Never cut a multi-byte character in half: drop the partial tail. NUL-padded to the field: a beat
+    # stores it whole, over a longer phase's bytes.
+    return raw.decode("utf-8", "ignore").encode("utf-8").ljust(PHASE_BYTES, b"\0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +148,9 @@ class HeartbeatRecord:
     """The rank's node (its boot id); None where unknown."""
     marks: int = 0
     """Collect edges passed: 2k+1 inside collect k, 2k+2 after it (see the module docstring)."""
+    torn: bool = False
+    """The writer stopped between a beat's stores (killed, or frozen, mid-beat): step, phase, RSS and time
+    are each its last whole beat's or the next one's, and ``seq`` counts the whole beats."""
 
     @property
     def collecting(self) -> bool:
@@ -177,6 +186,7 @@ class Heartbeat:
         self._run = _run_bytes(run_id)
         self._warn_once = WarnOnce()
         self._map: mmap.mmap | None = None
+        self._views: _Views | None = None
         self._fd = self._open(directory)
         if self._fd is not None:
             self._write(0)  # the first pwrite: where the disk refuses, no map is made over a hole
@@ -185,6 +195,8 @@ class Heartbeat:
                 self._map = mmap.mmap(self._fd, RECORD_SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             except (OSError, ValueError):
                 self._map = None  # a file system that cannot map files: every beat is a pwrite
+            else:
+                self._views = _Views(self._map)
 
     def _open(self, directory: str) -> int | None:
         try:
@@ -218,20 +230,28 @@ class Heartbeat:
     def edge(self, where: Where, rss: int | None, failing: bool = False) -> None:
         """:meth:`beat` as the windows tell a listener of an edge (``WindowListener.edge``): on the host
         alone, where an edge is nothing but its heartbeat, Forensics hands this method to the windows
-        itself, a Python call less on each of the training thread's edges. One store into the mapped
-        record, from its first seq to its end (the header before it was written whole when it changed)."""
+        itself, a Python call less on each of the training thread's edges. Stores into the mapped
+        record, field by field (see :data:`_BEAT_AT`; the header was written whole when it changed)."""
         self._seq = seq = self._seq + 1
         step, phase = where.step, where.phase
-        self._step = NO_STEP if step is None else step
-        if phase != self._phase_name:  # most edges repeat the last phase: encode it once
-            self._phase_name, self._phase = phase, _phase_bytes(phase)
-        self._rss = -1 if rss is None else rss
-        mapped = self._map
-        if mapped is None:
+        self._step = step = NO_STEP if step is None else step
+        self._rss = rss = -1 if rss is None else rss
+        views = self._views
+        if views is None:
+            if phase != self._phase_name:
+                self._phase_name, self._phase = phase, _phase_bytes(phase)
             self._write(0)
             return
-        _BEAT.pack_into(mapped, _BEAT_AT, seq, self._step, self._rss, _now(), self._phase, seq, self._run, self._marks,
-                        self._host_pid, self._boot, seq)
+        words = views.words
+        words[_BEAT_AT // 8] = seq
+        words[_STEP_AT // 8] = step
+        words[_RSS_AT // 8] = rss
+        views.floats[_TIME_AT // 8] = _now()
+        if phase != self._phase_name:  # most edges repeat the last phase: encode and store it once
+            self._phase_name = phase
+            self._phase = views.raw[_PHASE_AT : _PHASE_AT + PHASE_BYTES] = _phase_bytes(phase)
+        words[_SEQ2_AT // 8] = seq
+        views.last[0] = seq
 
     def collect_edge(self) -> None:
         """Entering or leaving a collect (they alternate): see the module docstring."""
@@ -241,6 +261,9 @@ class Heartbeat:
     def close(self, clean: bool = True) -> None:
         """Mark the exit (``clean``: a normal one) and close the file; later beats are dropped."""
         self._write(_CLEAN if clean else 0)
+        if self._views is not None:
+            self._views.release()  # the map cannot close while views of it exist
+            self._views = None
         if self._map is not None:
             self._map.close()
             self._map = None
@@ -269,28 +292,52 @@ class Heartbeat:
             self._fd = None
 
 
+class _Views:
+    """Typed views of the mapped record that a beat stores through: 64-bit words (seq, step, RSS and the
+    second seq), doubles (time), the raw bytes (phase), and the last seq, which is not word-aligned."""
+
+    __slots__ = ("raw", "words", "floats", "last")
+
+    def __init__(self, mapped: mmap.mmap) -> None:
+        self.raw = memoryview(mapped)
+        aligned = self.raw[: _SEQ2_AT + 8]
+        self.words = aligned.cast("q")
+        self.floats = aligned.cast("d")
+        self.last = self.raw[_SEQ3_AT : _SEQ3_AT + 8].cast("q")
+
+    def release(self) -> None:
+        for view in (self.last, self.floats, self.words, self.raw):
+            view.release()
+
+
 def _run_bytes(run_id: str | None) -> bytes:
     valid = valid_run_id(run_id)
     return _NO_RUN if valid is None else valid.encode("ascii")
 
 
-def unpack_record(data: bytes) -> HeartbeatRecord | None:
-    """The record in ``data``, or None for a short, foreign, newer-version, half-written or damaged one
-    (a rank, pid or time no process could have written)."""
+def unpack_record(data: bytes, torn: bool = False) -> HeartbeatRecord | None:
+    """The record in ``data``, or None for a short, foreign, newer-version or damaged one (a rank, pid or
+    time no process could have written). A half-written one (its seq copies disagree) is None too,
+    unless ``torn``: then it is read as :attr:`HeartbeatRecord.torn` (the reader's last try, when the
+    writer has not finished the beat since: it stopped in the middle)."""
     if len(data) < _V2.size:
         return None
     magic, version, flags, pid, rank, seq, step, rss, t, phase, seq2 = _V2.unpack_from(data)
-    if magic != MAGIC or version not in (1, 2, VERSION) or seq != seq2:
+    if magic != MAGIC or version not in (1, 2, VERSION):
         return None
     run_id, marks, host_pid, node = None, 0, None, None
+    seqs = {seq, seq2}
     if version == VERSION:
         if len(data) < RECORD_SIZE:
             return None
         raw_run, marks, host, raw_node, seq3 = _TAIL.unpack_from(data, _V2.size)
-        if seq3 != seq:
-            return None
+        seqs.add(seq3)
         run_id = valid_run_id(raw_run.decode("ascii", "replace"))
         host_pid, node = host or None, raw_node if any(raw_node) else None
+    # A beat stores its first seq first and the others last: a torn one is one beat ahead of them.
+    if len(seqs) > 1 and not (torn and len(seqs) == 2 and max(seqs) - min(seqs) == 1 and seq == max(seqs)):
+        return None
+    seq = min(seqs)
     if not 0 <= rank < MAX_RANK or pid == 0 or not math.isfinite(t):
         return None
     # Version 1 (a rank of an older rankmem on another node) wrote -1 for "no step yet".
@@ -298,7 +345,7 @@ def unpack_record(data: bytes) -> HeartbeatRecord | None:
     return HeartbeatRecord(pid=pid, rank=rank, step=None if none else step,
                            phase=phase.rstrip(b"\0").decode("utf-8", "replace"),
                            rss_bytes=None if rss < 0 else rss, time=t, seq=seq, clean=bool(flags & _CLEAN),
-                           run_id=run_id, marks=marks, host_pid=host_pid, boot_id=node)
+                           run_id=run_id, marks=marks, host_pid=host_pid, boot_id=node, torn=len(seqs) > 1)
 
 
 MAX_FILES = 1 << 16
@@ -312,13 +359,13 @@ def read_heartbeats(directory: str, run_id: str | None = None) -> dict[int, Hear
     out: dict[int, HeartbeatRecord] = {}
     for path in glob.glob(os.path.join(glob.escape(directory), "rank*.hb"))[:MAX_FILES]:
         record = None
-        for _ in range(3):  # a torn read (seq mismatch) is retried: the writer's pwrite takes ~1 us
+        for attempt in range(3):  # a torn read (seq mismatch) is retried: a beat's stores take ~1 us
             try:
                 fd = open_regular(path, os.O_RDONLY)
             except OSError:
                 break
             try:
-                record = unpack_record(os.pread(fd, RECORD_SIZE, 0))
+                record = unpack_record(os.pread(fd, RECORD_SIZE, 0), torn=attempt == 2)
             except OSError:
                 break
             finally:

@@ -168,15 +168,25 @@ def test_a_beat_moves_its_own_fields_and_keeps_the_rest(tmp_path: Path) -> None:
 
 
 def test_a_beat_caught_half_written_reads_as_torn(tmp_path: Path) -> None:
-    # The two stores of a beat: the seq copies at the front, then the last one. Between them a
-    # reader must see a torn record, never a mix of two beats.
+    # A beat stores its first seq first, the moving fields, then the two other seq copies. A reader
+    # that meets it half-written retries; a record that stays half-written (its writer was killed
+    # mid-beat) is read at the last try as torn, its seq the whole beats', never dropped.
     hb = Heartbeat(str(tmp_path), 0)
     hb.beat(1, "a", 1)
     whole = (tmp_path / "rank0.hb").read_bytes()
     hb.beat(2, "b", 2)
     after = (tmp_path / "rank0.hb").read_bytes()
-    half = after[:-8] + whole[-8:]  # the first store done, the last not yet
-    assert _heartbeat.unpack_record(half) is None
+    seq2_at = _heartbeat._SEQ2_AT
+    for half in (after[:-8] + whole[-8:],  # all but the last seq stored
+                 after[:seq2_at] + whole[seq2_at:]):  # the first seq and the fields, no later copy yet
+        assert _heartbeat.unpack_record(half) is None
+        torn = _heartbeat.unpack_record(half, torn=True)
+        assert torn is not None and (torn.seq, torn.torn, torn.step, torn.phase, torn.rss_bytes) == (1, True, 2, "b", 2)
+        (tmp_path / "rank1.hb").write_bytes(half[:12] + struct.pack("<i", 1) + half[16:])  # as rank 1's file
+        assert read_heartbeats(str(tmp_path))[1].torn
     record = _heartbeat.unpack_record(after)
-    assert record is not None and record.seq == 2
+    assert record is not None and (record.seq, record.torn) == (2, False)
+    # Copies two or more beats apart are damage, not a beat in progress.
+    far = after[:-8] + struct.pack("<Q", 0)
+    assert _heartbeat.unpack_record(far, torn=True) is None
     hb.close()
