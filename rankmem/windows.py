@@ -338,9 +338,9 @@ class _Step(_Window):
         if windows._implicit is not None:
             windows._folded.remove(windows._implicit)
             windows._implicit = None
-        if self._label != windows._step:
-            windows._step = self._label
-            windows._moved()
+        if self._label != windows._step:  # every unnumbered step: _moved() inline, a frame less per step
+            windows._step = label = self._label
+            windows._where = _make_where(Where, (label, windows._phase_stack[-1] if windows._phase_stack else None))
         self.start(*windows._edge())
         windows._folded.append(self)
 

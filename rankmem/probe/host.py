@@ -25,6 +25,21 @@ _STATUS_BUF = 4096  # /proc/self/status is ~1.4 KB; VmHWM sits in its first half
 _MEMINFO_BUF = 8192
 
 
+
+_forks = 0
+"""Forks into this process since rankmem was imported: a child's ``os.register_at_fork`` hook counts
+them, and the window edge compares the count instead of calling ``getpid()`` (a fork that bypasses
+``os.fork``, a C library's own, is caught by :meth:`LinuxHostProbe.read`'s pid check)."""
+
+
+def _forked() -> None:
+    global _forks
+    _forks += 1
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
 class LinuxHostProbe:
     """Reads ``/proc`` and cgroup files through descriptors kept open for the life of the probe.
 
@@ -40,6 +55,7 @@ class LinuxHostProbe:
         self._reset_peaks = reset_peaks
         self._last_hwm = 0  # peak_source="edges": the VmHWM seen at the last edge
         self._pid = os.getpid()
+        self._forks = _forks
         self._page = os.sysconf("SC_PAGE_SIZE")
         self._children_enabled = children
         self._children_refresh_s = children_refresh_s
@@ -83,6 +99,7 @@ class LinuxHostProbe:
 
     def check_fork(self) -> None:
         # Descriptors opened on /proc/PID follow the PID, not the caller: a forked child must reopen.
+        self._forks = _forks
         if os.getpid() != self._pid:
             self.close()
             self._pid = os.getpid()
@@ -117,7 +134,7 @@ class LinuxHostProbe:
     def edge(self) -> tuple[int | None, int | None]:
         """The window-edge read: current RSS and the peak since the last edge, then the peak reset.
         Every step's hot path: the reads of :meth:`rss_and_peak` and :meth:`reset_peak` inline."""
-        if os.getpid() != self._pid:
+        if _forks != self._forks:  # a number compared, not getpid(): a system call, cold on every edge
             self.check_fork()
         data = None
         if self._status is not None:
