@@ -167,6 +167,7 @@ STUCK_STATES = {
     "t": "its process was stopped by a debugger (state t)",
     "D": "its process was in uninterruptible sleep (state D: waiting in the kernel, e.g. on I/O or a driver)",
 }
+STOPPED = ("T", "t")
 
 
 class RankStates:
@@ -183,7 +184,7 @@ class RankStates:
         self._proc = proc
         self.last: dict[int, str] = {}
         """Rank -> its state at the last sample that found its process alive."""
-        self._stuck_at: dict[int, int] = {}  # rank -> its heartbeat seq when it was last seen stuck
+        self._stopped_at: dict[int, tuple[int, int]] = {}  # rank -> (pid, heartbeat seq) when last seen stopped
 
     def sample(self, root_pid: int, heartbeats: dict[int, HeartbeatRecord]) -> None:
         local = _procfs.descendants(root_pid, self._proc)
@@ -198,15 +199,16 @@ class RankStates:
             # A dying process passes through Z (zombie) and X: keep what it was doing while alive, or a
             # rank stopped until torchrun killed it would read as merely dead. Likewise a stopped rank
             # continued only to act on torchrun's SIGTERM runs for a moment without beating again: while
-            # its heartbeat has not moved, it is still the rank that was stopped.
+            # its heartbeat has not moved, it is still the rank that was stopped. Only a stop is kept so:
+            # a healthy rank passes through D (I/O, a driver call) and then waits, beatless, for the hung one.
             if state is None or state in ("Z", "X"):
                 continue
-            if state in STUCK_STATES:
-                self._stuck_at[beat.rank] = beat.seq
-            elif self._stuck_at.get(beat.rank) == beat.seq:
+            if state in STOPPED:
+                self._stopped_at[beat.rank] = (beat.pid, beat.seq)
+            elif self._stopped_at.get(beat.rank) == (beat.pid, beat.seq):
                 continue
             else:
-                self._stuck_at.pop(beat.rank, None)
+                self._stopped_at.pop(beat.rank, None)
             self.last[beat.rank] = state
 
 

@@ -98,12 +98,14 @@ class Fit:
     """The standard deviation of ``(Q/T - q_mean) * sqrt(T)`` over the windows: how far the heaviest
     micro-batch's Q/T strays from its mean, in units that do not shrink as a micro-batch holds more
     sequences (see :meth:`sq_at`)."""
+    q_mean_se: float = 0.0
+    """The standard error of :attr:`q_mean`: ``q_sd * sqrt(mean(1/T) / n)``."""
     rival: Fit | None = None
     """The quadratic fit a line was kept over, where Q varies apart from T but the test could not tell
     the two apart: its interval is joined to the line's (:meth:`predict`)."""
 
     def predict(self, tokens: float, sq_tokens: float | None = None) -> tuple[float, float, float]:
-        """(rise, low, high) at ``tokens`` (and ``sq_tokens``, else T times :attr:`q_per_token`). With a
+        """(rise, low, high) at ``tokens`` (and ``sq_tokens``, else :meth:`sq_at` with its spread). With a
         :attr:`rival`, the interval spans both models': where Q moved with T in the windows seen, a line
         that leaves it out is off at another Q/T by more than its own interval says (bench/RESULTS.md:
         the line fits held the worst errors and both advised budgets over the bisected one)."""
@@ -131,11 +133,12 @@ class Fit:
         ~1,900, 15.1 at ~2,700, where 1/sqrt(T) says 14.5). Taking the largest Q/T seen instead, at the
         small T where it strays most, and the full interval on top of it, put the advice 11% under the
         bisected budget (bench/RESULTS.md)."""
-        return self.q_sd * math.sqrt(max(tokens, 0.0))
+        t = max(tokens, 0.0)
+        return math.sqrt(self.q_sd**2 * t + (self.q_mean_se * t)**2)  # the next draw's, and the mean's
 
     def per_token(self) -> float:
-        """The rise per token at the Q/T seen: the slope the imbalance split uses."""
-        return self.b + self.c * self.q_per_token
+        """The rise per token at the mean Q/T seen: the slope the imbalance split uses."""
+        return self.b + self.c * self.q_mean
 
 
 def _usable(tokens: np.ndarray, rise: np.ndarray, sq_tokens: np.ndarray | None) -> tuple[np.ndarray, ...]:
@@ -194,7 +197,7 @@ def fit_memory(tokens: np.ndarray, rise: np.ndarray, sq_tokens: np.ndarray | Non
         return NoFit("flat", f"the heaviest micro-batch's tokens barely vary ({t.min():.0f}..{t.max():.0f}): vary "
                              f"the token budget over a few steps, or run longer on varied data")
     use_q = _q_separable(t, q, cfg)
-    q_per_token, q_mean, q_sd = _q_spread(t, q)
+    spread = _q_spread(t, q)
     line = _huber(np.column_stack([np.ones_like(t), t]), y, cfg)
     rival: Fit | None = None
     chosen, kept = line, False
@@ -205,33 +208,34 @@ def fit_memory(tokens: np.ndarray, rise: np.ndarray, sq_tokens: np.ndarray | Non
         if quad.beta[2] > 0 and se_c > 0 and tested:
             chosen, kept = quad, True
         elif quad.beta[2] > 0:
-            rival = _fit_of(quad, True, t, (q_per_token, q_mean, q_sd), cfg)
-    fit = _fit_of(chosen, kept, t, (q_per_token, q_mean, q_sd), cfg, rival)
+            rival = _fit_of(quad, True, t, spread, cfg)
+    fit = _fit_of(chosen, kept, t, spread, cfg, rival)
     return _check_slope(fit, cfg)
 
 
-def _q_spread(t: np.ndarray, q: np.ndarray) -> tuple[float, float, float]:
-    """(largest, mean, scaled standard deviation) of Q/T, as :class:`Fit` keeps them; zeros where Q was
-    not told."""
+def _q_spread(t: np.ndarray, q: np.ndarray) -> tuple[float, float, float, float]:
+    """(largest, mean, scaled standard deviation, the mean's standard error) of Q/T, as :class:`Fit`
+    keeps them; zeros where Q was not told."""
     if not (q.size > 1 and np.isfinite(q).all()):
-        return 0.0, 0.0, 0.0
+        return 0.0, 0.0, 0.0, 0.0
     ratio = q / t
     mean = float(ratio.mean())
-    return float(ratio.max()), mean, float(((ratio - mean) * np.sqrt(t)).std(ddof=1))
+    sd = float(((ratio - mean) * np.sqrt(t)).std(ddof=1))
+    return float(ratio.max()), mean, sd, sd * math.sqrt(float(np.mean(1.0 / t)) / t.size)
 
 
-def _fit_of(solved: _Solved, quadratic: bool, t: np.ndarray, q: tuple[float, float, float], cfg: FitConfig,
+def _fit_of(solved: _Solved, quadratic: bool, t: np.ndarray, q: tuple[float, float, float, float], cfg: FitConfig,
             rival: Fit | None = None) -> Fit:
     beta = solved.beta
     return Fit(a=float(beta[0]), b=float(beta[1]), c=float(beta[2]) if quadratic else 0.0, quadratic=quadratic,
                scale=solved.scale, xtwx_inv=solved.xtwx_inv, dof=t.size - beta.size, n=int(t.size),
                t_max=float(t.max()), q_per_token=q[0], level=cfg.level, relative_noise=cfg.relative_noise,
-               q_mean=q[1], q_sd=q[2], rival=rival)
+               q_mean=q[1], q_sd=q[2], q_mean_se=q[3], rival=rival)
 
 
 def _check_slope(fit: Fit, cfg: FitConfig) -> Fit | NoFit:
     """The rise per token, ``b + c*Q/T``, must stand above its standard error."""
-    g = np.array([0.0, 1.0, fit.q_per_token] if fit.quadratic else [0.0, 1.0])
+    g = np.array([0.0, 1.0, fit.q_mean] if fit.quadratic else [0.0, 1.0])
     se = fit.scale * math.sqrt(max(float(g @ fit.xtwx_inv @ g), 0.0))
     slope = fit.per_token()
     if not slope > cfg.t_slope * se:

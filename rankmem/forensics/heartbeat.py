@@ -77,8 +77,11 @@ _TAIL = struct.Struct(f"<{RUN_ID_BYTES}sQI16sQ")  # run id, marks, host_pid, boo
 _RECORD = struct.Struct(_V2.format + _TAIL.format[1:])
 RECORD_SIZE = _RECORD.size
 # A beat changes only seq, step, rss, time and phase, and the two later copies of seq: it stores those
-# fields one by one through typed views of the map, the first seq first and the other two last, so a
-# reader that sees the three agree saw one beat whole. Item stores, not a ``pack_into`` of the record:
+# fields one by one through typed views of the map, the last copy first, then the middle one, the fields,
+# and the first copy last. A reader copies the record in ascending order (first copy, fields, the later
+# copies): where it saw any field of the new beat, it then sees the later copies new too, and the first
+# copy old or new as it read it; the three agree only where it saw one beat whole. Item stores, not a
+# ``pack_into`` of the record:
 # on the training thread, right after compute, struct's packing path costs ~14 us of cold interpreter
 # and five item stores ~5 us (bench/bench_cold.py). A writer killed between its stores leaves a torn
 # record, each moving field its last beat's or the one before's: the reader keeps it (see
@@ -245,15 +248,15 @@ class Heartbeat:
             self._write(0)
             return
         words = views.words
-        words[_SEQ_I] = seq
+        views.last[0] = seq  # the later copies first, the first copy last: see _BEAT_AT
+        words[_SEQ2_I] = seq
         words[_STEP_I] = step
         words[_RSS_I] = rss
         views.floats[_TIME_I] = _now()
         if phase != self._phase_name:  # most edges repeat the last phase: encode and store it once
             self._phase_name = phase
             self._phase = views.raw[_PHASE_AT : _PHASE_AT + PHASE_BYTES] = _phase_bytes(phase)
-        words[_SEQ2_I] = seq
-        views.last[0] = seq
+        words[_SEQ_I] = seq
 
     def collect_edge(self) -> None:
         """Entering or leaving a collect (they alternate): see the module docstring."""
@@ -336,8 +339,8 @@ def unpack_record(data: bytes, torn: bool = False) -> HeartbeatRecord | None:
         seqs.add(seq3)
         run_id = valid_run_id(raw_run.decode("ascii", "replace"))
         host_pid, node = host or None, raw_node if any(raw_node) else None
-    # A beat stores its first seq first and the others last: a torn one is one beat ahead of them.
-    if len(seqs) > 1 and not (torn and len(seqs) == 2 and max(seqs) - min(seqs) == 1 and seq == max(seqs)):
+    # A beat stores the later copies first and the first copy last: in a torn one they are one beat ahead.
+    if len(seqs) > 1 and not (torn and len(seqs) == 2 and max(seqs) - min(seqs) == 1 and seq == min(seqs)):
         return None
     seq = min(seqs)
     if not 0 <= rank < MAX_RANK or pid == 0 or not math.isfinite(t):

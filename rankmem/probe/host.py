@@ -99,12 +99,12 @@ class LinuxHostProbe:
 
     def check_fork(self) -> None:
         # Descriptors opened on /proc/PID follow the PID, not the caller: a forked child must reopen.
-        self._forks = _forks
         if os.getpid() != self._pid:
             self.close()
             self._pid = os.getpid()
             self._children_statm.expire()
             self._open()
+        self._forks = _forks  # after the reopen: until then the edge keeps coming here
 
     def rss(self) -> int | None:
         data = _procfs.pread(self._statm, 256)

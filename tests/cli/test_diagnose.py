@@ -197,6 +197,13 @@ def test_rank_states_read_only_the_launched_job(tmp_path: Path) -> None:
     assert states.last == {0: "S", 1: "T"}
     states.sample(100, {**beats, 1: beat(1, 102, 4, seq=beats[1].seq + 1)})
     assert states.last == {0: "S", 1: "R"}
+    # Rank 0 passed through D (a driver call) and now waits in a collective, beatless: it is waiting,
+    # not in D for good (only a stop is kept while the heartbeat stands still).
+    proc_file(101, "stat", "101 (python) D 100")
+    states.sample(100, beats)
+    proc_file(101, "stat", "101 (python) S 100")
+    states.sample(100, beats)
+    assert states.last[0] == "S"
 
 
 def test_stall_on_the_launchers_own_timeout_without_torchrun_output() -> None:

@@ -71,7 +71,13 @@ def freeze(pid: int) -> None:
     read straight after ``kill`` can predate the rank's last beat (it may still enter another phase)."""
     os.kill(pid, signal.SIGSTOP)
     deadline = time.monotonic() + 10
-    while Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] not in ("T", "t"):
+    while True:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+        except FileNotFoundError:
+            raise AssertionError(f"rank {pid} exited before SIGSTOP stopped it") from None
+        if state in ("T", "t"):
+            return
         assert time.monotonic() < deadline, f"rank {pid} did not stop within 10 s of SIGSTOP"
         time.sleep(0.005)
 

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import struct
 import time
+import types
 from pathlib import Path
 
 import pytest
 
 from rankmem.forensics import heartbeat as _heartbeat
 from rankmem.forensics.heartbeat import RECORD_SIZE, Heartbeat, heartbeat_dir, read_heartbeats
+from rankmem.windows import Where
 
 
 def test_beat_round_trip(tmp_path: Path) -> None:
@@ -167,26 +170,96 @@ def test_a_beat_moves_its_own_fields_and_keeps_the_rest(tmp_path: Path) -> None:
     hb.close()
 
 
+def _regions() -> list[tuple[int, int]]:
+    """The record's byte ranges as a beat touches them: header, seq, step, rss, time, phase, seq copy,
+    tail, last seq copy (ascending, as a reader copies them)."""
+    cuts = [0, _heartbeat._BEAT_AT, _heartbeat._STEP_AT, _heartbeat._RSS_AT, _heartbeat._TIME_AT,
+            _heartbeat._PHASE_AT, _heartbeat._SEQ2_AT, _heartbeat._SEQ2_AT + 8, _heartbeat._SEQ3_AT, RECORD_SIZE]
+    return list(zip(cuts, cuts[1:], strict=False))
+
+
+class _Stores:
+    """Stands in for the beat's views of the map and notes the offset of each store, in order."""
+
+    def __init__(self, offsets: list[int], base: int = 0, item: int = 8) -> None:
+        self.offsets, self.base, self.item = offsets, base, item
+
+    def __setitem__(self, key: int | slice, value: object) -> None:
+        start = key.start if isinstance(key, slice) else key * self.item
+        self.offsets.append(self.base + start)
+
+
+def _store_order() -> list[int]:
+    """The offsets a real beat stores at, in the order it stores them (phase changing)."""
+    offsets: list[int] = []
+    views = types.SimpleNamespace(words=_Stores(offsets), floats=_Stores(offsets), raw=_Stores(offsets, item=1),
+                                  last=_Stores(offsets, base=_heartbeat._SEQ3_AT))
+    hb = Heartbeat.__new__(Heartbeat)
+    hb._seq, hb._phase_name, hb._views = 0, None, views
+    hb.edge(Where(1, "p"), 1)
+    return offsets
+
+
+def _writer_states(whole: bytes, after: bytes) -> list[bytes]:
+    """The record after each store of the beat that turns ``whole`` into ``after``, in the order the
+    writer stores (:func:`_store_order`)."""
+    starts = {lo: (lo, hi) for lo, hi in _regions()}
+    order = [starts[at] for at in _store_order()]
+    moving = [r for i, r in enumerate(_regions()) if i not in (0, 7)]  # not the header, not the tail
+    assert sorted(order) == moving, "a beat stores every moving field once, and nothing else"
+    states, cur = [whole], bytearray(whole)
+    for lo, hi in order:
+        cur[lo:hi] = after[lo:hi]
+        states.append(bytes(cur))
+    assert states[-1] == after
+    return states
+
+
+def test_a_reader_racing_a_beat_sees_one_beat_whole_or_a_torn_one(tmp_path: Path) -> None:
+    # A reader copies the record in ascending order while the writer stores a beat: every region it
+    # copies comes from the record as it stood at some store, never earlier than the region before
+    # it. Over every such read, what it takes for a whole record is one of the two beats.
+    hb = Heartbeat(str(tmp_path), 0)
+    hb.beat(1, "a" * 20, 1)
+    whole = (tmp_path / "rank0.hb").read_bytes()
+    hb.beat(2, "b", 2)
+    after = (tmp_path / "rank0.hb").read_bytes()
+    hb.close()
+    beats = {(r.seq, r.step, r.phase, r.rss_bytes, r.time) for r in map(_heartbeat.unpack_record, (whole, after))
+             if r is not None}
+    assert len(beats) == 2
+    states, regions = _writer_states(whole, after), _regions()
+    seen = accepted = 0
+    for picks in itertools.combinations_with_replacement(range(len(states)), len(regions)):
+        read = b"".join(states[s][lo:hi] for s, (lo, hi) in zip(picks, regions, strict=True))
+        record = _heartbeat.unpack_record(read)
+        seen += 1
+        if record is not None:
+            accepted += 1
+            assert (record.seq, record.step, record.phase, record.rss_bytes, record.time) in beats, picks
+    assert seen > 10_000 and accepted > 0
+
+
 def test_a_beat_caught_half_written_reads_as_torn(tmp_path: Path) -> None:
-    # A beat stores its first seq first, the moving fields, then the two other seq copies. A reader
-    # that meets it half-written retries; a record that stays half-written (its writer was killed
-    # mid-beat) is read at the last try as torn, its seq the whole beats', never dropped.
+    # A record its writer left between a beat's stores (killed, or frozen, mid-beat) fails the
+    # reader's tries and is read at the last one as torn: its seq the whole beats', each moving field
+    # its last beat's or the next's. Never dropped.
     hb = Heartbeat(str(tmp_path), 0)
     hb.beat(1, "a", 1)
     whole = (tmp_path / "rank0.hb").read_bytes()
     hb.beat(2, "b", 2)
     after = (tmp_path / "rank0.hb").read_bytes()
-    seq2_at = _heartbeat._SEQ2_AT
-    for half in (after[:-8] + whole[-8:],  # all but the last seq stored
-                 after[:seq2_at] + whole[seq2_at:]):  # the first seq and the fields, no later copy yet
+    for half in _writer_states(whole, after)[1:-1]:
         assert _heartbeat.unpack_record(half) is None
         torn = _heartbeat.unpack_record(half, torn=True)
-        assert torn is not None and (torn.seq, torn.torn, torn.step, torn.phase, torn.rss_bytes) == (1, True, 2, "b", 2)
+        assert torn is not None and (torn.seq, torn.torn) == (1, True)
+        assert torn.step in (1, 2) and torn.phase in ("a", "b") and torn.rss_bytes in (1, 2)
         (tmp_path / "rank1.hb").write_bytes(half[:12] + struct.pack("<i", 1) + half[16:])  # as rank 1's file
         assert read_heartbeats(str(tmp_path))[1].torn
     record = _heartbeat.unpack_record(after)
-    assert record is not None and (record.seq, record.torn) == (2, False)
-    # Copies two or more beats apart are damage, not a beat in progress.
-    far = after[:-8] + struct.pack("<Q", 0)
-    assert _heartbeat.unpack_record(far, torn=True) is None
+    assert record is not None and (record.seq, record.torn, record.step, record.phase) == (2, False, 2, "b")
+    # Copies two or more beats apart, or the first copy ahead of the later ones, are damage.
+    assert _heartbeat.unpack_record(after[:-8] + struct.pack("<Q", 0), torn=True) is None
+    at = _heartbeat._BEAT_AT
+    assert _heartbeat.unpack_record(whole[:at] + after[at : at + 8] + whole[at + 8 :], torn=True) is None
     hb.close()
