@@ -81,9 +81,8 @@ RECORD_SIZE = _RECORD.size
 # and the first copy last. A reader copies the record in ascending order (first copy, fields, the later
 # copies): where it saw any field of the new beat, it then sees the later copies new too, and the first
 # copy old or new as it read it; the three agree only where it saw one beat whole. Item stores, not a
-# ``pack_into`` of the record:
-# on the training thread, right after compute, struct's packing path costs ~14 us of cold interpreter
-# and five item stores ~5 us (bench/bench_cold.py). A writer killed between its stores leaves a torn
+# ``pack_into`` of the record: on the training thread, right after compute, struct's packing path costs
+# ~14 us of cold interpreter and five item stores ~5 us (bench/bench_cold.py). A writer killed between its stores leaves a torn
 # record, each moving field its last beat's or the one before's: the reader keeps it (see
 # :func:`unpack_record`); ``pack_into`` could be torn the same way, if in a shorter window.
 _BEAT_AT = struct.calcsize("<4sHHIi")

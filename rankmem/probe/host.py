@@ -24,8 +24,6 @@ from rankmem.probe.children import ChildrenUss
 _STATUS_BUF = 4096  # /proc/self/status is ~1.4 KB; VmHWM sits in its first half
 _MEMINFO_BUF = 8192
 
-
-
 _forks = 0
 """Forks into this process since rankmem was imported: a child's ``os.register_at_fork`` hook counts
 them, and the window edge compares the count instead of calling ``getpid()`` (a fork that bypasses
