@@ -10,13 +10,14 @@ Prints, over every seed in DIR of that attention path:
 2. how well the windows pin the Q term: the spread of the fitted ``c`` over seeds (the model is the same
    on every seed, so its true ``c`` is one number), its correlation with ``b``, and with the held-out bias;
 3. the interval's run-to-run term: held-out coverage and the advice at a few
-   :attr:`rankmem.fit.FitConfig.relative_noise` values.
+   :attr:`rankmem.fit.FitConfig.relative_noise` values;
+4. what the resident memory between steps is made of, step by step (where the run logs carry the
+   bench's ``bench/rss_*`` split): anonymous and file pages over the first probe window's, mean over seeds.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -24,11 +25,14 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_advise import evaluate  # type: ignore[import-not-found]  # noqa: E402
 
 from rankmem.core.catalogue import phase_key, work_key  # noqa: E402
-from rankmem.fit import FitConfig  # noqa: E402
+from rankmem.fit import Fit, FitConfig  # noqa: E402
 from rankmem.offline import Run, read_run  # noqa: E402
-from rankmem.offline.advice import EXTRAPOLATION, Limit, advise_rank, fit_ranks  # noqa: E402
+from rankmem.offline.advice import EXTRAPOLATION, fit_ranks  # noqa: E402
 
 WARMUP = 2  # bench_advise's warm-up steps at the start of the probe
 
@@ -61,13 +65,13 @@ def q_term(seeds: list[tuple[Run, Run]]) -> None:
     for probe, held in seeds:
         for rank, pf in enumerate(fit_ranks(probe, "update", warmup=WARMUP)):
             m = pf.model
-            if not getattr(m, "quadratic", False):
+            if not (isinstance(m, Fit) and m.quadratic):
                 continue  # a line (SDPA) has no Q term to pin
             t, q, y = windows(held, rank, 0)
-            keep = t <= EXTRAPOLATION * m.t_max  # type: ignore[union-attr]
+            keep = t <= EXTRAPOLATION * m.t_max
             rise = y[keep] - pf.baseline
-            pred = np.array([m.predict(a, b)[0] for a, b in zip(t[keep], q[keep], strict=True)])  # type: ignore[union-attr]
-            rows.append((m.c * 2**30, m.b * 2**20, float(np.mean((pred - rise) / rise)) * 100))  # type: ignore[union-attr]
+            pred = np.array([m.predict(a, b)[0] for a, b in zip(t[keep], q[keep], strict=True)])
+            rows.append((m.c * 2**30, m.b * 2**20, float(np.mean((pred - rise) / rise)) * 100))
     if len(rows) < 2:
         print("2. no rank fit kept the Q term")
         return
@@ -77,33 +81,37 @@ def q_term(seeds: list[tuple[Run, Run]]) -> None:
           f"corr(b, c) {np.corrcoef(a[:, 0], a[:, 1])[0, 1]:+.2f}; corr(c, held-out bias) {np.corrcoef(a[:, 0], a[:, 2])[0, 1]:+.2f}")
 
 
-def noise_term(dirs: list[str], seeds: list[tuple[Run, Run]]) -> None:
+def noise_term(dirs: list[str]) -> None:
     print("3. the interval's run-to-run term:")
     for noise in (0.0, 0.0075, 0.015, 0.0225):
-        cfg = FitConfig(relative_noise=noise)
-        ratios, inside, tops_out = [], [], 0
-        for out, (probe, held) in zip(dirs, seeds, strict=True):
-            with open(os.path.join(out, "bench.json")) as f:
-                truth = json.load(f)
-            budgets = probe.series["bench/budget"][WARMUP:]
-            overshoot = max(1.0, float(np.nanmax(probe.series[work_key("update", "mb_tokens")][WARMUP:] / budgets)))
-            advised, top_ok = [], True
-            for rank, pf in enumerate(fit_ranks(probe, "update", warmup=WARMUP, config=cfg)):
-                t, q, y = windows(held, rank, 0)
-                trusted = np.nonzero(t <= EXTRAPOLATION * pf.model.t_max)[0]  # type: ignore[union-attr]
-                for i in trusted:
-                    _, low, high = pf.peak(float(t[i]), float(q[i]))
-                    inside.append(low <= y[i] <= high)
-                top = trusted[int(np.argmax(y[trusted]))]
-                _, low, high = pf.peak(float(t[top]), float(q[top]))
-                top_ok &= bool(low <= y[top] <= high)
-                advice = advise_rank(pf, Limit(truth["usable"], "bench", 0.0))
-                advised.append(advice.max_tokens if not isinstance(advice, str) else 0)
-            tops_out += not top_ok
-            ratios.append(min(advised) / overshoot / truth["bisected"])
-        print(f"   relative_noise {noise:.4f}: held-out windows outside {1 - np.mean(inside):.1%}, seeds whose held-out "
-              f"peak fell outside {tops_out}/{len(seeds)}, advised / bisected min {min(ratios):.3f} median "
-              f"{statistics.median(ratios):.3f}, over the bisected in {sum(r > 1 for r in ratios)}")
+        rows = [evaluate(out, FitConfig(relative_noise=noise)) for out in dirs]
+        outside = sum((1 - r["coverage"]) * r["windows"] for r in rows) / sum(r["windows"] for r in rows)
+        ratios = [r["advised"] / r["bisected"] for r in rows]
+        print(f"   relative_noise {noise:.4f}: held-out windows outside {outside:.1%}, seeds whose held-out peak fell "
+              f"outside {sum(not r['peak_inside'] for r in rows)}/{len(rows)}, advised / bisected min {min(ratios):.3f} "
+              f"median {statistics.median(ratios):.3f}, over the bisected in {sum(r > 1 for r in ratios)}")
+
+
+def resident_split(seeds: list[tuple[Run, Run]]) -> None:
+    keys = ("bench/rss_anon_gib", "bench/rss_file_gib", "bench/anon_before_gib")
+    if not all(k in probe.series for probe, _ in seeds for k in keys):
+        print("4. no resident split in these run logs (bench_advise.py records it from this version on)")
+        return
+    print("4. between-step resident memory over the first probe window's, MiB, mean over seeds and ranks "
+          "(anon: heap and mmap'd blocks; file: code and data faulted in; anon before: at the window's start):")
+    rows = []  # per (seed, rank): the step-by-step series of the probe then the held-out run
+    for probe, held in seeds:
+        both = {k: np.r_[probe.series[k][WARMUP:], held.series[k]] for k in (*keys, "bench/budget")}
+        for rank in range(probe.world_size):
+            rows.append({k: np.asarray(v[:, rank], dtype=np.float64) for k, v in both.items()})
+    n = min(r["bench/budget"].size for r in rows)
+    marks = sorted({0, 1, n // 4, n // 2, n - 1} | {i for i in range(n) if i < 40 and i % 5 == 4})
+    for i in (m for m in marks if m < n):
+        anon = np.mean([(r["bench/rss_anon_gib"][i] - r["bench/rss_anon_gib"][0]) * 1024 for r in rows])
+        file = np.mean([(r["bench/rss_file_gib"][i] - r["bench/rss_file_gib"][0]) * 1024 for r in rows])
+        before = np.mean([(r["bench/anon_before_gib"][i] - r["bench/anon_before_gib"][0]) * 1024 for r in rows])
+        budget = statistics.median(float(r["bench/budget"][i]) for r in rows)
+        print(f"   window {i:2d} (budget {budget:.0f}): anon {anon:+6.2f}, file {file:+6.2f}, anon before {before:+6.2f}")
 
 
 def main() -> None:
@@ -121,7 +129,8 @@ def main() -> None:
     print(f"{args.attention}: {len(dirs)} seeds from {args.out}")
     shape(seeds)
     q_term(seeds)
-    noise_term(dirs, seeds)
+    noise_term(dirs)
+    resident_split(seeds)
 
 
 if __name__ == "__main__":

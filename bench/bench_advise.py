@@ -139,17 +139,36 @@ def run_steps(w: Any, monitor: Any, draw: Any, plan: list[tuple[int, int]]) -> l
     rows = []
     for n, (budget, data_step) in enumerate(plan):
         w.config.max_token_len = budget
+        before = resident_parts()["rss_anon"]
         with monitor.step(n), w.phase("update"):
             w.train_batch(draw(data_step, budget), sft_loss)
-        monitor.collect({"bench/budget": budget})
+        # What the resident memory between steps is made of (bench/advise_diagnostics.py reads it back): anonymous
+        # pages (heap, mmap'd blocks) apart from file pages (library code and data faulted in as kernels first run).
+        monitor.collect({"bench/budget": budget, "bench/anon_before_gib": before,
+                         **{f"bench/{k}_gib": v for k, v in resident_parts().items()}})
         record = monitor.last_record
         assert record is not None
         rows.append(record.ranks)
     return rows
 
 
-def evaluate(out: str) -> dict[str, Any]:
-    """One seed's figures from its run logs."""
+def resident_parts() -> dict[str, float]:
+    """This process's RssAnon, RssFile and RssShmem from /proc/self/status, in GiB (nan where not Linux)."""
+    fields = {"RssAnon": "rss_anon", "RssFile": "rss_file", "RssShmem": "rss_shmem"}
+    parts = dict.fromkeys(fields.values(), float("nan"))
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                name, _, value = line.partition(":")
+                if name in fields:
+                    parts[fields[name]] = int(value.split()[0]) / 2**20  # kB
+    except OSError:
+        pass
+    return parts
+
+
+def evaluate(out: str, config: Any = None) -> dict[str, Any]:
+    """One seed's figures from its run logs; ``config`` a :class:`rankmem.fit.FitConfig` (None: the default)."""
     import numpy as np
 
     from rankmem.core.catalogue import phase_key, work_key
@@ -165,7 +184,7 @@ def evaluate(out: str) -> dict[str, Any]:
     advised = []
     budgets = probe.series["bench/budget"]
     overshoot = max(1.0, float(np.nanmax(probe.series[work_key("update", "mb_tokens")][2:] / budgets[2:])))
-    for rank, pf in enumerate(fit_ranks(probe, "update", warmup=2)):
+    for rank, pf in enumerate(fit_ranks(probe, "update", warmup=2, config=config)):
         if not isinstance(pf.model, Fit):
             raise SystemExit(f"{out}: rank {rank}: no fit: {pf.model.reason}")
         quadratic += pf.model.quadratic
