@@ -12,12 +12,18 @@ Prints, over every seed in DIR of that attention path:
 3. the interval's run-to-run term: held-out coverage and the advice at a few
    :attr:`rankmem.fit.FitConfig.relative_noise` values;
 4. what the resident memory between steps is made of, step by step (where the run logs carry the
-   bench's ``bench/rss_*`` split): anonymous and file pages over the first probe window's, mean over seeds.
+   bench's ``bench/rss_*`` split): anonymous and file pages over the first probe window's, mean over seeds;
+5. what holds the advice under the bisected budget: per rank fit, the held-out bias (the mean of true
+   minus predicted rise over its held-out windows, each at its own T and Q: the fit's own error where it
+   extrapolates) and the interval's half-width at the advised T, and per seed how the advice's ratio to
+   the bisected budget follows the worse of its ranks' biases; the lowest seeds in full.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
 import statistics
 import sys
@@ -32,7 +38,7 @@ from bench_advise import evaluate  # type: ignore[import-not-found]  # noqa: E40
 from rankmem.core.catalogue import phase_key, work_key  # noqa: E402
 from rankmem.fit import Fit, FitConfig  # noqa: E402
 from rankmem.offline import Run, read_run  # noqa: E402
-from rankmem.offline.advice import EXTRAPOLATION, fit_ranks  # noqa: E402
+from rankmem.offline.advice import EXTRAPOLATION, Advice, Limit, advise_rank, fit_ranks  # noqa: E402
 
 WARMUP = 2  # bench_advise's warm-up steps at the start of the probe
 
@@ -114,6 +120,48 @@ def resident_split(seeds: list[tuple[Run, Run]]) -> None:
         print(f"   window {i:2d} (budget {budget:.0f}): anon {anon:+6.2f}, file {file:+6.2f}, anon before {before:+6.2f}")
 
 
+def shortfall(dirs: list[str], seeds: list[tuple[Run, Run]]) -> None:
+    print("5. what holds the advice down (bias: mean true - predicted rise over a rank's held-out windows, MiB; "
+          "half: the interval's half-width at the advised T, MiB; Q: its Q-spread part):")
+    per_seed = []  # (ratio, worst bias, text)
+    biases, halves = [], []
+    for out, (probe, held) in zip(dirs, seeds, strict=True):
+        row = evaluate(out)
+        with open(os.path.join(out, "bench.json")) as f:
+            usable = float(json.load(f)["usable"])
+        parts, worst = [], math.inf
+        for rank, pf in enumerate(fit_ranks(probe, "update", warmup=WARMUP)):
+            m = pf.model
+            advice = advise_rank(pf, Limit(usable, "bench", 0.0))
+            if not (isinstance(m, Fit) and isinstance(advice, Advice)):
+                continue
+            t, q, y = windows(held, rank, 0)
+            keep = t <= EXTRAPOLATION * m.t_max
+            pred = np.array([m.predict(a, b)[0] for a, b in zip(t[keep], q[keep], strict=True)])
+            bias = float(np.mean(y[keep] - pf.baseline - pred)) * 1024
+            mean, _, high = m.predict(float(advice.max_tokens))
+            half = (high - mean) * 1024
+            biases.append(bias)
+            halves.append(half)
+            worst = min(worst, bias)
+            parts.append(f"rank {rank}: T {advice.max_tokens:.0f}, bias {bias:+.1f}, half {half:.1f} "
+                         f"(Q {m.c * m.sq_sd_at(advice.max_tokens) * 1024:.1f}, scatter {m.scale * 1024:.1f}), "
+                         f"c {m.c * 2**30:.0f} B")
+        per_seed.append((row["advised"] / row["bisected"], worst, f"{os.path.basename(out)} (bisected {row['bisected']}): "
+                         + "; ".join(parts)))
+    if len(per_seed) < 3:
+        print("   too few seeds")
+        return
+    b, h = np.array(biases), np.array(halves)
+    ratio, worst_bias = np.array([r[0] for r in per_seed]), np.array([r[1] for r in per_seed])
+    print(f"   bias over {b.size} rank fits: 5/25/50/75/95th percentiles "
+          f"{' / '.join(f'{v:+.1f}' for v in np.percentile(b, [5, 25, 50, 75, 95]))} MiB; half-width median {np.median(h):.1f} "
+          f"({np.percentile(h, 5):.1f}..{np.percentile(h, 95):.1f}); corr(advised / bisected, the worse rank's bias) "
+          f"{np.corrcoef(ratio, worst_bias)[0, 1]:+.2f}")
+    for r, _, text in sorted(per_seed)[:5]:
+        print(f"   {r:.3f} {text}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("out", help="an earlier `bench_advise.py --out` directory")
@@ -131,6 +179,7 @@ def main() -> None:
     q_term(seeds)
     noise_term(dirs)
     resident_split(seeds)
+    shortfall(dirs, seeds)
 
 
 if __name__ == "__main__":
