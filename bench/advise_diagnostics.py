@@ -38,7 +38,7 @@ from bench_advise import evaluate  # type: ignore[import-not-found]  # noqa: E40
 from rankmem.core.catalogue import phase_key, work_key  # noqa: E402
 from rankmem.fit import Fit, FitConfig  # noqa: E402
 from rankmem.offline import Run, read_run  # noqa: E402
-from rankmem.offline.advice import EXTRAPOLATION, Advice, Limit, advise_rank, fit_ranks  # noqa: E402
+from rankmem.offline.advice import EXTRAPOLATION, Advice, Limit, PhaseFit, advise_rank, fit_ranks  # noqa: E402
 
 WARMUP = 2  # bench_advise's warm-up steps at the start of the probe
 
@@ -48,6 +48,16 @@ def windows(run: Run, rank: int, first: int) -> tuple[np.ndarray, np.ndarray, np
     return tuple(np.asarray(run.series[key][first:, rank], dtype=np.float64)  # type: ignore[return-value]
                  for key in (work_key("update", "mb_tokens"), work_key("update", "mb_sq_tokens"),
                              phase_key("update", "peak_rss_gib")))
+
+
+def held_out(held: Run, rank: int, pf: PhaseFit) -> tuple[np.ndarray, np.ndarray]:
+    """(true rise, predicted rise) of one rank's held-out windows the model is trusted at (up to
+    EXTRAPOLATION x the largest T it saw), each predicted at its own T and Q."""
+    assert isinstance(pf.model, Fit)
+    t, q, y = windows(held, rank, 0)
+    keep = t <= EXTRAPOLATION * pf.model.t_max
+    pred = np.array([pf.model.predict(a, b)[0] for a, b in zip(t[keep], q[keep], strict=True)])
+    return y[keep] - pf.baseline, pred
 
 
 def shape(seeds: list[tuple[Run, Run]]) -> None:
@@ -73,10 +83,7 @@ def q_term(seeds: list[tuple[Run, Run]]) -> None:
             m = pf.model
             if not (isinstance(m, Fit) and m.quadratic):
                 continue  # a line (SDPA) has no Q term to pin
-            t, q, y = windows(held, rank, 0)
-            keep = t <= EXTRAPOLATION * m.t_max
-            rise = y[keep] - pf.baseline
-            pred = np.array([m.predict(a, b)[0] for a, b in zip(t[keep], q[keep], strict=True)])
+            rise, pred = held_out(held, rank, pf)
             rows.append((m.c * 2**30, m.b * 2**20, float(np.mean((pred - rise) / rise)) * 100))
     if len(rows) < 2:
         print("2. no rank fit kept the Q term")
@@ -135,10 +142,8 @@ def shortfall(dirs: list[str], seeds: list[tuple[Run, Run]]) -> None:
             advice = advise_rank(pf, Limit(usable, "bench", 0.0))
             if not (isinstance(m, Fit) and isinstance(advice, Advice)):
                 continue
-            t, q, y = windows(held, rank, 0)
-            keep = t <= EXTRAPOLATION * m.t_max
-            pred = np.array([m.predict(a, b)[0] for a, b in zip(t[keep], q[keep], strict=True)])
-            bias = float(np.mean(y[keep] - pf.baseline - pred)) * 1024
+            rise, pred = held_out(held, rank, pf)
+            bias = float(np.mean(rise - pred)) * 1024
             mean, _, high = m.predict(float(advice.max_tokens))
             half = (high - mean) * 1024
             biases.append(bias)
@@ -147,8 +152,9 @@ def shortfall(dirs: list[str], seeds: list[tuple[Run, Run]]) -> None:
             parts.append(f"rank {rank}: T {advice.max_tokens:.0f}, bias {bias:+.1f}, half {half:.1f} "
                          f"(Q {m.c * m.sq_sd_at(advice.max_tokens) * 1024:.1f}, scatter {m.scale * 1024:.1f}), "
                          f"c {m.c * 2**30:.0f} B")
-        per_seed.append((row["advised"] / row["bisected"], worst, f"{os.path.basename(out)} (bisected {row['bisected']}): "
-                         + "; ".join(parts)))
+        if parts:  # a seed none of whose ranks has a fit and advice has no bias to show
+            per_seed.append((row["advised"] / row["bisected"], worst, f"{os.path.basename(out)} (bisected {row['bisected']}): "
+                             + "; ".join(parts)))
     if len(per_seed) < 3:
         print("   too few seeds")
         return
