@@ -17,7 +17,7 @@ lengths summing to just under two budgets (so the heaviest micro-batch holds abo
    largest micro-batch yet (one run log);
 2. capacity: the bench picks the usable memory as the highest rank's baseline plus 1.25x the largest
    rise seen in the probe (so that the answer lies inside the 1.5x range the model is trusted over);
-3. held out: steps at 2304 and 2816, then a bisection for the largest budget whose real steps (3 of
+3. held out: steps at 2304 and 2816, then a bisection for the largest budget whose real steps (6 of
    them, each on fresh data) all stay within the usable memory on both ranks, 5 halvings between 2048
    and 3072 (another run log); all these steps are the held-out windows.
 
@@ -56,11 +56,15 @@ PROBE_BUDGETS = {
 WARMUP_BUDGET = 1024  # the smallest probe budget: every probe step is then the largest micro-batch yet
 HELD_BUDGETS = (2304, 2816)  # held out (with the bisection's steps), up to 1.5x the largest probe budget
 BISECT = (2048, 3072, 5)  # 5 halvings: 32-token steps, ~1.3% of the answer
-# A budget is safe when this many steps at it, each on fresh data, all fit. One step is not enough: the
-# heaviest micro-batch's Q varies from step to step at one budget, and at the budget one step's bisection
-# found, fresh steps went over the usable memory in 39 of 42 materialised seeds (median 15% of them,
-# bench/RESULTS.md): a largest safe budget that a job's next steps run out of memory at.
-DRAWS = 3
+# A budget is safe when this many steps at it, each on fresh data, all fit (the first step over ends the
+# midpoint). One step is not enough: the heaviest micro-batch's Q varies from step to step at one budget,
+# and at the budget one step's bisection found, fresh steps went over the usable memory in 39 of 42
+# materialised seeds (median 15% of them, bench/RESULTS.md). Three were not either: a budget at which one
+# step in five goes over passes three steps half the time (0.8^3), and the lowest advice/bisected seeds
+# were those whose bisection stopped at its highest outcome. Six put that risk at one step in nine
+# (0.89^6 = 0.5), against the advice's one-sided 97.5% per step; stopping at the first step over keeps
+# the bench's time near the three-step one.
+DRAWS = 6
 MICRO_BATCHES = 2  # each step's batch holds just under this many budgets of tokens (see ``batch``)
 LONGEST = 256
 MODEL = {"vocab_size": 64, "block_size": LONGEST, "n_layer": 6, "n_embd": 128, "n_head": 4}
@@ -102,15 +106,22 @@ def worker(args: argparse.Namespace) -> None:
         w.monitor = held
         run_steps(w, held, draw, [(b, 100 + i) for i, b in enumerate(HELD_BUDGETS)])
         lo, hi, rounds = BISECT
+        judged = []  # per midpoint: (budget, steps run, safe)
         for i in range(rounds):
             mid = (lo + hi) // 2
-            draws = run_steps(w, held, draw, [(mid, 200 + DRAWS * i + j) for j in range(DRAWS)])
-            peak = max(r["mem/phase/update/peak_rss_gib"][k] for r in draws for k in range(2))  # type: ignore[type-var]
-            lo, hi = (mid, hi) if peak <= usable else (lo, mid)
+            safe, ran = True, 0
+            for j in range(DRAWS):  # on both ranks alike: the step's record is the gathered one
+                (row,) = run_steps(w, held, draw, [(mid, 200 + DRAWS * i + j)])
+                ran += 1
+                if max(row["mem/phase/update/peak_rss_gib"][k] for k in range(2)) > usable:  # type: ignore[type-var]
+                    safe = False
+                    break  # one step over is enough to call the budget unsafe
+            judged.append((mid, ran, safe))
+            lo, hi = (mid, hi) if safe else (lo, mid)
         held.close()
         if rank == 0:
             with open(os.path.join(out, "bench.json"), "w") as f:
-                json.dump({"usable": usable, "bisected": lo}, f)
+                json.dump({"usable": usable, "bisected": lo, "draws": DRAWS, "midpoints": judged}, f)
     dist.destroy_process_group()
 
 

@@ -12,9 +12,10 @@ linear in T; materialised attention adds scores linear in Q. The method:
 - **The quadratic term only where the data reject a line**: ``c*Q`` enters when Q varies
   independently of T (its ratio to T spreads by more than :attr:`FitConfig.q_spread`) and its
   coefficient's t statistic is above :attr:`FitConfig.t_quadratic` (a one-sided test at about 0.1%).
-  Where a phase runs on several ranks, :func:`quadratic_across` tests it once on every rank's windows
-  (an intercept per rank, the rise per token and per squared length shared: they are the model's);
-  each rank's fit then keeps the term as that test says, where its own coefficient is positive. A
+  Where a phase runs on several ranks, :func:`rankmem.fit.quadratic_across` tests it once on every
+  rank's windows (an intercept per rank, the rise per token and per squared length shared: they are
+  the model's); each rank's fit then keeps the term as that test says, where its own coefficient is
+  positive, and :func:`rankmem.fit.fit_phase` fits the shared coefficients on them all. A
   line kept where Q varies apart from T carries the quadratic fit as its :attr:`Fit.rival`, whose
   interval it joins: the data could not tell the two apart.
 - **Prediction interval** ``yhat +- t(n - p) * sqrt(s^2 (1 + x0' (X'WX)^-1 x0) + (r * yhat)^2)``, ``s``
@@ -31,7 +32,6 @@ shrinking as 1/sqrt(T), :meth:`Fit.sq_sd_at`) goes into the interval in quadratu
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,6 +63,11 @@ class FitConfig:
     of one run sit closer to their line than the same step run again does. On the host, with freed heap
     handed back between steps (:mod:`rankmem.engine.hostheap`), steps repeated at one T in
     bench/bench_advise.py differ by under 1% of the rise; 1.5% keeps a margin over that."""
+    pool_ranks: bool = True
+    """Fit a phase's rise per token and per squared length on every rank's windows at once, an intercept
+    per rank (:func:`rankmem.fit.fit_phase`), where the ranks' own coefficients agree."""
+    homogeneity: float = 0.99
+    """The ranks' coefficients are pooled unless a Wald test says they differ at this level."""
 
 
 @dataclass(frozen=True)
@@ -141,7 +146,7 @@ class Fit:
         return self.b + self.c * self.q_mean
 
 
-def _usable(tokens: np.ndarray, rise: np.ndarray, sq_tokens: np.ndarray | None) -> tuple[np.ndarray, ...]:
+def usable_windows(tokens: np.ndarray, rise: np.ndarray, sq_tokens: np.ndarray | None) -> tuple[np.ndarray, ...]:
     """(T, rise, Q) of the windows with finite T > 0 and rise; Q all nan where not told."""
     t = np.asarray(tokens, dtype=np.float64)
     y = np.asarray(rise, dtype=np.float64)
@@ -150,59 +155,31 @@ def _usable(tokens: np.ndarray, rise: np.ndarray, sq_tokens: np.ndarray | None) 
     return t[ok], y[ok], q[ok]
 
 
-def _q_separable(t: np.ndarray, q: np.ndarray, cfg: FitConfig) -> bool:
+def q_separable(t: np.ndarray, q: np.ndarray, cfg: FitConfig) -> bool:
     ratio = q / t
     return bool(q.size and np.isfinite(q).all() and ratio.max() > (1 + cfg.q_spread) * ratio.min())
-
-
-def quadratic_across(groups: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray | None]],
-                     config: FitConfig | None = None) -> bool | None:
-    """Whether one phase's windows on several ranks (``(T, rise, Q)`` per rank) reject a line: one robust
-    fit of ``rise = a_rank + b*T + c*Q`` over all of them, Q kept where it varies apart from T and its
-    coefficient's t statistic is above :attr:`FitConfig.t_quadratic`. None where fewer than two ranks
-    have windows enough, each with Q (each rank then tests its own).
-
-    Why pooled: ``b`` and ``c`` are the model's bytes per token and per squared length, the same on
-    every rank running it; the intercept is not (an engine, a driver duty, a leak: each rank keeps its
-    own). A rank's dozen windows rarely show ``c`` above its noise though it is there (materialised
-    attention in bench/bench_advise.py, 50 seeds: the term kept on 54 of 100 rank fits alone, 84 of 100
-    pooled), and a line left where the peak follows Q is off in a way its interval does not cover."""
-    cfg = config or FitConfig()
-    kept = [g for g in (_usable(*group) for group in groups) if g[0].size >= cfg.min_windows and np.isfinite(g[2]).all()]
-    if len(kept) < 2:
-        return None
-    if not _q_separable(np.concatenate([g[0] for g in kept]), np.concatenate([g[2] for g in kept]), cfg):
-        return False
-    # An intercept per rank, as each rank's own centring (Frisch-Waugh-Lovell): two columns whatever the
-    # world size, where one column per rank would be a (ranks x windows, ranks) matrix on the logging rank.
-    t, y, q = (np.concatenate([g[i] - g[i].mean() for g in kept]) for i in (0, 1, 2))
-    solved = _huber(np.column_stack([t, q]), y, cfg)
-    # The scale's degrees of freedom: the ranks' intercepts are parameters too.
-    dof_fix = math.sqrt((t.size - 2) / max(t.size - 2 - len(kept), 1))
-    se_c = solved.scale * dof_fix * math.sqrt(max(float(solved.xtwx_inv[1, 1]), 0.0))
-    return bool(solved.beta[1] > 0 and se_c > 0 and solved.beta[1] / se_c > cfg.t_quadratic)
 
 
 def fit_memory(tokens: np.ndarray, rise: np.ndarray, sq_tokens: np.ndarray | None = None,
                config: FitConfig | None = None, quadratic: bool | None = None) -> Fit | NoFit:
     """Fit one phase of one rank; windows with a non-finite value are left out. ``quadratic``: the Q
-    term as :func:`quadratic_across` decided it for the phase (kept where this rank's coefficient is
+    term as :func:`rankmem.fit.quadratic_across` decided it for the phase (kept where this rank's coefficient is
     positive), or None to test this rank's windows alone."""
     cfg = config or FitConfig()
-    t, y, q = _usable(tokens, rise, sq_tokens)
+    t, y, q = usable_windows(tokens, rise, sq_tokens)
     if t.size < cfg.min_windows:
         return NoFit("few", f"{t.size} window(s) with tokens after warm-up, the fit needs {cfg.min_windows}: "
                             f"run more steps")
     if t.max() < cfg.min_spread * t.min():
         return NoFit("flat", f"the heaviest micro-batch's tokens barely vary ({t.min():.0f}..{t.max():.0f}): vary "
                              f"the token budget over a few steps, or run longer on varied data")
-    use_q = _q_separable(t, q, cfg)
-    spread = _q_spread(t, q)
-    line = _huber(np.column_stack([np.ones_like(t), t]), y, cfg)
+    use_q = q_separable(t, q, cfg)
+    spread = q_spread(t, q)
+    line = huber_fit(np.column_stack([np.ones_like(t), t]), y, cfg)
     rival: Fit | None = None
     chosen, kept = line, False
     if use_q and t.size >= cfg.min_windows + 1:
-        quad = _huber(np.column_stack([np.ones_like(t), t, q]), y, cfg)
+        quad = huber_fit(np.column_stack([np.ones_like(t), t, q]), y, cfg)
         se_c = quad.scale * math.sqrt(max(quad.xtwx_inv[2, 2], 0.0))
         tested = quadratic if quadratic is not None else bool(se_c > 0 and quad.beta[2] / se_c > cfg.t_quadratic)
         if quad.beta[2] > 0 and se_c > 0 and tested:
@@ -210,10 +187,10 @@ def fit_memory(tokens: np.ndarray, rise: np.ndarray, sq_tokens: np.ndarray | Non
         elif quad.beta[2] > 0:
             rival = _fit_of(quad, True, t, spread, cfg)
     fit = _fit_of(chosen, kept, t, spread, cfg, rival)
-    return _check_slope(fit, cfg)
+    return check_slope(fit, cfg)
 
 
-def _q_spread(t: np.ndarray, q: np.ndarray) -> tuple[float, float, float, float]:
+def q_spread(t: np.ndarray, q: np.ndarray) -> tuple[float, float, float, float]:
     """(largest, mean, scaled standard deviation, the mean's standard error) of Q/T, as :class:`Fit`
     keeps them; zeros where Q was not told."""
     if not (q.size > 1 and np.isfinite(q).all()):
@@ -233,7 +210,7 @@ def _fit_of(solved: _Solved, quadratic: bool, t: np.ndarray, q: tuple[float, flo
                q_mean=q[1], q_sd=q[2], q_mean_se=q[3], rival=rival)
 
 
-def _check_slope(fit: Fit, cfg: FitConfig) -> Fit | NoFit:
+def check_slope(fit: Fit, cfg: FitConfig) -> Fit | NoFit:
     """The rise per token, ``b + c*Q/T``, must stand above its standard error."""
     g = np.array([0.0, 1.0, fit.q_mean] if fit.quadratic else [0.0, 1.0])
     se = fit.scale * math.sqrt(max(float(g @ fit.xtwx_inv @ g), 0.0))
@@ -252,7 +229,7 @@ class _Solved:
     xtwx_inv: np.ndarray
 
 
-def _huber(x: np.ndarray, y: np.ndarray, cfg: FitConfig, rounds: int = 50) -> _Solved:
+def huber_fit(x: np.ndarray, y: np.ndarray, cfg: FitConfig, rounds: int = 50) -> _Solved:
     """Huber M-estimate by IRLS; columns scaled to unit size first (T is ~1e3, Q ~1e6: conditioning)."""
     norm = np.abs(x).max(axis=0)
     norm[norm == 0] = 1.0
@@ -280,23 +257,9 @@ def _huber(x: np.ndarray, y: np.ndarray, cfg: FitConfig, rounds: int = 50) -> _S
     return _Solved(beta / norm, scale, inv)
 
 
-def prime() -> None:
-    """Fit made-up windows once, each kind a judge makes (a line with its quadratic rival, the pooled Q
-    test): a process's first fit leaves ~2 MiB resident for good (numpy's code pages and workspaces: 2.2
-    MiB measured in a fresh process). The online watches fit in the logging rank's own process, whose
-    memory the fits read; the publisher calls this on every rank when the monitor is made, so that the
-    rank's baseline does not step up in the middle of the windows at the watches' first judgements
-    (2.3-3.0 MiB at the advice watch's, 1.8 MiB at the leak watch's: bench/RESULTS.md)."""
-    t = np.arange(8.0, 16.0)
-    q = t * t * (1.0 + 0.1 * (t % 3))
-    rise = 1e-3 * (t + 1e-3 * q) + 1e-6 * (t % 2)
-    quadratic_across([(t, rise, q), (t, rise + 1e-3, q)])
-    fit_memory(t, rise, q)
-
-
 def t_quantile(p: float, dof: int) -> float:
     """Student's t quantile by the Cornish-Fisher expansion about the normal (within 1% for dof >= 3)."""
-    z = _normal_quantile(p)
+    z = normal_quantile(p)
     if dof <= 0:
         return math.inf
     d = float(dof)
@@ -304,7 +267,7 @@ def t_quantile(p: float, dof: int) -> float:
             + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * d**3))
 
 
-def _normal_quantile(p: float) -> float:
+def normal_quantile(p: float) -> float:
     """Acklam's rational approximation of the standard normal quantile (relative error < 1.2e-9)."""
     a = (-3.969683028665376e01, 2.209460984245205e02, -2.759285104469687e02, 1.383577518672690e02,
          -3.066479806614716e01, 2.506628277459239e00)
@@ -319,7 +282,7 @@ def _normal_quantile(p: float) -> float:
         return (((((c[0] * u + c[1]) * u + c[2]) * u + c[3]) * u + c[4]) * u + c[5]) / \
             ((((d[0] * u + d[1]) * u + d[2]) * u + d[3]) * u + 1)
     if p > 1 - low:
-        return -_normal_quantile(1 - p)
+        return -normal_quantile(1 - p)
     u = p - 0.5
     r = u * u
     return (((((a[0] * r + a[1]) * r + a[2]) * r + a[3]) * r + a[4]) * r + a[5]) * u / \

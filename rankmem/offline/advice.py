@@ -27,7 +27,7 @@ import numpy as np
 
 from rankmem.core.catalogue import key_of, phase_key, work_key
 from rankmem.errors import RankmemError
-from rankmem.fit import Fit, FitConfig, NoFit, fit_memory, quadratic_across
+from rankmem.fit import Fit, FitConfig, NoFit, fit_phase
 from rankmem.offline import Run
 from rankmem.offline.capacity import capacities
 from rankmem.trend.trend import LeakConfig, Trend, regression_axis, trend
@@ -76,12 +76,12 @@ def work_phases(run: Run) -> list[str]:
 
 def fit_ranks(run: Run, phase: str, warmup: int, config: FitConfig | None = None,
               kind: str | None = None) -> list[PhaseFit]:
-    """Every rank's fit of one phase, the Q term decided once on all ranks' windows
-    (:func:`rankmem.fit.quadratic_across`)."""
+    """Every rank's fit of one phase, the Q term decided and the shared coefficients fitted once on all
+    ranks' windows (:func:`rankmem.fit.fit_phase`)."""
     kind = kind or memory_kind(run, phase)
     series = [_phase_series(run, phase, rank, warmup, kind) for rank in range(run.world_size)]
-    quadratic = quadratic_across([(s.tokens, s.rise, s.sq) for s in series], config)
-    return [_fit(phase, rank, s, config, quadratic) for rank, s in enumerate(series)]
+    models = fit_phase([(s.tokens, s.rise, s.sq) for s in series], config)
+    return [_phase_fit(phase, rank, s, m) for rank, (s, m) in enumerate(zip(series, models, strict=True))]
 
 
 @dataclass(frozen=True)
@@ -119,8 +119,7 @@ def _phase_series(run: Run, phase: str, rank: int, warmup: int, kind: str) -> _S
     return _Series(col, peak - baseline, q, baseline, 0.0, at)
 
 
-def _fit(phase: str, rank: int, s: _Series, config: FitConfig | None, quadratic: bool | None) -> PhaseFit:
-    model = fit_memory(s.tokens, s.rise, s.sq, config, quadratic)
+def _phase_fit(phase: str, rank: int, s: _Series, model: Fit | NoFit) -> PhaseFit:
     sq_max = float(np.nanmax(s.sq)) if s.sq is not None and np.isfinite(s.sq).any() else 0.0
     return PhaseFit(phase, rank, model, s.baseline, s.extra, sq_max, s.tokens[np.isfinite(s.tokens)], s.baseline_step)
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from rankmem.core.catalogue import key_of, phase_key, phase_names, work_key
 from rankmem.core.warnings import warn
-from rankmem.fit import Fit, fit_memory, quadratic_across
+from rankmem.fit import Fit, NoFit, fit_phase
 
 HEADROOM_FRACTION = 0.05
 WARMUP = 2
@@ -97,12 +97,14 @@ class AdviceWatch:
             return given
         usable = self.capacity * (1 - HEADROOM_FRACTION)
         series = {key: self._series(key) for key in self.history if key[0] not in self.warned}
-        quadratic = {phase: quadratic_across([(s[0], s[1], s[2]) for (p, _), s in series.items() if p == phase])
-                     for phase in {p for p, _ in series}}
-        for (phase, rank), (t, rise, q, baseline, extra) in series.items():
+        fits: dict[tuple[str, int], Fit | NoFit] = {}
+        for phase in {p for p, _ in series}:
+            keys = [key for key in series if key[0] == phase]
+            fits.update(zip(keys, fit_phase([series[key][:3] for key in keys]), strict=True))
+        for (phase, rank), (t, _, _, baseline, extra) in series.items():
             if phase in self.warned:
                 continue
-            fit = fit_memory(t, rise, q, quadratic=quadratic[phase])
+            fit = fits[(phase, rank)]
             if not isinstance(fit, Fit):
                 continue
             heaviest = float(np.nanmax(t))

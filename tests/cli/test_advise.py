@@ -87,7 +87,8 @@ def test_at_tokens_predicts_the_peak_and_refuses_past_1_5x(tmp_path: Path, capsy
         truth = BASE[row["rank"]] + FIXED + PER_TOKEN * 4000
         assert row["tokens"] == 4000 and abs(row["predicted_peak_gib"] - truth) < 1 / 1024
         rise = FIXED + PER_TOKEN * 4000
-        # +- t(0.975, 8) x (1.5% of the rise, in quadrature with the ~1 MiB residual scale)
+        # +- t(0.975, 8) x (1.5% of the rise, in quadrature with the ~1 MiB residual scale): the rank's own
+        # scale, over its 10 windows less its intercept and its share of the slope both ranks fit
         assert row["low_gib"] < truth < row["high_gib"]
         assert 2 * 2.3 * 0.015 * rise < row["high_gib"] - row["low_gib"] < 2 * 2.4 * (0.015 * rise + 2 / 1024)
     rc, out, _ = advise(capsys, run, "--at-tokens", "10000")

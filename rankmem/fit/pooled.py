@@ -1,0 +1,220 @@
+"""One phase's fit across its ranks: the rise per token and per squared length shared, an intercept per rank.
+
+``b`` and ``c`` are the model's bytes per token and per squared length, the same on every rank that runs
+the same model on its own data (data parallel, FSDP); ``a`` is not (an engine, a driver duty, a leak on
+one rank moves only its intercept). A rank's dozen windows pin its own ``b`` and ``c`` loosely: where T
+and Q rise together in a probe, the two trade off against each other, and the fit is off where it
+extrapolates (materialised attention in bench/bench_advise.py: a rank's mean held-out error ran from
+-7.9 to +4.5 MiB, 5th to 95th percentile over 100 rank fits, and the lowest advice came from the rank
+over-predicted most). Fitted on every rank's windows at once, the shared coefficients rest on all of
+them.
+
+- **Pooled only where the ranks agree**: each rank's own ``(b, c)`` with its covariance, a Wald test that
+  they are one (chi-square on ``p (K - 1)`` degrees of freedom at :attr:`FitConfig.homogeneity`). Ranks
+  that run different layers (pipeline stages) or different work differ in their slopes and keep their
+  own fits, as does a rank with no fit of its own (too few windows, flat, noisy).
+- **The fit**: Huber's M-estimator by reweighted least squares as :func:`rankmem.fit.fit_memory`, with one
+  intercept per rank taken out by weighted centring within the rank (Frisch-Waugh-Lovell: the same
+  solution as a column per rank, without a (ranks x windows, ranks) matrix on the logging rank).
+- **Each rank's interval** is the usual one in its own ``[1, T, Q]``: the shared coefficients' covariance
+  and the intercept's (``1/W_k`` about the rank's weighted means), each rank's own residual scale (a
+  noisier rank keeps a wider interval) and the degrees of freedom that scale has.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from rankmem.fit.model import (
+    HUBER_K,
+    MAD_TO_SD,
+    Fit,
+    FitConfig,
+    NoFit,
+    check_slope,
+    fit_memory,
+    huber_fit,
+    normal_quantile,
+    q_separable,
+    q_spread,
+    usable_windows,
+)
+
+Group = tuple[np.ndarray, np.ndarray, "np.ndarray | None"]
+"""One rank's windows: (T, rise, Q or None)."""
+
+
+@dataclass(frozen=True)
+class _Pooled:
+    beta: np.ndarray
+    """The shared coefficients (per token, per squared length)."""
+    intercepts: list[float]
+    scale: float
+    """Robust residual scale over every rank's windows."""
+    cov: np.ndarray
+    """``(X'WX)^-1`` of the shared columns about each rank's weighted means, in their own units."""
+    means: list[np.ndarray]
+    """Each rank's weighted means of the shared columns."""
+    weights: list[float]
+    """Each rank's sum of final weights (the intercept's ``1/W_k``)."""
+    residuals: list[np.ndarray]
+
+
+def _mad(r: np.ndarray) -> float:
+    return MAD_TO_SD * float(np.median(np.abs(r - np.median(r))))
+
+
+def _pooled_huber(xs: Sequence[np.ndarray], ys: Sequence[np.ndarray], cfg: FitConfig, rounds: int = 50) -> _Pooled:
+    """Huber M-estimate of ``y = a_k + x beta`` over groups k, by IRLS with weighted centring per group."""
+    norm = np.abs(np.concatenate(xs)).max(axis=0)
+    norm[norm == 0] = 1.0
+    xs = [x / norm for x in xs]
+    w = [np.ones_like(y) for y in ys]
+    beta = None
+    for _ in range(rounds):
+        means = [(wk[:, None] * x).sum(axis=0) / wk.sum() for x, wk in zip(xs, w, strict=True)]
+        xc = np.concatenate([x - m for x, m in zip(xs, means, strict=True)])
+        yc = np.concatenate([y - float(wk @ y) / wk.sum() for y, wk in zip(ys, w, strict=True)])
+        sw = np.sqrt(np.concatenate(w))
+        new = np.linalg.lstsq(xc * sw[:, None], yc * sw, rcond=None)[0]
+        intercepts = [float(wk @ y) / wk.sum() - float(m @ new) for y, wk, m in zip(ys, w, means, strict=True)]
+        res = [y - a - x @ new for x, y, a in zip(xs, ys, intercepts, strict=True)]
+        s = max(_mad(np.concatenate(res)), 1e-12)
+        w = [np.minimum(1.0, HUBER_K / np.maximum(np.abs(r) / s, 1e-12)) for r in res]
+        done = beta is not None and np.allclose(new, beta, rtol=1e-10, atol=1e-14)
+        beta = new
+        if done:
+            break
+    assert beta is not None
+    means = [(wk[:, None] * x).sum(axis=0) / wk.sum() for x, wk in zip(xs, w, strict=True)]
+    intercepts = [float(wk @ y) / wk.sum() - float(m @ beta) for y, wk, m in zip(ys, w, means, strict=True)]
+    res = [y - a - x @ beta for x, y, a in zip(xs, ys, intercepts, strict=True)]
+    r, wall = np.concatenate(res), np.concatenate(w)
+    n, p, k = r.size, beta.size, len(ys)
+    dof = max(n - p - k, 1)
+    rms = math.sqrt(float(np.sum(wall * r * r)) / max(float(wall.sum()) - p - k, 1.0))
+    scale = max(_mad(r) * math.sqrt(n / dof), rms, cfg.noise_floor)
+    xc = np.concatenate([x - m for x, m in zip(xs, means, strict=True)])
+    cov = np.linalg.pinv((xc * wall[:, None]).T @ xc) / np.outer(norm, norm)
+    return _Pooled(beta / norm, intercepts, scale, cov, [m * norm for m in means], [float(wk.sum()) for wk in w],
+                   res)
+
+
+def quadratic_across(groups: Sequence[Group], config: FitConfig | None = None) -> bool | None:
+    """Whether one phase's windows on several ranks (``(T, rise, Q)`` per rank) reject a line: one robust
+    fit of ``rise = a_rank + b*T + c*Q`` over all of them, Q kept where it varies apart from T and its
+    coefficient's t statistic is above :attr:`FitConfig.t_quadratic`. None where fewer than two ranks
+    have windows enough, each with Q (each rank then tests its own).
+
+    A rank's dozen windows rarely show ``c`` above its noise though it is there (materialised attention
+    in bench/bench_advise.py, 50 seeds: the term kept on 54 of 100 rank fits alone, 84 of 100 pooled),
+    and a line left where the peak follows Q is off in a way its interval does not cover."""
+    cfg = config or FitConfig()
+    kept = [g for g in (usable_windows(*group) for group in groups) if g[0].size >= cfg.min_windows and np.isfinite(g[2]).all()]
+    if len(kept) < 2:
+        return None
+    if not q_separable(np.concatenate([g[0] for g in kept]), np.concatenate([g[2] for g in kept]), cfg):
+        return False
+    solved = _pooled_huber([np.column_stack([t, q]) for t, _, q in kept], [y for _, y, _ in kept], cfg)
+    se_c = solved.scale * math.sqrt(max(float(solved.cov[1, 1]), 0.0))
+    return bool(solved.beta[1] > 0 and se_c > 0 and solved.beta[1] / se_c > cfg.t_quadratic)
+
+
+def fit_phase(groups: Sequence[Group], config: FitConfig | None = None) -> list[Fit | NoFit]:
+    """Every rank's fit of one phase (``(T, rise, Q or None)`` per rank, in rank order): the Q term decided
+    once on all ranks' windows (:func:`quadratic_across`), then the shared coefficients fitted on every
+    rank whose own fit agrees with the others' (see the module's docstring); the rest keep their own."""
+    cfg = config or FitConfig()
+    quadratic = quadratic_across(groups, cfg)
+    fits: list[Fit | NoFit] = [fit_memory(*g, config=cfg, quadratic=quadratic) for g in groups]
+    if not cfg.pool_ranks:
+        return fits
+    quad = quadratic is True
+    usable = [usable_windows(*g) for g in groups]
+    members = [k for k, f in enumerate(fits) if isinstance(f, Fit) and (not quad or np.isfinite(usable[k][2]).all())]
+    if len(members) < 2:
+        return fits
+    data = [usable[k] for k in members]
+    columns = [np.column_stack([t, q] if quad else [t]) for t, _, q in data]
+    if not _agree(columns, [y for _, y, _ in data], cfg):
+        return fits
+    pooled = _pooled_huber(columns, [y for _, y, _ in data], cfg)
+    if not (pooled.beta > 0).all():
+        return fits
+    rivals: list[Fit | None] = [None] * len(members)
+    if not quad and all(np.isfinite(q).all() for _, _, q in data) and \
+            q_separable(np.concatenate([d[0] for d in data]), np.concatenate([d[2] for d in data]), cfg):
+        both = _pooled_huber([np.column_stack([t, q]) for t, _, q in data], [y for _, y, _ in data], cfg)
+        if both.beta[1] > 0:
+            rivals = [_rank_fit(both, i, True, data[i], cfg) for i in range(len(members))]
+    for i, k in enumerate(members):
+        own = _rank_fit(pooled, i, quad, data[i], cfg, rivals[i])
+        fits[k] = check_slope(own, cfg)
+    return fits
+
+
+def _rank_fit(pooled: _Pooled, i: int, quadratic: bool, data: tuple[np.ndarray, ...], cfg: FitConfig,
+              rival: Fit | None = None) -> Fit:
+    """Rank ``i``'s Fit from the pooled one: its intercept, the shared coefficients, the covariance of
+    ``(a_i, b, c)`` in its own ``[1, T, Q]`` (``Var a_i = 1/W_i + m' V m``, ``Cov(a_i, beta) = -V m``)."""
+    t, _, q = data
+    m, v = pooled.means[i], pooled.cov
+    inv = np.empty((v.shape[0] + 1,) * 2)
+    inv[0, 0] = 1.0 / pooled.weights[i] + float(m @ v @ m)
+    inv[0, 1:] = inv[1:, 0] = -(v @ m)
+    inv[1:, 1:] = v
+    r = pooled.residuals[i]
+    n = r.size
+    # The rank's own scale (a noisier rank keeps a wider interval), about the shared line: its intercept
+    # is its one parameter of its own, and its share of the shared ones; its degrees of freedom are the t
+    # quantile's.
+    dof = max(round(n - 1 - pooled.beta.size / len(pooled.weights)), 1)
+    own = max(_mad(r) * math.sqrt(n / max(n - 1, 1)), math.sqrt(float(r @ r) / max(n - 1, 1)) if n > 1 else 0.0,
+              cfg.noise_floor)
+    spread = q_spread(t, q)
+    return Fit(a=pooled.intercepts[i], b=float(pooled.beta[0]), c=float(pooled.beta[1]) if quadratic else 0.0,
+              quadratic=quadratic, scale=own, xtwx_inv=inv, dof=dof, n=int(t.size), t_max=float(t.max()),
+              q_per_token=spread[0], level=cfg.level, relative_noise=cfg.relative_noise, q_mean=spread[1],
+               q_sd=spread[2], q_mean_se=spread[3], rival=rival)
+
+
+def _agree(columns: Sequence[np.ndarray], ys: Sequence[np.ndarray], cfg: FitConfig) -> bool:
+    """Whether the ranks' own coefficients are one: the Wald statistic of each rank's own fit about their
+    precision-weighted mean, against chi-square on ``p (K - 1)`` at :attr:`FitConfig.homogeneity`."""
+    betas, precisions = [], []
+    for x, y in zip(columns, ys, strict=True):
+        solved = huber_fit(np.column_stack([np.ones(y.size), x]), y, cfg)
+        cov = solved.scale**2 * solved.xtwx_inv[1:, 1:]
+        betas.append(solved.beta[1:])
+        precisions.append(np.linalg.pinv(cov))
+    mean = np.linalg.pinv(sum(precisions)) @ sum(p @ b for p, b in zip(precisions, betas, strict=True))
+    stat = sum(float((b - mean) @ p @ (b - mean)) for p, b in zip(precisions, betas, strict=True))
+    return stat <= chi2_quantile(cfg.homogeneity, columns[0].shape[1] * (len(columns) - 1))
+
+
+def chi2_quantile(p: float, dof: int) -> float:
+    """Chi-square quantile by Wilson and Hilferty's cube-root normal approximation (within 1% from dof 3
+    at the upper quantiles used here)."""
+    z = normal_quantile(p)
+    k = float(max(dof, 1))
+    return k * (1 - 2 / (9 * k) + z * math.sqrt(2 / (9 * k)))**3
+
+
+def prime() -> None:
+    """Fit made-up windows once, each kind a judge makes (a line with its quadratic rival, the pooled Q
+    test and the pooled fit): a process's first fit leaves ~2 MiB resident for good (numpy's code pages
+    and workspaces: 2.2 MiB measured in a fresh process). The online watches fit in the logging rank's
+    own process, whose memory the fits read; the publisher calls this on every rank when the monitor is
+    made, so that the rank's baseline does not step up in the middle of the windows at the watches'
+    first judgements (2.3-3.0 MiB at the advice watch's, 1.8 MiB at the leak watch's: bench/RESULTS.md)."""
+    t = np.arange(8.0, 16.0)
+    q = t * t * (1.0 + 0.1 * (t % 3))
+    rise = 1e-3 * (t + 1e-3 * q) + 1e-6 * (t % 2)
+    fit_phase([(t, rise, q), (t, rise + 1e-3 + 1e-6 * (t % 3), q)])
+    fit_memory(t, rise, q)
+
+
