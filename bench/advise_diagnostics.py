@@ -10,7 +10,8 @@ Prints, over every seed in DIR of that attention path:
 2. how well the windows pin the Q term: the spread of the fitted ``c`` over seeds (the model is the same
    on every seed, so its true ``c`` is one number), its correlation with ``b``, and with the held-out bias;
 3. the interval's run-to-run term: held-out coverage and the advice at a few
-   :attr:`rankmem.fit.FitConfig.relative_noise` values;
+   :attr:`rankmem.fit.FitConfig.relative_noise` values, and with each rank's coefficients fitted alone
+   (:attr:`rankmem.fit.FitConfig.pool_ranks` off);
 4. what the resident memory between steps is made of, step by step (where the run logs carry the
    bench's ``bench/rss_*`` split): anonymous and file pages over the first probe window's, mean over seeds;
 5. what holds the advice under the bisected budget: per rank fit, the held-out bias (the mean of true
@@ -95,12 +96,14 @@ def q_term(seeds: list[tuple[Run, Run]]) -> None:
 
 
 def noise_term(dirs: list[str]) -> None:
-    print("3. the interval's run-to-run term:")
-    for noise in (0.0, 0.0075, 0.015, 0.0225):
-        rows = [evaluate(out, FitConfig(relative_noise=noise)) for out in dirs]
+    print("3. the interval's run-to-run term, and each rank's coefficients fitted alone:")
+    variants = [(f"relative_noise {noise:.4f}", FitConfig(relative_noise=noise)) for noise in (0.0, 0.0075, 0.015, 0.0225)]
+    for label, config in variants + [("each rank alone", FitConfig(pool_ranks=False))]:
+        rows = [evaluate(out, config) for out in dirs]
+        errors = [e for r in rows for e in r["errors"]]
         outside = sum((1 - r["coverage"]) * r["windows"] for r in rows) / sum(r["windows"] for r in rows)
         ratios = [r["advised"] / r["bisected"] for r in rows]
-        print(f"   relative_noise {noise:.4f}: held-out windows outside {outside:.1%}, seeds whose held-out peak fell "
+        print(f"   {label}: worst error {max(errors):.2%}, held-out windows outside {outside:.1%}, seeds whose held-out peak fell "
               f"outside {sum(not r['peak_inside'] for r in rows)}/{len(rows)}, advised / bisected min {min(ratios):.3f} "
               f"median {statistics.median(ratios):.3f}, over the bisected in {sum(r > 1 for r in ratios)}")
 

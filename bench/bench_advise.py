@@ -220,7 +220,10 @@ def evaluate(out: str, config: Any = None) -> dict[str, Any]:
     return {"naive_max": float(np.max(naive)), "errors": [float(e) for e in errors],
             "coverage": float(np.mean(inside)), "all_inside": bool(all(inside)), "windows": len(errors), "quadratic": quadratic,
             "peak_inside": bool(all(peak_inside)),
-            "advised": min(advised) / overshoot, "bisected": truth["bisected"]}
+            "advised": min(advised) / overshoot, "bisected": truth["bisected"],
+            # The lowest budget a step was seen over the usable memory at: advice there or above is unsafe,
+            # where advice over the bisected budget but under it is within the bisection's step.
+            "failed": min((mid for mid, _, safe in truth.get("midpoints", []) if not safe), default=None)}
 
 
 def main() -> None:
@@ -287,8 +290,17 @@ def report(attention: str, rows: list[dict[str, Any]]) -> None:
           f"seeds with any of their {len(errors) // len(rows)} windows outside: {seeds_out:.1%} "
           f"(target <= 5%: {'met' if seeds_out <= 0.05 else 'MISSED'})")
     print(f"  advised / bisected budget: min {min(ratios):.3f}, median {statistics.median(ratios):.3f} "
-          f"(target >= 0.90: {'met' if min(ratios) >= 0.9 else 'MISSED'}); advised over the bisected (unsafe) "
-          f"in {over} of {len(rows)} seeds")
+          f"(target >= 0.90: {'met' if min(ratios) >= 0.9 else 'MISSED'}); advised over the bisected "
+          f"in {over} of {len(rows)} seeds{unsafe(rows)}")
+
+
+def unsafe(rows: list[dict[str, Any]]) -> str:
+    """Of the seeds whose bisection recorded its midpoints: those advised at or over a budget seen to fail."""
+    judged = [r for r in rows if r.get("failed") is not None]
+    if not judged:
+        return ""
+    bad = sum(r["advised"] >= r["failed"] for r in judged)
+    return f", at or over a budget a step was seen to go over at in {bad} of {len(judged)}"
 
 
 if __name__ == "__main__":
