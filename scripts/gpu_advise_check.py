@@ -90,11 +90,18 @@ def step(model, tokens: int) -> None:  # type: ignore[no-untyped-def]
 
 
 def probe(attention: str, args: argparse.Namespace, out: str) -> None:
+    import torch
+
     import rankmem
 
     model = build(attention, max(args.probe + args.check))
     monitor = rankmem.Monitor(out_dir=out, sinks=("jsonl",), children=False, near_oom_watch=False)
     for i, t in enumerate(args.probe * args.repeats):
+        # The cache emptied before each step, as verl does between phases: each window's reserved peak is
+        # then its own, not the pool earlier, larger steps left (a window served from a pool of segments
+        # cut for other sizes grew it by almost its whole peak: 20.5 GiB reserved for 11.0 allocated on an
+        # H200, where the same step after empty_cache reserved ~12).
+        torch.cuda.empty_cache()
         with monitor.step(i), monitor.phase(PHASE):
             step(model, t)
             monitor.micro_batch(t, 1, t * t)
@@ -105,32 +112,47 @@ def probe(attention: str, args: argparse.Namespace, out: str) -> None:
 
 def predicted(out: str, t: int) -> tuple[float, float, float, str]:
     """(peak, low, high) GiB at ``t`` from ``rankmem advise --at-tokens``, or from its fit where it declines."""
-    done = subprocess.run([sys.executable, "-m", "rankmem", "advise", out, "--at-tokens", str(t), "--json",
-                           "--warmup", str(WARMUP)], capture_output=True, text=True, timeout=120)
+    # One sequence of t tokens per micro-batch: its Q is t*t, not the probe's mean Q/T times t.
+    done = subprocess.run([sys.executable, "-m", "rankmem", "advise", out, "--at-tokens", str(t), "--seq-len", str(t),
+                           "--json", "--warmup", str(WARMUP)], capture_output=True, text=True, timeout=120)
     if done.returncode not in (0, 3):
         raise SystemExit(f"gpu_advise_check: rankmem advise failed (rc {done.returncode}): {done.stderr.strip()}")
     [row] = [r for r in json.loads(done.stdout) if r["phase"] == PHASE]
     if "predicted_peak_gib" in row:
         return row["predicted_peak_gib"], row["low_gib"], row["high_gib"], "advise"
     from rankmem.offline import read_run
-    from rankmem.offline.advice import fit_phase
+    from rankmem.offline.advice import fit_ranks
 
-    pf = fit_phase(read_run(out), PHASE, 0, WARMUP)
+    [pf] = fit_ranks(read_run(out), PHASE, WARMUP)  # one rank
     if not hasattr(pf.model, "predict"):
         raise SystemExit(f"gpu_advise_check: MISS {out}: no model: {row.get('reason')}")
     return (*pf.peak(t, t * t), f"its fit (advise declines: {row['reason']})")
 
 
-def measured(model, t: int) -> tuple[float, float, float]:  # type: ignore[no-untyped-def]
-    """(reserved peak + other, reserved peak, other) GiB for one micro-batch of ``t`` tokens."""
+def allocated_peak(out: str, t: int) -> float:
+    """GiB: the fit's own peak allocated at ``t`` (one sequence), before overhead and memory outside torch."""
+    from rankmem.offline import read_run
+    from rankmem.offline.advice import fit_ranks
+
+    [pf] = fit_ranks(read_run(out), PHASE, WARMUP)
+    if not hasattr(pf.model, "predict"):
+        return float("nan")
+    return pf.baseline + pf.model.predict(t, t * t)[0]
+
+
+def measured(model, t: int) -> tuple[float, float, float, float]:  # type: ignore[no-untyped-def]
+    """(reserved peak + other, reserved peak, other, allocated peak) GiB for one micro-batch of ``t``
+    tokens, from an emptied cache as the probe's steps were."""
     import torch
 
+    torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     step(model, t)
+    allocated = torch.cuda.max_memory_allocated() / GIB
     peak = torch.cuda.max_memory_reserved() / GIB
     free, total = torch.cuda.mem_get_info()
     other = max((total - free) / GIB - torch.cuda.memory_reserved() / GIB, 0.0)  # context, other processes
-    return peak + other, peak, other
+    return peak + other, peak, other, allocated
 
 
 def main(argv: list[str]) -> int:
@@ -158,7 +180,7 @@ def main(argv: list[str]) -> int:
         for t in args.check:
             peak, low, high, source = predicted(out, t)
             try:
-                real, reserved, other = measured(model, t)
+                real, reserved, other, allocated = measured(model, t)
             except torch.OutOfMemoryError:
                 model.zero_grad(set_to_none=True)
                 torch.cuda.empty_cache()
@@ -169,11 +191,13 @@ def main(argv: list[str]) -> int:
                       f"this {capacity:.1f} GiB device; predicted {peak:.2f} GiB ({low:.2f}..{high:.2f}, from {source})")
                 continue
             error = (peak - real) / real
+            fitted = allocated_peak(out, t)
             miss = abs(error) > args.tolerance or real > high * (1 + args.tolerance)
             misses += miss
             print(f"gpu_advise_check: {'MISS' if miss else 'ok'} attention={attention} T={t}: predicted {peak:.2f} GiB "
                   f"({low:.2f}..{high:.2f}, from {source}), measured {real:.2f} GiB (max reserved {reserved:.2f} + "
-                  f"other {other:.2f}), error {error:+.1%}")
+                  f"other {other:.2f}), error {error:+.1%}; peak allocated {allocated:.2f} GiB, the fit's "
+                  f"{fitted:.2f} ({(fitted - allocated) / allocated:+.1%})")
         del model
         torch.cuda.empty_cache()
     return 1 if misses else 0

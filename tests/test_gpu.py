@@ -207,7 +207,7 @@ def test_one_rank_nccl_group_gathers_on_the_device() -> None:
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
-        gather: PackedGather = monitor._gather
+        gather: PackedGather = monitor._exchange.packed
         gather._world, gather._backend = 1, str(dist.get_backend())  # what _setup does in a larger world
         gather._follow_device()
         assert gather._device == torch.device("cuda", 0)

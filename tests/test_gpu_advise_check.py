@@ -6,6 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO
 
 SCRIPT = REPO / "scripts/gpu_advise_check.py"
@@ -35,3 +37,21 @@ def test_bad_arguments_are_one_clear_error() -> None:
         done = _run("--dry-run", *args)
         assert done.returncode == 2, args
         assert done.stderr.splitlines()[-1] == f"gpu_advise_check.py: error: {message}", done.stderr
+
+
+def test_the_prediction_reads_advise_and_past_its_range_the_fit_itself(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The part of the check that needs no GPU, on a device run log shaped like its probe: ``rankmem
+    advise --at-tokens`` inside 1.5x the largest T, the fit directly past it (where advise declines)."""
+    import importlib.util
+
+    from tests.offline.test_advice_device import PROBE, caching_run, expected_peak
+
+    spec = importlib.util.spec_from_file_location("gpu_advise_check", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    out = str(caching_run(tmp_path, PROBE * 2))
+    for t, source in ((24576, "advise"), (32768, "its fit")):
+        peak, low, high, said = check.predicted(out, t)
+        assert said.startswith(source), said
+        assert peak == pytest.approx(expected_peak(t), abs=1e-6) and low < peak < high

@@ -3,7 +3,8 @@
 The model is fitted per phase and rank from the run's own windows (:mod:`rankmem.offline.advice`); the
 advice is set against capacity minus headroom, divided by the overshoot of realised micro-batches over
 the configured budget, and printed under verl's config names. ``--at-tokens T`` prints the predicted
-peak per phase and rank at T instead.
+peak per phase and rank at T instead (``--seq-len L``: in sequences of L tokens, where the quadratic
+term needs it; by default the windows' own mean Q/T).
 
 Exit status: 0 every phase has advice, 3 some phase has none (too few windows, flat or noisy: each says
 why; or T past 1.5x the largest seen), 2 bad input.
@@ -42,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the token budget the run was configured with (default: the run's config)")
     parser.add_argument("--at-tokens", type=float, default=None, metavar="T",
                         help="print the predicted peak per phase and rank at T tokens per micro-batch instead")
+    parser.add_argument("--seq-len", type=float, default=None, metavar="L",
+                        help="with --at-tokens: the micro-batch's sequences are L tokens long, its sum of squared "
+                             "lengths T*L (default: the mean Q/T of the windows seen, as the advice assumes)")
     parser.add_argument("--phase", action="append", default=None, metavar="P",
                         help="only this phase (repeatable; default: every phase told its micro-batches)")
     parser.add_argument("--steps", type=int, default=None, metavar="N",
@@ -57,6 +61,12 @@ def _check(args: argparse.Namespace) -> None:
     for flag, value, low in (("--capacity", args.capacity, 0.0), ("--at-tokens", args.at_tokens, 0.0)):
         if value is not None and not (math.isfinite(value) and value > low):
             raise RankmemError(f"{flag} must be a finite number > 0, got {value}")
+    if args.seq_len is not None:
+        if args.at_tokens is None:
+            raise RankmemError("--seq-len goes with --at-tokens T: the length of the sequences a micro-batch of T holds")
+        if not (math.isfinite(args.seq_len) and 1 <= args.seq_len <= args.at_tokens):
+            raise RankmemError(f"--seq-len must be a number of tokens from 1 to --at-tokens ({args.at_tokens:g}), "
+                               f"got {args.seq_len}")
     if args.headroom is not None and not (math.isfinite(args.headroom) and args.headroom >= 0):
         raise RankmemError(f"--headroom must be a finite number of GiB >= 0, got {args.headroom}")
     if args.budget is not None and args.budget < 1:
@@ -114,10 +124,24 @@ def _at_tokens(fits: dict[str, list[PhaseFit]], args: argparse.Namespace) -> int
                 rows.append({"phase": phase, "rank": pf.rank, "tokens": t, "reason": why})
                 lines.append(f"{head}: {why}")
                 continue
-            peak, low, high = pf.peak(t)
-            rows.append({"phase": phase, "rank": pf.rank, "tokens": t, "predicted_peak_gib": peak, "low_gib": low,
-                         "high_gib": high, "quadratic": pf.model.quadratic})
-            lines.append(f"{head}: T={t:.0f}: predicted peak {peak:.3f} GiB ({low:.3f}..{high:.3f}), "
+            # Q = T*L: L stands where a window's Q/T (its token-weighted mean length) stood.
+            longest = pf.mean_length_max
+            if args.seq_len is not None and pf.model.quadratic and args.seq_len > EXTRAPOLATION * longest:
+                status = NO_VERDICT
+                why = (f"sequences of {args.seq_len:.0f} tokens are past {EXTRAPOLATION:g}x the longest seen "
+                       f"(Q/T {longest:.0f}): run a step with sequences of {EXTRAPOLATION * longest:.0f} first")
+                rows.append({"phase": phase, "rank": pf.rank, "tokens": t, "reason": why})
+                lines.append(f"{head}: {why}")
+                continue
+            q = t * args.seq_len if args.seq_len is not None else None
+            peak, low, high = pf.peak(t, q)
+            row = {"phase": phase, "rank": pf.rank, "tokens": t, "predicted_peak_gib": peak, "low_gib": low,
+                   "high_gib": high, "quadratic": pf.model.quadratic}
+            if args.seq_len is not None:
+                row["seq_len"] = args.seq_len
+            rows.append(row)
+            at = f"T={t:.0f}" + (f" in sequences of {args.seq_len:.0f}" if args.seq_len is not None else "")
+            lines.append(f"{head}: {at}: predicted peak {peak:.3f} GiB ({low:.3f}..{high:.3f}), "
                          f"{'quadratic' if pf.model.quadratic else 'line'} fit of {pf.model.n} windows")
     print(json.dumps(rows, indent=1) if args.json else "\n".join(lines))
     return status

@@ -10,8 +10,10 @@ lengths Q), fitted by :func:`rankmem.fit.fit_memory`:
   token-budget jobs fix the mmap threshold and hand the freed heap back after each step
   (:mod:`rankmem.engine.hostheap`; docs/advice.md says why and how to do it in a job of your own);
 - **device**: peak = the phase's peak allocated, baseline = the step's allocated at its end; set
-  against capacity, the allocator's overhead (the phase's peak reserved over peak allocated) and the
-  memory outside torch (``other``) are added, each the largest seen after warm-up.
+  against capacity, the predicted allocation is scaled by the allocator's overhead (the phase's peak
+  reserved over peak allocated, in the windows that grew the allocator's pool:
+  :func:`rankmem.fit.overhead_ratio`) and the memory outside torch (``other``, the largest seen after
+  warm-up) is added.
 
 The peak set against capacity is the latest baseline (median of the last few steps) plus the rise.
 Offline code: numpy, no torch.
@@ -27,7 +29,7 @@ import numpy as np
 
 from rankmem.core.catalogue import key_of, phase_key, work_key
 from rankmem.errors import RankmemError
-from rankmem.fit import Fit, FitConfig, NoFit, fit_phase
+from rankmem.fit import Fit, FitConfig, NoFit, fit_phase, grew_pool, overhead_ratio
 from rankmem.offline import Run
 from rankmem.offline.capacity import capacities
 from rankmem.trend.trend import LeakConfig, Trend, regression_axis, trend
@@ -47,7 +49,7 @@ class PhaseFit:
     baseline: float
     """GiB: the lowest resident memory between steps (host), or the latest allocated (device)."""
     extra: float
-    """GiB added before comparing with capacity: allocator overhead and memory outside torch (device)."""
+    """GiB added before comparing with capacity: the memory outside torch (device)."""
     sq_max: float
     """The largest Q seen (0 if not told): its square root bounds the longest sequence seen."""
     tokens_seen: np.ndarray
@@ -55,13 +57,19 @@ class PhaseFit:
     """The step the predicted peak's baseline stands for. Host: the mean step of the fitted windows (their
     rises are over the run's lowest RSS, so a growing baseline's average is in the fit). Device: the
     median step of the last steps whose allocated is the baseline."""
+    mean_length_max: float = 0.0
+    """The largest Q/T seen (0 if not told): a micro-batch's token-weighted mean sequence length."""
+    overhead_ratio: float = 1.0
+    """Device: the allocator's reserved over allocated at the phase's peak (:func:`rankmem.fit.overhead_ratio`);
+    the predicted allocation is scaled by it. Host: 1."""
 
     def peak(self, tokens: float, sq_tokens: float | None = None) -> tuple[float, float, float]:
-        """(peak, low, high) in GiB, as set against capacity."""
+        """(peak, low, high) in GiB, as set against capacity: (baseline + rise) x the allocator's ratio
+        + the memory outside torch."""
         assert isinstance(self.model, Fit)
         rise, low, high = self.model.predict(tokens, sq_tokens)
-        base = self.baseline + self.extra
-        return base + rise, base + low, base + high
+        r, base = self.overhead_ratio, self.baseline
+        return (base + rise) * r + self.extra, (base + low) * r + self.extra, (base + high) * r + self.extra
 
 
 def memory_kind(run: Run, phase: str) -> str:
@@ -94,6 +102,7 @@ class _Series:
     baseline: float
     extra: float
     baseline_step: float
+    ratio: float = 1.0
 
 
 def _phase_series(run: Run, phase: str, rank: int, warmup: int, kind: str) -> _Series:
@@ -104,13 +113,13 @@ def _phase_series(run: Run, phase: str, rank: int, warmup: int, kind: str) -> _S
     if kind == "device":
         peak = _col(run, phase_key(phase, "peak_allocated_gib"), rank, rows)
         base = _col(run, key_of("allocated"), rank, rows)
-        overhead = _col(run, phase_key(phase, "peak_reserved_gib"), rank, rows) - peak
+        ratio = _allocator_ratio(run, phase, rank, rows, peak)
         other = _col(run, key_of("other"), rank, rows) if key_of("other") in run.series else np.zeros_like(peak)
         finite = base[np.isfinite(base)]
         baseline = float(np.median(finite[-BASELINE_STEPS:])) if finite.size else math.nan
         seen = run.steps[rows][np.isfinite(base)]
         at = float(np.median(seen[-BASELINE_STEPS:])) if seen.size else math.nan
-        return _Series(col, peak - base, q, baseline, _nanmax(overhead) + _nanmax(other), at)
+        return _Series(col, peak - base, q, baseline, _nanmax(other), at, ratio)
     peak = _col(run, phase_key(phase, "peak_rss_gib"), rank, rows)
     base = _col(run, key_of("rss"), rank, rows)
     baseline = float(np.nanmin(base)) if np.isfinite(base).any() else math.nan
@@ -119,9 +128,32 @@ def _phase_series(run: Run, phase: str, rank: int, warmup: int, kind: str) -> _S
     return _Series(col, peak - baseline, q, baseline, 0.0, at)
 
 
+def _allocator_ratio(run: Run, phase: str, rank: int, rows: slice, peak: np.ndarray) -> float:
+    """The phase's peak reserved over its peak allocated where its windows grew the allocator's pool
+    (:func:`rankmem.fit.overhead_ratio`; the windows before ``rows`` count for the growth)."""
+    reserved_all = run.series.get(phase_key(phase, "peak_reserved_gib"))
+    if reserved_all is None:
+        return 1.0
+    reserved_all = np.asarray(reserved_all[:, rank], dtype=np.float64)
+    reserved = reserved_all[rows]
+    rise_key = phase_key(phase, "peak_reserved_rise_gib")
+    if rise_key in run.series:
+        grew = grew_pool(reserved, _col(run, rise_key, rank, rows))
+    else:  # an older log: a window grew the pool where its peak is over every earlier window's
+        ahead = reserved_all[: rows.start or 0]
+        grew = grew_pool(reserved, None, float(np.nanmax(ahead)) if np.isfinite(ahead).any() else -np.inf)
+    return overhead_ratio(peak, reserved, grew)
+
+
 def _phase_fit(phase: str, rank: int, s: _Series, model: Fit | NoFit) -> PhaseFit:
     sq_max = float(np.nanmax(s.sq)) if s.sq is not None and np.isfinite(s.sq).any() else 0.0
-    return PhaseFit(phase, rank, model, s.baseline, s.extra, sq_max, s.tokens[np.isfinite(s.tokens)], s.baseline_step)
+    length = 0.0
+    if s.sq is not None:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            per_window = s.sq / s.tokens
+        length = float(np.nanmax(per_window)) if np.isfinite(per_window).any() else 0.0
+    return PhaseFit(phase, rank, model, s.baseline, s.extra, sq_max, s.tokens[np.isfinite(s.tokens)], s.baseline_step,
+                    length, s.ratio)
 
 
 def baseline_growth(run: Run, rank: int, warmup: int, kind: str, capacity_gib: float | None = None) -> Trend | None:

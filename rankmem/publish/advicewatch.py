@@ -2,8 +2,8 @@
 the run's own windows, puts the peak at the heaviest micro-batch seen over capacity minus headroom.
 
 The same model as ``rankmem advise`` (:func:`rankmem.fit.fit_memory`), on the host's peak RSS over the
-lowest RSS between steps, or the device's peak allocated over the step's allocated plus the allocator's
-overhead and the memory outside torch. Capacity: the device total, else the cgroup limit, else the
+lowest RSS between steps, or the device's peak allocated over the step's allocated, scaled by the
+allocator's overhead (:func:`rankmem.fit.overhead_ratio`), plus the memory outside torch. Capacity: the device total, else the cgroup limit, else the
 node's memory shared by the ranks on the node. Headroom: 5% of it. Refitted every ``every`` collects.
 
 Its first fit leaves ~2 MiB resident (numpy's code and workspaces): the publisher takes that on every
@@ -19,7 +19,7 @@ import numpy as np
 
 from rankmem.core.catalogue import key_of, phase_key, phase_names, work_key
 from rankmem.core.warnings import warn
-from rankmem.fit import Fit, NoFit, fit_phase
+from rankmem.fit import Fit, NoFit, fit_phase, grew_pool, overhead_ratio
 
 HEADROOM_FRACTION = 0.05
 WARMUP = 2
@@ -34,7 +34,7 @@ class AdviceWatch:
         self.every = every
         self.fed = 0
         self.warned: set[str] = set()
-        self.history: dict[tuple[str, int], deque[tuple[float, float, float, float, float]]] = {}
+        self.history: dict[tuple[str, int], deque[tuple[float, ...]]] = {}
         self.capacity: float | None = None
         self.device: dict[str, bool] = {}
 
@@ -70,26 +70,31 @@ class AdviceWatch:
         cols = [index.get(work_key(phase, "mb_tokens")), index.get(work_key(phase, "mb_sq_tokens"))]
         peak_col = index.get(phase_key(phase, "peak_allocated_gib" if device else "peak_rss_gib"))
         base_col = index.get(key_of("allocated" if device else "rss"))
-        extra_cols = [index.get(phase_key(phase, "peak_reserved_gib")), index.get(key_of("other"))] if device else []
+        # Device: the phase's peak reserved and its rise in the window (the allocator's ratio), and the
+        # memory outside torch.
+        extra_cols = [index.get(phase_key(phase, k)) for k in ("peak_reserved_gib", "peak_reserved_rise_gib")]
+        extra_cols.append(index.get(key_of("other")))
         if cols[0] is None or peak_col is None or base_col is None:
             return
         for rank in range(matrix.shape[0]):
             row = matrix[rank]
             q = row[cols[1]] if cols[1] is not None else np.nan
-            extra = 0.0
-            if device and extra_cols[0] is not None:
-                extra = max(float(row[extra_cols[0]] - row[peak_col]), 0.0)
-                extra += max(float(row[extra_cols[1]]), 0.0) if extra_cols[1] is not None else 0.0
-            entry = (float(row[cols[0]]), float(q), float(row[peak_col]), float(row[base_col]), extra)
+            reserved, rise, other = (float(row[c]) if device and c is not None else np.nan for c in extra_cols)
+            entry = (float(row[cols[0]]), float(q), float(row[peak_col]), float(row[base_col]), reserved, rise, other)
             self.history.setdefault((phase, rank), deque(maxlen=HISTORY)).append(entry)
         self.device[phase] = device
 
-    def _series(self, key: tuple[str, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, float, np.ndarray]:
-        """(T, rise, Q or None, baseline, extra) of one phase and rank, from its history."""
-        t, q, peak, base, extra = (np.array(c) for c in zip(*self.history[key], strict=True))
+    def _series(self, key: tuple[str, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, float, float, float]:
+        """(T, rise, Q or None, baseline, the allocator's ratio, other) of one phase and rank, from its history."""
+        t, q, peak, base, reserved, rise, other = (np.array(c) for c in zip(*self.history[key], strict=True))
         device = self.device[key[0]]
         baseline = float(np.nanmin(base)) if not device else float(np.nanmedian(base[-5:]))
-        return t, peak - (base if device else baseline), q if np.isfinite(q).all() else None, baseline, extra
+        ratio, outside = 1.0, 0.0
+        if device:
+            ratio = overhead_ratio(peak, reserved, grew_pool(reserved, rise if np.isfinite(rise).any() else None))
+            finite = other[np.isfinite(other)]
+            outside = max(float(finite.max()), 0.0) if finite.size else 0.0
+        return t, peak - (base if device else baseline), q if np.isfinite(q).all() else None, baseline, ratio, outside
 
     def _judge(self) -> list[str]:
         given: list[str] = []
@@ -101,14 +106,14 @@ class AdviceWatch:
         for phase in {p for p, _ in series}:
             keys = [key for key in series if key[0] == phase]
             fits.update(zip(keys, fit_phase([series[key][:3] for key in keys]), strict=True))
-        for (phase, rank), (t, _, _, baseline, extra) in series.items():
+        for (phase, rank), (t, _, _, baseline, ratio, outside) in series.items():
             if phase in self.warned:
                 continue
             fit = fits[(phase, rank)]
             if not isinstance(fit, Fit):
                 continue
             heaviest = float(np.nanmax(t))
-            high = baseline + float(np.nanmax(extra)) + fit.predict(heaviest)[2]
+            high = (baseline + fit.predict(heaviest)[2]) * ratio + outside
             if high > usable:
                 self.warned.add(phase)
                 message = (f"rankmem: phase {phase}: the fitted peak at its heaviest micro-batch seen ({heaviest:.0f} "

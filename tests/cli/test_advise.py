@@ -99,6 +99,41 @@ def test_at_tokens_predicts_the_peak_and_refuses_past_1_5x(tmp_path: Path, capsy
     ]
 
 
+def quadratic_run(out: Path) -> Path:
+    """One rank whose rise is 0.1 GiB + 50 KiB per token + 200 B per squared sequence length, on windows
+    whose sequence length (64, 128 or 256) varies apart from their tokens."""
+    steps = 14
+    t = 1000.0 + 150 * np.arange(steps)
+    length = np.array([64.0, 256.0, 128.0])[np.arange(steps) % 3]
+    q = t * length
+    rise = 0.1 + 50 * t / 2**20 + 200 * q / 2**30
+    series = {
+        key_of("rss"): np.full((steps, 1), 1.0),
+        key_of("node_used"): np.full((steps, 1), 2.0),
+        key_of("node_available"): np.full((steps, 1), 10.0),
+        phase_key("update", "peak_rss_gib"): (1.0 + rise)[:, None],
+        work_key("update", "mb_tokens"): t[:, None],
+        work_key("update", "mb_sequences"): (t / length)[:, None],
+        work_key("update", "mb_sq_tokens"): q[:, None],
+    }
+    write_run(out, series)
+    return out
+
+
+def test_at_tokens_in_sequences_of_a_given_length(tmp_path: Path, capsys) -> None:
+    run = str(quadratic_run(tmp_path))
+    for length in (64, 256):
+        rc, out, _ = advise(capsys, run, "--at-tokens", "3000", "--seq-len", str(length), "--json")
+        assert rc == 0
+        [row] = json.loads(out)
+        truth = 1.0 + 0.1 + 50 * 3000 / 2**20 + 200 * 3000 * length / 2**30
+        assert (row["seq_len"], row["quadratic"]) == (length, True)
+        assert abs(row["predicted_peak_gib"] - truth) < 1 / 1024 and row["low_gib"] < truth < row["high_gib"]
+    rc, out, _ = advise(capsys, run, "--at-tokens", "3000", "--seq-len", "400")
+    assert (rc, out) == (3, "update rank 0: sequences of 400 tokens are past 1.5x the longest seen (Q/T 256): "
+                            "run a step with sequences of 384 first\n")
+
+
 def test_too_few_windows_is_one_line_and_exit_3(tmp_path: Path, capsys) -> None:
     rc, out, _ = advise(capsys, str(line_run(tmp_path, steps=6)))
     assert rc == 3
@@ -112,6 +147,9 @@ def test_too_few_windows_is_one_line_and_exit_3(tmp_path: Path, capsys) -> None:
     (["--budget", "0"], "--budget must be a number of tokens >= 1, got 0"),
     (["--phase", "rollout"], "--phase rollout: no such phase with micro-batches in the run; it has: update"),
     (["--capacity", "1", "--headroom", "2"], "--headroom 2 GiB leaves nothing of the capacity 1.000 GiB: lower it"),
+    (["--seq-len", "64"], "--seq-len goes with --at-tokens T: the length of the sequences a micro-batch of T holds"),
+    (["--at-tokens", "100", "--seq-len", "200"], "--seq-len must be a number of tokens from 1 to --at-tokens (100), "
+                                                 "got 200.0"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, capsys, args: list[str], message: str) -> None:
     rc, out, err = advise(capsys, str(line_run(tmp_path)), *args)

@@ -1,0 +1,51 @@
+"""The caching allocator's overhead at a phase's peak: reserved over allocated, as a ratio.
+
+A device window's peak reserved holds the phase's peak allocation plus what the allocator keeps beside
+it (block rounding, segments cut for other sizes). Two things make the raw difference a poor model:
+
+- a window served from segments that earlier, larger windows left in the pool shows their slack, not
+  its own: on an H200 the second pass of a rising probe showed 1.0 GiB reserved over 0.18 allocated at
+  2,048 tokens, where the pool had last grown by 0.45 GiB over its allocation. Only the windows that
+  grew the pool (their reserved rose in the window) show what a window of their size needs;
+- what it needs grows with the allocation: the reference GPT's windows after ``empty_cache`` kept a
+  steady ratio (1.21-1.32 SDPA, 1.04-1.11 materialised) while the difference grew twentyfold, and at
+  1.5x and 2x the largest T seen the ratio held (1.22 and 1.20 SDPA, 1.12 and 1.13 materialised). A
+  difference carried to a larger T under-predicted the device by 6-9% there; the ratio by under 1.5%
+  (bench/RESULTS.md, the GPU check).
+
+Pure numpy, shared by ``rankmem advise`` and the online watch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def grew_pool(peak_reserved: np.ndarray, reserved_rise: np.ndarray | None, before: float = -np.inf) -> np.ndarray:
+    """Per window: did the allocator's pool grow in it? From the window's reserved rise where logged,
+    else where its reserved peak passes every earlier window's (and ``before``, the largest of the
+    windows left out ahead of these)."""
+    reserved = np.asarray(peak_reserved, dtype=np.float64)
+    if reserved_rise is not None:
+        with np.errstate(invalid="ignore"):
+            return np.asarray(reserved_rise, dtype=np.float64) > 0
+    earlier = np.fmax.accumulate(np.concatenate(([before], reserved[:-1]))) if reserved.size else reserved
+    with np.errstate(invalid="ignore"):
+        return reserved > earlier
+
+
+def overhead_ratio(peak_allocated: np.ndarray, peak_reserved: np.ndarray, grew: np.ndarray) -> float:
+    """Peak reserved over peak allocated: the largest over the windows that grew the pool; where none
+    did (the pool covered every window), at the window of the largest allocation, an upper bound of its
+    own; 1.0 where nothing is known. Never under 1."""
+    alloc = np.asarray(peak_allocated, dtype=np.float64)
+    reserved = np.asarray(peak_reserved, dtype=np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ok = np.isfinite(alloc) & np.isfinite(reserved) & (alloc > 0)
+        ratio = np.where(ok, reserved / np.where(ok, alloc, 1.0), np.nan)
+    chosen = np.asarray(grew, dtype=bool) & ok
+    if chosen.any():
+        return max(float(ratio[chosen].max()), 1.0)
+    if not ok.any():
+        return 1.0
+    return max(float(ratio[ok][np.argmax(alloc[ok])]), 1.0)
