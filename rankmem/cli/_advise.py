@@ -101,8 +101,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _at_tokens(fits: dict[str, list[PhaseFit]], args: argparse.Namespace) -> int:
-    from rankmem.fit import NoFit
-    from rankmem.offline.advice import EXTRAPOLATION
+    from rankmem.fit import Fit
 
     t = float(args.at_tokens)
     rows: list[dict[str, Any]] = []
@@ -111,28 +110,13 @@ def _at_tokens(fits: dict[str, list[PhaseFit]], args: argparse.Namespace) -> int
     for phase, per_rank in fits.items():
         for pf in per_rank:
             head = f"{phase} rank {pf.rank}"
-            if isinstance(pf.model, NoFit):
+            why = _no_prediction(pf, t, args.seq_len)
+            if why is not None:
                 status = NO_VERDICT
-                rows.append({"phase": phase, "rank": pf.rank, "tokens": t, "reason": pf.model.reason})
-                lines.append(f"{head}: no model: {pf.model.reason}")
-                continue
-            cap = EXTRAPOLATION * pf.model.t_max
-            if t > cap:
-                status = NO_VERDICT
-                why = (f"T={t:.0f} is past {EXTRAPOLATION:g}x the largest T seen ({pf.model.t_max:.0f}): "
-                       f"run a step at T={cap:.0f} first")
                 rows.append({"phase": phase, "rank": pf.rank, "tokens": t, "reason": why})
                 lines.append(f"{head}: {why}")
                 continue
-            # Q = T*L: L stands where a window's Q/T (its token-weighted mean length) stood.
-            longest = pf.mean_length_max
-            if args.seq_len is not None and pf.model.quadratic and args.seq_len > EXTRAPOLATION * longest:
-                status = NO_VERDICT
-                why = (f"sequences of {args.seq_len:.0f} tokens are past {EXTRAPOLATION:g}x the longest seen "
-                       f"(Q/T {longest:.0f}): run a step with sequences of {EXTRAPOLATION * longest:.0f} first")
-                rows.append({"phase": phase, "rank": pf.rank, "tokens": t, "reason": why})
-                lines.append(f"{head}: {why}")
-                continue
+            assert isinstance(pf.model, Fit)
             q = t * args.seq_len if args.seq_len is not None else None
             peak, low, high = pf.peak(t, q)
             row = {"phase": phase, "rank": pf.rank, "tokens": t, "predicted_peak_gib": peak, "low_gib": low,
@@ -145,6 +129,26 @@ def _at_tokens(fits: dict[str, list[PhaseFit]], args: argparse.Namespace) -> int
                          f"{'quadratic' if pf.model.quadratic else 'line'} fit of {pf.model.n} windows")
     print(json.dumps(rows, indent=1) if args.json else "\n".join(lines))
     return status
+
+
+def _no_prediction(pf: PhaseFit, t: float, seq_len: float | None) -> str | None:
+    """Why ``--at-tokens`` has no prediction for this rank: no model, or T (or the sequences' length)
+    past 1.5x what its windows saw; None where it has one."""
+    from rankmem.fit import NoFit
+    from rankmem.offline.advice import EXTRAPOLATION
+
+    if isinstance(pf.model, NoFit):
+        return f"no model: {pf.model.reason}"
+    cap = EXTRAPOLATION * pf.model.t_max
+    if t > cap:
+        return (f"T={t:.0f} is past {EXTRAPOLATION:g}x the largest T seen ({pf.model.t_max:.0f}): "
+                f"run a step at T={cap:.0f} first")
+    # Q = T*L: L stands where a window's Q/T (its token-weighted mean length) stood.
+    longest = pf.mean_length_max
+    if seq_len is not None and pf.model.quadratic and seq_len > EXTRAPOLATION * longest:
+        return (f"sequences of {seq_len:.0f} tokens are past {EXTRAPOLATION:g}x the longest seen "
+                f"(Q/T {longest:.0f}): run a step with sequences of {EXTRAPOLATION * longest:.0f} first")
+    return None
 
 
 def _limit(run: Run, fits: dict[str, list[PhaseFit]], args: argparse.Namespace) -> Limit:
