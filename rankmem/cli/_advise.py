@@ -144,7 +144,7 @@ def _no_prediction(pf: PhaseFit, t: float, seq_len: float | None) -> str | None:
         return (f"T={t:.0f} is past {EXTRAPOLATION:g}x the largest T seen ({pf.model.t_max:.0f}): "
                 f"run a step at T={cap:.0f} first")
     # Q = T*L: L stands where a window's Q/T (its token-weighted mean length) stood.
-    longest = pf.mean_length_max
+    longest = pf.model.q_per_token
     if seq_len is not None and pf.model.quadratic and seq_len > EXTRAPOLATION * longest:
         return (f"sequences of {seq_len:.0f} tokens are past {EXTRAPOLATION:g}x the longest seen "
                 f"(Q/T {longest:.0f}): run a step with sequences of {EXTRAPOLATION * longest:.0f} first")

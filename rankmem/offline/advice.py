@@ -57,8 +57,6 @@ class PhaseFit:
     """The step the predicted peak's baseline stands for. Host: the mean step of the fitted windows (their
     rises are over the run's lowest RSS, so a growing baseline's average is in the fit). Device: the
     median step of the last steps whose allocated is the baseline."""
-    mean_length_max: float = 0.0
-    """The largest Q/T seen (0 if not told): a micro-batch's token-weighted mean sequence length."""
     overhead_ratio: float = 1.0
     """Device: the allocator's reserved over allocated at the phase's peak (:func:`rankmem.fit.overhead_ratio`);
     the predicted allocation is scaled by it. Host: 1."""
@@ -147,13 +145,8 @@ def _allocator_ratio(run: Run, phase: str, rank: int, rows: slice, peak: np.ndar
 
 def _phase_fit(phase: str, rank: int, s: _Series, model: Fit | NoFit) -> PhaseFit:
     sq_max = float(np.nanmax(s.sq)) if s.sq is not None and np.isfinite(s.sq).any() else 0.0
-    length = 0.0
-    if s.sq is not None:
-        with np.errstate(invalid="ignore", divide="ignore"):
-            per_window = s.sq / s.tokens
-        length = float(np.nanmax(per_window)) if np.isfinite(per_window).any() else 0.0
     return PhaseFit(phase, rank, model, s.baseline, s.extra, sq_max, s.tokens[np.isfinite(s.tokens)], s.baseline_step,
-                    length, s.ratio)
+                    s.ratio)
 
 
 def baseline_growth(run: Run, rank: int, warmup: int, kind: str, capacity_gib: float | None = None) -> Trend | None:
