@@ -21,17 +21,22 @@ from __future__ import annotations
 import numpy as np
 
 
-def grew_pool(peak_reserved: np.ndarray, reserved_rise: np.ndarray | None, before: float = -np.inf) -> np.ndarray:
-    """Per window: did the allocator's pool grow in it? From the window's reserved rise where logged,
-    else where its reserved peak passes every earlier window's (and ``before``, the largest of the
-    windows left out ahead of these)."""
+def grew_pool(peak_reserved: np.ndarray, peak_allocated: np.ndarray, reserved_rise: np.ndarray | None,
+              before: float = -np.inf) -> np.ndarray:
+    """Per window: was the pool it started with too small for its peak allocation, so that the
+    allocator grew it for this window? The pool at the window's start is its reserved peak less its
+    rise where the rise is logged, else the largest reserved peak of the windows before it (and
+    ``before``, the largest of those left out ahead of these). A rise alone is not enough: a window
+    served from a large cached pool may still cut a new 2 MiB segment for small blocks, and its ratio
+    would then be the old pool's."""
     reserved = np.asarray(peak_reserved, dtype=np.float64)
+    alloc = np.asarray(peak_allocated, dtype=np.float64)
     if reserved_rise is not None:
-        with np.errstate(invalid="ignore"):
-            return np.asarray(reserved_rise, dtype=np.float64) > 0
-    earlier = np.fmax.accumulate(np.concatenate(([before], reserved[:-1]))) if reserved.size else reserved
+        start = reserved - np.asarray(reserved_rise, dtype=np.float64)
+    else:
+        start = np.fmax.accumulate(np.concatenate(([before], reserved[:-1]))) if reserved.size else reserved
     with np.errstate(invalid="ignore"):
-        return reserved > earlier
+        return (start < alloc) & (reserved > start)
 
 
 def overhead_ratio(peak_allocated: np.ndarray, peak_reserved: np.ndarray, grew: np.ndarray) -> float:

@@ -136,10 +136,10 @@ def _allocator_ratio(run: Run, phase: str, rank: int, rows: slice, peak: np.ndar
     reserved = reserved_all[rows]
     rise_key = phase_key(phase, "peak_reserved_rise_gib")
     if rise_key in run.series:
-        grew = grew_pool(reserved, _col(run, rise_key, rank, rows))
-    else:  # an older log: a window grew the pool where its peak is over every earlier window's
+        grew = grew_pool(reserved, peak, _col(run, rise_key, rank, rows))
+    else:  # an older log: the pool at a window's start is the largest reserved peak before it
         ahead = reserved_all[: rows.start or 0]
-        grew = grew_pool(reserved, None, float(np.nanmax(ahead)) if np.isfinite(ahead).any() else -np.inf)
+        grew = grew_pool(reserved, peak, None, float(np.nanmax(ahead)) if np.isfinite(ahead).any() else -np.inf)
     return overhead_ratio(peak, reserved, grew)
 
 

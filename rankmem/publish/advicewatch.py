@@ -1,7 +1,7 @@
 """The online advice watch on the logging rank: warns once per phase when the memory model, fitted on
 the run's own windows, puts the peak at the heaviest micro-batch seen over capacity minus headroom.
 
-The same model as ``rankmem advise`` (:func:`rankmem.fit.fit_memory`), on the host's peak RSS over the
+The same model as ``rankmem advise`` (:func:`rankmem.fit.fit_phase`), on the host's peak RSS over the
 lowest RSS between steps, or the device's peak allocated over the step's allocated, scaled by the
 allocator's overhead (:func:`rankmem.fit.overhead_ratio`), plus the memory outside torch. Capacity: the device total, else the cgroup limit, else the
 node's memory shared by the ranks on the node. Headroom: 5% of it. Refitted every ``every`` collects.
@@ -91,7 +91,7 @@ class AdviceWatch:
         baseline = float(np.nanmin(base)) if not device else float(np.nanmedian(base[-5:]))
         ratio, outside = 1.0, 0.0
         if device:
-            ratio = overhead_ratio(peak, reserved, grew_pool(reserved, rise if np.isfinite(rise).any() else None))
+            ratio = overhead_ratio(peak, reserved, grew_pool(reserved, peak, rise if np.isfinite(rise).any() else None))
             finite = other[np.isfinite(other)]
             outside = max(float(finite.max()), 0.0) if finite.size else 0.0
         return t, peak - (base if device else baseline), q if np.isfinite(q).all() else None, baseline, ratio, outside

@@ -26,13 +26,14 @@ OTHER = 0.7  # GiB outside torch (the CUDA context)
 PROBE = [2048, 4096, 6144, 8192, 12288, 16384]
 
 
-def caching_run(out: Path, tokens: list[int], rise_key: bool = True) -> Path:
-    """A run whose reserved pool grows only when a window's allocation passes it, to RATIO times it."""
+def caching_run(out: Path, tokens: list[int], rise_key: bool = True, small_segment_at: int | None = None) -> Path:
+    """A run whose reserved pool grows when a window's allocation passes it, to RATIO times it; and by a
+    2 MiB segment for small blocks at window ``small_segment_at``, whatever the pool held."""
     t = np.asarray(tokens, dtype=np.float64)
     peak_alloc = BASE + FIXED + PER_TOKEN * t
     pool, reserved, rise = BASE, [], []
-    for need in peak_alloc * RATIO:
-        grown = max(pool, need)
+    for i, need in enumerate(peak_alloc * RATIO):
+        grown = max(pool, need) + (2 / 1024 if i == small_segment_at else 0.0)
         reserved.append(grown)
         rise.append(grown - pool)
         pool = grown
@@ -58,9 +59,10 @@ def expected_peak(t: float) -> float:
 
 
 @pytest.mark.parametrize("rise_key", [True, False], ids=["rise logged", "older log: rise from the running max"])
+@pytest.mark.parametrize("small_segment_at", [None, 6], ids=["", "a 2 MiB segment cut in a window the pool served"])
 def test_the_overhead_is_the_slack_where_the_pool_grew_not_the_pools_slack_over_small_windows(
-        tmp_path: Path, rise_key: bool) -> None:
-    run = read_run(caching_run(tmp_path, PROBE * 2, rise_key))
+        tmp_path: Path, rise_key: bool, small_segment_at: int | None) -> None:
+    run = read_run(caching_run(tmp_path, PROBE * 2, rise_key, small_segment_at))
     [pf] = fit_ranks(run, "update", warmup=2)
     # The second pass of the probe is served from the pool: its 2048-token window holds 0.7 GiB of slack
     # (the 16384-token window's), which is not what a window of 24576 tokens adds over its allocation.
