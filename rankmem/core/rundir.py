@@ -313,10 +313,30 @@ class RunDir:
             for n in sorted(used):
                 if identity in self._slot_ids(n):
                     return n
+            # A slot whose names exist but hold nothing yet is another rank's rotation of this same run
+            # under way (it makes the directory, then moves the files in): taking the next number there
+            # split one run's files over two slots (a torchrun restart's rank 1 events in events.2).
+            for n in sorted(used):
+                if self._slot_empty(n):
+                    return n
         n = 1
         while n in used and n < _MAX_SLOTS:
             n += 1
         return n
+
+    def _slot_empty(self, n: int) -> bool:
+        """No file under slot ``n``: neither a rotated log nor side file, and its directories empty."""
+        if any(os.path.lexists(f"{path}.{n}") for path in (self.log, self.detail)):
+            return False
+        for directory in (f"{self.events}.{n}", f"{self.heartbeat}.{n}"):
+            try:
+                if os.listdir(directory):
+                    return False
+            except FileNotFoundError:
+                continue
+            except OSError:
+                return False
+        return True
 
     def _slot_ids(self, n: int) -> set[str | None]:
         ids: set[str | None] = {jsonl_run_id(f"{self.log}.{n}")}

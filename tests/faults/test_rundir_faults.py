@@ -149,6 +149,23 @@ def test_restarts_rotate_every_file_of_a_run_with_one_number(tmp_path: Path) -> 
     assert read_run(str(out)).steps.size == 14 and _ids(out / "events" / "rank0.jsonl") == _ids(out / "rankmem.jsonl")
 
 
+def test_a_rank_rotating_while_another_moves_the_same_run_aside_takes_the_same_number(tmp_path: Path) -> None:
+    """After a torchrun restart each rank rotates its own files as it starts, the logging rank the rest:
+    one rank's rotation made ``heartbeat.1`` and had not yet moved a file in when the other chose its
+    number, and took 2 (the restart test's rank 1 events in ``events.2``, once in a loaded run)."""
+    run = RunDir(str(tmp_path))
+    old = "0123456789abcdef"
+    os.makedirs(run.events)
+    (tmp_path / "events" / "rank1.jsonl").write_text(json.dumps({"kind": "oom", "run_id": old}) + "\n")
+    os.makedirs(f"{run.heartbeat}.1")  # the other rank's rotation of the same run, under way
+    moved = run.rotate("fedcba9876543210", only=[os.path.join(run.events, "rank1.jsonl")])
+    assert [os.path.relpath(m.to, tmp_path) for m in moved] == [os.path.join("events.1", "rank1.jsonl")]
+    # A slot that holds another run's files is not taken.
+    (tmp_path / "events" / "rank0.jsonl").write_text(json.dumps({"kind": "oom", "run_id": "1111111111111111"}) + "\n")
+    moved = run.rotate("fedcba9876543210", only=[os.path.join(run.events, "rank0.jsonl")])
+    assert [os.path.relpath(m.to, tmp_path) for m in moved] == [os.path.join("events.2", "rank0.jsonl")]
+
+
 def test_a_side_file_of_another_run_is_named_not_read(tmp_path: Path) -> None:
     a, b = tmp_path / "a", tmp_path / "b"
     assert _child(_steps(a, 14)).returncode == 0 and _child(_steps(b, 6)).returncode == 0
