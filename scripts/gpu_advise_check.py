@@ -120,21 +120,24 @@ def predicted(out: str, t: int) -> tuple[float, float, float, str]:
     [row] = [r for r in json.loads(done.stdout) if r["phase"] == PHASE]
     if "predicted_peak_gib" in row:
         return row["predicted_peak_gib"], row["low_gib"], row["high_gib"], "advise"
-    from rankmem.offline import read_run
-    from rankmem.offline.advice import fit_ranks
-
-    [pf] = fit_ranks(read_run(out), PHASE, WARMUP)  # one rank
+    pf = fitted_phase(out)
     if not hasattr(pf.model, "predict"):
         raise SystemExit(f"gpu_advise_check: MISS {out}: no model: {row.get('reason')}")
     return (*pf.peak(t, t * t), f"its fit (advise declines: {row['reason']})")
 
 
-def allocated_peak(out: str, t: int) -> float:
-    """GiB: the fit's own peak allocated at ``t`` (one sequence), before overhead and memory outside torch."""
+def fitted_phase(out: str):  # type: ignore[no-untyped-def]
+    """The probe's one rank's fit of the phase, as ``rankmem advise`` makes it."""
     from rankmem.offline import read_run
     from rankmem.offline.advice import fit_ranks
 
-    [pf] = fit_ranks(read_run(out), PHASE, WARMUP)
+    [pf] = fit_ranks(read_run(out), PHASE, WARMUP)  # one rank
+    return pf
+
+
+def allocated_peak(out: str, t: int) -> float:
+    """GiB: the fit's own peak allocated at ``t`` (one sequence), before overhead and memory outside torch."""
+    pf = fitted_phase(out)
     if not hasattr(pf.model, "predict"):
         return float("nan")
     return pf.baseline + pf.model.predict(t, t * t)[0]

@@ -145,7 +145,7 @@ def _no_prediction(pf: PhaseFit, t: float, seq_len: float | None) -> str | None:
                 f"run a step at T={cap:.0f} first")
     # Q = T*L: L stands where a window's Q/T (its token-weighted mean length) stood.
     longest = pf.model.q_per_token
-    uses_q = pf.model.quadratic or pf.model.rival is not None  # a line's rival is quadratic: its interval is
+    uses_q = pf.model.quadratic or pf.model.rival is not None  # a line's rival is quadratic, in its interval
     if seq_len is not None and uses_q and seq_len > EXTRAPOLATION * longest:
         return (f"sequences of {seq_len:.0f} tokens are past {EXTRAPOLATION:g}x the longest seen "
                 f"(Q/T {longest:.0f}): run a step with sequences of {EXTRAPOLATION * longest:.0f} first")
