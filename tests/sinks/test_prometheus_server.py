@@ -29,7 +29,10 @@ pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason="no prometheus binary
                                                            "(Debian's package; .ci/run installs it)")
 DOC = REPO / "docs" / "prometheus.md"
 GIB = 2**30
-STEPS = 60
+# The job must outlast several scrapes on a fast machine as well as a slow one: a CI machine ran 60 steps
+# in about 2.5 s, which two 1 s scrapes saw. 200 steps at a scrape each 0.5 s leave a wide margin.
+STEPS = 200
+SCRAPE_S = "500ms"
 STALE_AFTER_S = 3  # the docs' 300 s, shortened for the test
 
 
@@ -73,12 +76,12 @@ class Prom:
 def start_prometheus(tmp: Path, target: int, port: int) -> subprocess.Popen[bytes]:
     config = tmp / "prometheus.yml"
     config.write_text(f"""global:
-  scrape_interval: 1s
-  evaluation_interval: 1s
+  scrape_interval: {SCRAPE_S}
+  evaluation_interval: {SCRAPE_S}
 scrape_configs:
   - job_name: rankmem
     honor_labels: true
-    scrape_timeout: 1s
+    scrape_timeout: {SCRAPE_S}
     static_configs:
       - targets: ["127.0.0.1:{target}"]
 """)
