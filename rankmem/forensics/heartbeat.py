@@ -21,7 +21,8 @@ Record layout (little-endian, :data:`RECORD_SIZE` bytes; version 3 appends to ve
     boot_id 16 bytes (zeros: unknown), seq u64 a third time
 
 ``seq`` repeats: a reader that sees different values read the record while it was being written (a
-store into the page is not atomic against a concurrent ``read``) and reads again; a record that stays
+store into the page is not atomic against a concurrent ``read``) and reads again after a pause (a writer
+preempted between its stores finishes the beat only when it runs again); a record that stays
 so was left by a writer stopped mid-beat, and is read as torn (:attr:`HeartbeatRecord.torn`). ``collect marks``
 count the collect edges passed (entering collect k makes it 2k+1, leaving it 2k+2): a rank stopped
 after its step window closed and before ``collect()`` is behind one that entered the collect and waits
@@ -352,6 +353,19 @@ def unpack_record(data: bytes, torn: bool = False) -> HeartbeatRecord | None:
                            run_id=run_id, marks=marks, host_pid=host_pid, boot_id=node, torn=len(seqs) > 1)
 
 
+RETRY_PAUSES_S = (0.0005, 0.002, 0.01)
+"""The pauses before reading a half-written record again (the last read keeps it, as torn): ~13 ms in all,
+a scheduler's time slice or two, for a writer preempted between a beat's stores to finish it."""
+
+
+def _half_written(data: bytes) -> bool:
+    """``data`` is a heartbeat record of a known version whose seq copies alone disagree (a beat was under
+    way as it was read), not garbage or another format."""
+    if len(data) < _V2.size or data[:4] != MAGIC:
+        return False
+    return unpack_record(data, torn=True) is not None
+
+
 MAX_FILES = 1 << 16
 """Heartbeat files read from one directory at most (a damaged or foreign directory bounds the work)."""
 
@@ -363,19 +377,23 @@ def read_heartbeats(directory: str, run_id: str | None = None) -> dict[int, Hear
     out: dict[int, HeartbeatRecord] = {}
     for path in glob.glob(os.path.join(glob.escape(directory), "rank*.hb"))[:MAX_FILES]:
         record = None
-        for attempt in range(3):  # a torn read (seq mismatch) is retried: a beat's stores take ~1 us
+        for pause in (*RETRY_PAUSES_S, None):
             try:
                 fd = open_regular(path, os.O_RDONLY)
             except OSError:
                 break
             try:
-                record = unpack_record(os.pread(fd, RECORD_SIZE, 0), torn=attempt == 2)
+                data = os.pread(fd, RECORD_SIZE, 0)
             except OSError:
                 break
             finally:
                 os.close(fd)
-            if record is not None:
-                break
+            record = unpack_record(data, torn=pause is None)
+            if record is not None or pause is None or not _half_written(data):
+                break  # read whole, or garbage: reading garbage again gives the same garbage
+            # The seq copies disagree: a beat was under way. Its stores take ~1 us, but a writer descheduled
+            # between them (a loaded node) finishes only when it runs again: pause, then read again.
+            time.sleep(pause)
         # A record is another process's bytes: its rank must be the one its name says (rank 2**31 once
         # asked watch for two billion rows) and its time a time.
         if record is not None and (run_id is None or record.run_id == run_id) \

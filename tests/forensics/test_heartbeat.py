@@ -263,3 +263,39 @@ def test_a_beat_caught_half_written_reads_as_torn(tmp_path: Path) -> None:
     at = _heartbeat._BEAT_AT
     assert _heartbeat.unpack_record(whole[:at] + after[at : at + 8] + whole[at + 8 :], torn=True) is None
     hb.close()
+
+
+def test_a_beat_its_writer_finishes_while_the_reader_pauses_is_read_whole(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A writer descheduled between a beat's stores finishes it when it runs again: the reader pauses
+    # before its next try rather than spending its tries in a microsecond and calling the beat torn.
+    hb = Heartbeat(str(tmp_path), 0)
+    hb.beat(1, "a", 1)
+    whole = (tmp_path / "rank0.hb").read_bytes()
+    hb.beat(2, "b", 2)
+    after = (tmp_path / "rank0.hb").read_bytes()
+    hb.close()
+    path = tmp_path / "rank0.hb"
+    half = _writer_states(whole, after)[2]
+    path.write_bytes(half)
+    pauses: list[float] = []
+
+    def the_writer_runs_again(seconds: float) -> None:
+        pauses.append(seconds)
+        if len(pauses) == 2:  # after the reader's second try
+            path.write_bytes(after)
+
+    monkeypatch.setattr(_heartbeat.time, "sleep", the_writer_runs_again)
+    record = read_heartbeats(str(tmp_path))[0]
+    assert (record.seq, record.step, record.phase, record.torn) == (2, 2, "b", False)
+    assert len(pauses) == 2 and all(p > 0 for p in pauses)
+    # Garbage is read once: reading it again would give the same garbage, after a pause for nothing.
+    pauses.clear()
+    path.write_bytes(b"\xff" * len(after))
+    assert read_heartbeats(str(tmp_path)) == {}
+    assert pauses == []
+    # Left half-written (the writer was killed mid-beat): every try, then kept as torn.
+    path.write_bytes(half)
+    monkeypatch.setattr(_heartbeat.time, "sleep", pauses.append)
+    assert read_heartbeats(str(tmp_path))[0].torn
+    assert pauses == list(_heartbeat.RETRY_PAUSES_S)
