@@ -34,6 +34,7 @@ def test_the_docs_have_commands() -> None:
     assert any(c.startswith("rankmem report") for _, c in COMMANDS) and len(COMMANDS) >= 4
 
 
+@pytest.mark.timeout(480)  # over the command's own 420 s: the suite's 300 s would cut a slow make demo first
 @pytest.mark.parametrize("page,command", COMMANDS)
 def test_docs_command_runs_as_shown(tmp_path: Path, page: str, command: str) -> None:
     pytest.importorskip("matplotlib")

@@ -10,7 +10,8 @@ or ``python -m torch.distributed.run ... examples/X.py``). Each runs verbatim bu
 - ``rankmem train`` runs at most :data:`TRAIN_STEPS` steps (``make demo``'s 400 take minutes), and a
   multi-node line (``--nnodes 2``) is not run: it needs several machines (``tests/test_engine.py``
   forms a two-agent job on one);
-- ``rankmem watch RUN`` (live) runs a few seconds and is ended by SIGINT, as Ctrl-C would;
+- ``rankmem watch RUN`` (live) runs at a terminal (a pty) until it draws a frame, and is ended by SIGINT,
+  as Ctrl-C would;
 - ``make``, ``pip``, ``git`` and ``bash`` lines set up a machine and are not run here.
 
 Commands that read ``runs/demo`` find a short ``rankmem train`` run there. Each example must leave a
@@ -22,11 +23,14 @@ from __future__ import annotations
 import csv
 import json
 import os
+import pty
 import re
+import select
 import shlex
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -131,15 +135,39 @@ def test_readme_command_runs_as_shown(command: str, workdir: Path) -> None:
 
 
 def _live_watch(argv: list[str], workdir: Path) -> None:
-    proc = subprocess.Popen(argv, cwd=workdir, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=sigint_as_at_a_terminal)
+    """At a terminal (a pty) until its first frame is drawn, then Ctrl-C: a fixed wait would stop a slow
+    machine's ``rankmem watch`` before it drew anything."""
+    master, slave = pty.openpty()
+    env = {**_env(), "TERM": "xterm", "COLUMNS": "150", "LINES": "40"}
+    proc = subprocess.Popen(argv, cwd=workdir, env=env, stdin=slave, stdout=slave, stderr=slave,
+                            start_new_session=True, preexec_fn=sigint_as_at_a_terminal)
+    os.close(slave)
+    chunks: list[bytes] = []
+
+    def read(wait: float) -> bool:
+        ready, _, _ = select.select([master], [], [], wait)
+        try:
+            data = os.read(master, 65536) if ready else b""
+        except OSError:  # EIO: the terminal's other end closed
+            return False
+        chunks.append(data)
+        return bool(data)
+
     try:
-        proc.wait(timeout=3)
-    except subprocess.TimeoutExpired:
+        deadline = time.monotonic() + 60
+        while b"rankmem watch " not in b"".join(chunks) and time.monotonic() < deadline and proc.poll() is None:
+            read(0.5)
         proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=30)
-    assert proc.returncode == 0 and "Traceback" not in err, err[-3000:]
-    assert "rankmem watch " in out
+        rc = proc.wait(timeout=30)
+        while read(0.2):  # what it printed on the way out
+            pass
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(master)
+    text = b"".join(chunks).decode("utf-8", "replace")
+    assert rc == 0 and "Traceback" not in text, text[-3000:]
+    assert "rankmem watch " in text
 
 
 # ---- what each example must leave behind -------------------------------------------------------------

@@ -125,21 +125,26 @@ def _command(out: Path, steps: int, budget: int) -> list[str]:
 
 
 def train(cgroup: Path, out: Path, steps: int, budget: int) -> Launch:
-    """``rankmem train`` of :data:`JOB` inside ``cgroup``, sampled every 0.1 s while it runs."""
+    """``rankmem train`` of :data:`JOB` inside ``cgroup``, sampled at each step its heartbeat shows and every
+    0.1 s between: the count follows the steps as well as the time, on a fast machine as on a slow one."""
     cmd = _command(out, steps, budget)
     offsets: list[int] = []
     gaps: list[int] = []
     start = time.monotonic()
+    sampled_at, sampled_step = 0.0, None
     err_path = out.with_name(out.name + ".stderr")
     with open(err_path, "w") as err, _stopped_at_exit(popen_in_cgroup(
             cgroup, cmd, cwd=REPO, env=_ENV, stdout=subprocess.DEVNULL, stderr=err)) as proc:
         while proc.poll() is None:
             if time.monotonic() - start > LAUNCH_TIMEOUT_S + 30:
                 raise AssertionError(f"rankmem train outlived its --timeout-s {LAUNCH_TIMEOUT_S}")
-            time.sleep(0.1)
+            time.sleep(0.02)
             beat = read_heartbeats(str(out / "heartbeat")).get(0)
             if beat is None or beat.step is None or beat.step < 2:  # warm-up: torch, gloo and the log still settling
                 continue
+            if beat.step == sampled_step and time.monotonic() - sampled_at < 0.1:
+                continue
+            sampled_at, sampled_step = time.monotonic(), beat.step
             with contextlib.suppress(OSError):
                 sample = _sample(cgroup, beat.pid)
                 if sample is not None:

@@ -226,7 +226,10 @@ def test_thread_calls_back_and_survives_a_failing_callback(root: FakeRoot) -> No
         root.usage(1020 * MIB)
         assert fired.wait(5)
         root.usage(100 * MIB)
-        time.sleep(0.1)
+        deadline = time.monotonic() + 5  # the thread sees the recovery and re-arms
+        while not w._armed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert w._armed
         fired.clear()
         root.usage(1020 * MIB)
         assert fired.wait(5)  # the thread lived on and a second episode fired

@@ -168,10 +168,15 @@ def _run_live_in_pty(run: Path, frames_seen: int, out: Path, timeout: float = 60
     return rc, b"".join(chunks).decode("utf-8", "replace")
 
 
+LIVE_STEPS = 200
+
+
 def test_watch_follows_a_real_job(tmp_path: Path) -> None:
     out = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    job = subprocess.Popen([sys.executable, "-m", "rankmem", "train", "--task", "grpo", "--steps", "60",
+    # Long enough that a fast machine is still training when the side file's first batch (~1 s of wall
+    # time) is there to pause it at: 60 steps left ~4 s of margin here, under 4 s on a faster CI machine.
+    job = subprocess.Popen([sys.executable, "-m", "rankmem", "train", "--task", "grpo", "--steps", str(LIVE_STEPS),
                             "--nproc-per-node", "2", "--no-progress", "--out", str(out)],
                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -236,7 +241,7 @@ def test_watch_follows_a_real_job(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "rankmem", "watch", "--once", str(out)], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.count(" exited ") == 2, done.stdout
-    assert json.loads((out / RUN_LOG_NAME).read_text().splitlines()[-1])["step"] == 59
+    assert json.loads((out / RUN_LOG_NAME).read_text().splitlines()[-1])["step"] == LIVE_STEPS - 1
 
 
 # ---- rankmem watch crashes on a step line the reader counts as corrupt --------------------------

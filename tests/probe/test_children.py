@@ -41,7 +41,9 @@ def test_sums_the_descendants_and_refreshes_off_the_callers_thread(tmp_path: Pat
     assert uss.value() == (100 + 900 + 2024) * KIB
     assert set(listed[1:]) == {"rankmem-children-uss"}  # every later pass ran on the refresh thread
     kids.clear()
-    time.sleep(0.1)
+    deadline = time.monotonic() + 5
+    while uss.value() != 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert uss.value() == 0  # no children: 0, not unavailable
     uss.close()
     assert uss._thread is not None and not uss._thread.is_alive()
