@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+import pty
+import select
 import signal
 import socket
 import subprocess
 import sys
+import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +99,45 @@ def sigint_as_at_a_terminal() -> None:
     job (``cmd &`` in a script) inherits SIGINT ignored, and so would the child, which then never ends."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
+
+
+def run_at_a_terminal(argv: Sequence[str], *, cwd: Path, env: dict[str, str], done: Callable[[str], bool],
+                      timeout: float = 60) -> tuple[int, str]:
+    """Run ``argv`` at a terminal (a pty, 150x40) until ``done(what it printed so far)`` holds, it exits, or
+    ``timeout`` passes; then SIGINT, as Ctrl-C would. Returns its exit status and everything it printed,
+    what it drew on the way out included. ``done`` may act on the text (write to the run it watches)."""
+    master, slave = pty.openpty()
+    env = {**env, "TERM": "xterm", "COLUMNS": "150", "LINES": "40"}
+    proc = subprocess.Popen(list(argv), cwd=cwd, env=env, stdin=slave, stdout=slave, stderr=slave,
+                            start_new_session=True, preexec_fn=sigint_as_at_a_terminal)
+    os.close(slave)
+    chunks: list[bytes] = []
+
+    def read(wait: float) -> bool:
+        ready, _, _ = select.select([master], [], [], wait)
+        try:
+            data = os.read(master, 65536) if ready else b""
+        except OSError:  # EIO: the terminal's other end closed
+            return False
+        chunks.append(data)
+        return bool(data)
+
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and proc.poll() is None:
+            read(0.5)
+            if done(b"".join(chunks).decode("utf-8", "replace")):
+                break
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=30)
+        while read(0.2):  # what it printed on the way out
+            pass
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        os.close(master)
+    return rc, b"".join(chunks).decode("utf-8", "replace")
 
 def start_ray(ray: Any, **options: Any) -> None:
     """A local Ray cluster for an in-process test, through rankmem's own start (which stops what a failed

@@ -23,20 +23,16 @@ from __future__ import annotations
 import csv
 import json
 import os
-import pty
 import re
-import select
 import shlex
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import REPO, free_port, sigint_as_at_a_terminal
+from tests.conftest import REPO, free_port, run_at_a_terminal
 from tests.runlog_helpers import read_log
 
 README = REPO / "README.md"
@@ -135,37 +131,9 @@ def test_readme_command_runs_as_shown(command: str, workdir: Path) -> None:
 
 
 def _live_watch(argv: list[str], workdir: Path) -> None:
-    """At a terminal (a pty) until its first frame is drawn, then Ctrl-C: a fixed wait would stop a slow
-    machine's ``rankmem watch`` before it drew anything."""
-    master, slave = pty.openpty()
-    env = {**_env(), "TERM": "xterm", "COLUMNS": "150", "LINES": "40"}
-    proc = subprocess.Popen(argv, cwd=workdir, env=env, stdin=slave, stdout=slave, stderr=slave,
-                            start_new_session=True, preexec_fn=sigint_as_at_a_terminal)
-    os.close(slave)
-    chunks: list[bytes] = []
-
-    def read(wait: float) -> bool:
-        ready, _, _ = select.select([master], [], [], wait)
-        try:
-            data = os.read(master, 65536) if ready else b""
-        except OSError:  # EIO: the terminal's other end closed
-            return False
-        chunks.append(data)
-        return bool(data)
-
-    try:
-        deadline = time.monotonic() + 60
-        while b"rankmem watch " not in b"".join(chunks) and time.monotonic() < deadline and proc.poll() is None:
-            read(0.5)
-        proc.send_signal(signal.SIGINT)
-        rc = proc.wait(timeout=30)
-        while read(0.2):  # what it printed on the way out
-            pass
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        os.close(master)
-    text = b"".join(chunks).decode("utf-8", "replace")
+    """At a terminal until its first frame is drawn, then Ctrl-C: a fixed wait would stop a slow machine's
+    ``rankmem watch`` before it drew anything (and on a pipe rich's live view draws only on exit)."""
+    rc, text = run_at_a_terminal(argv, cwd=workdir, env=_env(), done=lambda text: "rankmem watch " in text)
     assert rc == 0 and "Traceback" not in text, text[-3000:]
     assert "rankmem watch " in text
 

@@ -99,9 +99,14 @@ def _rude_clients(port: int, seconds: float) -> dict[str, int]:
     return counts
 
 
-def _steps_in(ends: list[float], slices: list[tuple[float, float]]) -> tuple[int, float]:
-    """How many steps ended inside ``slices``, and the slices' total length."""
-    return (sum(1 for t in ends if any(a <= t < b for a, b in slices)), sum(b - a for a, b in slices))
+def _within(t: float, slices: list[tuple[float, float]]) -> bool:
+    return any(a <= t < b for a, b in slices)
+
+
+def _rate(ends: list[float], slices: list[tuple[float, float]]) -> tuple[int, float]:
+    """How many steps ended inside ``slices``, and how many a second."""
+    steps = sum(1 for t in ends if _within(t, slices))
+    return steps, steps / sum(b - a for a, b in slices)
 
 
 def test_rude_scrapers_neither_slow_training_nor_grow_its_memory() -> None:
@@ -132,16 +137,16 @@ def test_rude_scrapers_neither_slow_training_nor_grow_its_memory() -> None:
     counts["first_step"], counts["last_step"] = rounds[0]["first_step"], rounds[-1]["last_step"]
     assert counts["silent"] > 50 and counts["no_read"] > 50 and counts["reset"] > 50, counts
     assert counts["good"] >= 10 and counts["last_step"] > counts["first_step"], counts
-    quiet_steps, quiet_s = _steps_in(figures["ends"], quiet)
-    attack_steps, attack_s = _steps_in(figures["ends"], attacked)
-    quiet_rate, attack_rate = quiet_steps / quiet_s, attack_steps / attack_s
-    worst_attacked = max(c for t, c in zip(figures["ends"], figures["collects"], strict=True)
-                         if any(a <= t < b for a, b in attacked))
+    quiet_steps, quiet_rate = _rate(figures["ends"], quiet)
+    _, attack_rate = _rate(figures["ends"], attacked)
+    # No step at all under attack is a stall: the worst collect is then infinite, and fails below.
+    worst_attacked = max((c for t, c in zip(figures["ends"], figures["collects"], strict=True)
+                          if _within(t, attacked)), default=float("inf"))
     report = {"quiet_rate": quiet_rate, "attack_rate": attack_rate, "worst_collect_s": worst_attacked,
               "rss_grew": figures["rss_peak"] - figures["rss_base"]}
     # The scrapers' threads share the 2 cores (and the GIL) with the loop: allowed to cost a little,
     # never to stall it.
     assert quiet_steps > 100 and attack_rate >= 0.5 * quiet_rate, report
     assert worst_attacked < 0.5, report
-    assert figures["rss_peak"] - figures["rss_base"] <= RSS_BOUND, report
+    assert report["rss_grew"] <= RSS_BOUND, report
     assert "Traceback" not in err and "Exception" not in err, err

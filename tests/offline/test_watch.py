@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import pty
-import select
 import signal
 import subprocess
 import sys
@@ -29,7 +27,7 @@ from rankmem.offline.tail import FIRST_BLOCK, TailFollower, read_last_steps
 from rankmem.offline.watch import COLUMNS, Watcher, build_frame
 from rankmem.runlog import RUN_LOG_NAME
 from rankmem.runlog.layout import DETAIL_NAME
-from tests.conftest import REPO, sigint_as_at_a_terminal
+from tests.conftest import REPO, run_at_a_terminal
 from tests.runlog_helpers import run_with_events, write_run
 
 TRAIN_TIMEOUT_S = 240
@@ -127,45 +125,20 @@ def _logged_steps(out: Path) -> int:
 
 
 def _run_live_in_pty(run: Path, frames_seen: int, out: Path, timeout: float = 60) -> tuple[int, str]:
-    master, slave = pty.openpty()
-    env = {**os.environ, "TERM": "xterm", "COLUMNS": "150", "LINES": "40"}
-    proc = subprocess.Popen([sys.executable, "-m", "rankmem", "watch", str(run), "--interval", "0.2"],
-                            stdin=slave, stdout=slave, stderr=slave, env=env, cwd=REPO, start_new_session=True,
-                            preexec_fn=sigint_as_at_a_terminal)
-    os.close(slave)
-    chunks: list[bytes] = []
+    """Live ``rankmem watch`` at a terminal; once two frames are drawn an event is written to ``out``, and
+    it is stopped when ``frames_seen`` frames and that event have been shown."""
     event_written = False
-    deadline = time.monotonic() + timeout
-    try:
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([master], [], [], 0.5)
-            if ready:
-                chunks.append(os.read(master, 65536))
-            text = b"".join(chunks).decode("utf-8", "replace")
-            shown = text.count("rankmem watch ")
-            if shown >= 2 and not event_written:  # an event written while it runs shows up in a later frame
-                EventWriter(str(out), 1).write(NearOomEvent(step=3, phase="update", reasons=("test",)))
-                event_written = True
-            if shown >= frames_seen and "near_oom rank 1 step 3 phase update: test" in text:
-                break
-        proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
-        rc = proc.wait(timeout=30)
-        while True:  # what it printed on the way out
-            ready, _, _ = select.select([master], [], [], 0.2)
-            if not ready:
-                break
-            try:
-                data = os.read(master, 65536)
-            except OSError:  # EIO: the terminal's other end closed
-                break
-            if not data:
-                break
-            chunks.append(data)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        os.close(master)
-    return rc, b"".join(chunks).decode("utf-8", "replace")
+
+    def done(text: str) -> bool:
+        nonlocal event_written
+        shown = text.count("rankmem watch ")
+        if shown >= 2 and not event_written:  # an event written while it runs shows up in a later frame
+            EventWriter(str(out), 1).write(NearOomEvent(step=3, phase="update", reasons=("test",)))
+            event_written = True
+        return shown >= frames_seen and "near_oom rank 1 step 3 phase update: test" in text
+
+    return run_at_a_terminal([sys.executable, "-m", "rankmem", "watch", str(run), "--interval", "0.2"], cwd=REPO,
+                             env=dict(os.environ), done=done, timeout=timeout)
 
 
 LIVE_STEPS = 200
