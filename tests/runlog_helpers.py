@@ -23,11 +23,9 @@ def write_run(
     series: Mapping[str, np.ndarray],
     steps: np.ndarray | None = None,
     world: int | None = None,
-    detail: str = "columnar",
     config: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Write ``series`` (key -> steps x ranks array, GiB; nan = absent) as a run log; returns its path.
-    ``detail="inline"``: the per-rank values on the lines (schema 1's layout, the reader's line tests)."""
+    """Write ``series`` (key -> steps x ranks array, GiB; nan = absent) as a run log; returns its path."""
     first = next(iter(series.values()))
     n, w = first.shape
     world = world or w
@@ -40,12 +38,12 @@ def write_run(
         started=1.7e9,
     )
     path = Path(out_dir) / RUN_LOG_NAME
-    writer = RunLogWriter(str(path), detail=detail)
+    writer = RunLogWriter(str(path))
     writer.open(header)
     for i in range(n):
         matrix = np.column_stack([series[k][i] for k in keys])  # ranks x keys
-        ranks = {k: [None if np.isnan(v) else float(v) for v in series[k][i]] for k in keys}
-        writer.write(StepRecord(step=int(steps[i]), time=1.7e9 + i, metrics=aggregate(keys, matrix), ranks=ranks))
+        writer.write(StepRecord(step=int(steps[i]), time=1.7e9 + i, metrics=aggregate(keys, matrix), keys=keys,
+                                matrix=matrix))
     writer.close()
     return path
 
@@ -73,7 +71,7 @@ KNOWN_LEAK_LINE = (
 )
 
 
-def known_run(out: Path, leak_rank: int | None = None, detail: str = "columnar") -> Path:
+def known_run(out: Path, leak_rank: int | None = None) -> Path:
     """4 ranks, 40 steps. Rank 2 holds the most (its update phase peaks at 4.5 GiB on step 7); rank 1 has
     the least device headroom (0.25 GiB on step 3)."""
     rng = np.random.default_rng(7)
@@ -92,28 +90,27 @@ def known_run(out: Path, leak_rank: int | None = None, detail: str = "columnar")
         "mem/phase/rollout/peak_rss_gib": rollout,
         "mem/phase/update/peak_rss_gib": update,
         "mem/device/headroom_gib": headroom,
-    }, detail=detail)
+    })
 
 
 def read_log(out: str | os.PathLike[str]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """A run directory's header and step lines as JSON, each step with its ``ranks`` (key -> per-rank
-    values, None where absent) as the inline layout holds them: from the line, or else from the columnar
-    side file through the reader, matched by step. Tests compare the two files' figures through it."""
+    values, None where absent) from the side file through the reader, matched by step. Tests compare
+    the two files' figures through it."""
     lines = (Path(out) / RUN_LOG_NAME).read_text().splitlines()
     header, steps = json.loads(lines[0]), [json.loads(line) for line in lines[1:]]
-    if header.get("detail", "inline") != "inline":
-        run = read_run(str(out))
-        # A step number can repeat (a Trainer's final summary logs at the last step again): the side
-        # file's rows of one step follow its lines in order.
-        rows_of: dict[int, list[int]] = {}
-        for i, number in enumerate(run.steps.tolist()):
-            rows_of.setdefault(number, []).append(i)
-        for step in steps:
-            rows = rows_of.get(step["step"])
-            i = rows.pop(0) if rows else None
-            if i is not None:
-                step["ranks"] = {k: [None if math.isnan(v) else v for v in m[i].tolist()]
-                                 for k, m in run.series.items() if not np.isnan(m[i]).all()}
+    run = read_run(str(out))
+    # A step number can repeat (a Trainer's final summary logs at the last step again): the side
+    # file's rows of one step follow its lines in order.
+    rows_of: dict[int, list[int]] = {}
+    for i, number in enumerate(run.steps.tolist()):
+        rows_of.setdefault(number, []).append(i)
+    for step in steps:
+        rows = rows_of.get(step["step"])
+        i = rows.pop(0) if rows else None
+        if i is not None:
+            step["ranks"] = {k: [None if math.isnan(v) else v for v in m[i].tolist()]
+                             for k, m in run.series.items() if not np.isnan(m[i]).all()}
     return header, steps
 
 

@@ -178,7 +178,7 @@ def rotate_earlier_run(out: str) -> None:
     """Move every file of an earlier run in ``OUT`` aside, with one number (:class:`RunDir`), saying so
     in one line each: here, before the launch, rather than as a warning from the logging rank."""
     try:
-        moved = RunDir(out).rotate(None)
+        moved = RunDir(out).rotate(None, _heartbeat.heartbeat_run_id)
     except OSError as exc:  # another node's launcher sharing OUT moved it first, a read-only OUT
         say(f"cannot move the earlier run's files in {out} aside ({exc.strerror or exc}); readers tell them "
             "apart by their run id")

@@ -21,14 +21,13 @@ import os
 import socket
 import time
 
+from rankmem.core.rundir import ENV_HELD, LOCK_NAME, NotRegularFile, open_regular
+from rankmem.core.warnings import warn
 from rankmem.errors import RankmemError
 
 __all__ = ["ENV_HELD", "LOCK_NAME", "RunDirLock"]
 
-LOCK_NAME = ".lock"
 _HOLDER_BYTES = 256
-ENV_HELD = "RANKMEM_RUN_LOCK"
-"""Set by ``rankmem train`` for its job: the absolute path of the lock file it holds on the job's behalf."""
 
 
 class RunDirLock:
@@ -57,7 +56,16 @@ class RunDirLock:
         except OSError as exc:
             raise RankmemError(f"{self.directory}: cannot create the run directory ({exc.strerror or exc})") from None
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fd = open_regular(self.path, os.O_RDWR | os.O_CREAT)
+            except NotRegularFile as exc:
+                if exc.kind != "a symbolic link":
+                    raise
+                # A link planted in a shared directory: never followed; the link goes, its target stays.
+                warn(f"rankmem: {self.path} is a symbolic link: removed (its target untouched) and a lock "
+                     "file made in its place")
+                os.unlink(self.path)
+                fd = open_regular(self.path, os.O_RDWR | os.O_CREAT)
         except OSError as exc:
             raise RankmemError(f"{self.directory}: cannot write in the run directory ({exc.strerror or exc})") from None
         try:

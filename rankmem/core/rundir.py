@@ -4,10 +4,11 @@ earlier run's files.
 ::
 
     OUT/rankmem.jsonl          the run log (header line: "run_id")
-    OUT/rankmem.ranks.arrow    its columnar side file (schema metadata: rankmem.run_id)
+    OUT/rankmem.ranks.f64      its side file of per-rank values (file header: the run id)
     OUT/events/rank<r>.jsonl   each rank's forensic events (every line: "run_id")
     OUT/heartbeat/rank<r>.hb   each rank's heartbeat (the record holds the run id)
     OUT/tb/                    TensorBoard's event files
+    OUT/torchrun.log           ``rankmem train``'s launch log
     OUT/.lock                  one job per directory (:mod:`rankmem.core.lock`)
 
 **Identity.** Every file of a run carries its run id (:func:`current_run_id`: 16 hex digits, the same
@@ -15,37 +16,45 @@ on every rank of one attempt, and new for each torchrun restart), so a reader ca
 (an earlier run's events, a side file of another log) from the run's own and name it instead of reading it.
 
 **Rotation, with one number.** An earlier run's files are moved aside together, to
-``rankmem.jsonl.N``, ``rankmem.ranks.arrow.N``, ``events.N/`` and ``heartbeat.N/``: one N per earlier run,
+``rankmem.jsonl.N``, ``rankmem.ranks.f64.N``, ``torchrun.log.N``, ``events.N/`` and ``heartbeat.N/``: one N per earlier run,
 found as the slot that already holds that run's files, else the first number no name uses. Per-rank
 files move only when they are of another run (the log and side file whenever a writer opens), so every rank may rotate its own files when it starts (a library user restarting
 into the same ``out_dir``, a torchrun restart), the logging rank the rest at its first collect, and
 ``rankmem train`` everything before the launch, without moving a file the current run is writing. A
 file still empty (being created) is left alone.
 
-**Files rankmem writes are regular files.** :func:`open_regular` opens without blocking (a FIFO where a
-file is expected would block ``open`` forever) and refuses anything but a regular file;
-:func:`unlinked` says that a file's directory was deleted under it.
+**Files rankmem writes are regular files.** :func:`open_regular` is the one way rankmem opens a file:
+without blocking (a FIFO where a file is expected would block ``open`` forever), never through a link
+where it writes (``O_NOFOLLOW``: a run directory is often shared, and a planted link would have rankmem
+write its target), refusing anything but a regular file with :class:`NotRegularFile`; modes come from
+the umask. :func:`unlinked` says that a file's directory was deleted under it. Rotation reads each
+kind's run id with the reader its owner passes (the heartbeat's layout is ``forensics``').
 """
 
 from __future__ import annotations
 
 import errno
 import hashlib
+import io
 import json
 import os
 import re
 import secrets
 import stat
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from rankmem.core.lock import ENV_HELD, LOCK_NAME, RunDirLock
-
 __all__ = ["DETAIL_NAME", "ENV_RUN_ID", "EVENTS_DIR", "HEARTBEAT_DIR", "LOCK_NAME", "RUN_ID_BYTES",
-           "RUN_LOG_NAME", "TB_DIR", "RunDir", "current_run_id", "open_regular", "unlinked"]
+           "RUN_LOG_NAME", "TB_DIR", "NotRegularFile", "RunDir", "current_run_id", "kind_of", "open_regular",
+           "unlinked"]
 
+IdReader = Callable[[str], "str | None"]
+
+LOCK_NAME = ".lock"
+ENV_HELD = "RANKMEM_RUN_LOCK"
+"""Set by ``rankmem train`` for its job: the absolute path of the lock file it holds on the job's behalf."""
 RUN_LOG_NAME = "rankmem.jsonl"
-DETAIL_NAME = "rankmem.ranks.arrow"
+DETAIL_NAME = "rankmem.ranks.f64"
 EVENTS_DIR = "events"
 HEARTBEAT_DIR = "heartbeat"
 TB_DIR = "tb"
@@ -63,7 +72,7 @@ _RANK_FILE = re.compile(r"rank(\d{1,9})\.(jsonl|hb)")
 def detail_name(log_name: str) -> str:
     """The side file's name for a run log named ``log_name`` (``rankmem.jsonl`` -> :data:`DETAIL_NAME`)."""
     stem = log_name[: -len(".jsonl")] if log_name.endswith(".jsonl") else log_name
-    return f"{stem}.ranks.arrow"
+    return f"{stem}.ranks.f64"
 
 
 def current_run_id(environ: Mapping[str, str] | None = None) -> str:
@@ -108,12 +117,43 @@ def valid_run_id(value: object) -> str | None:
     return None
 
 
-# ---- files rankmem writes ---------------------------------------------------------------------------
-def open_regular(path: str, flags: int, mode: int = 0o644) -> int:
-    """``os.open`` for a file rankmem writes or reads: never blocks (``O_NONBLOCK``: a FIFO with no
-    reader fails at once instead of blocking forever), and refuses anything but a regular file (a FIFO,
-    a device, a directory) with an ``OSError`` that says so."""
-    fd = os.open(path, flags | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC, mode)
+# ---- files rankmem opens ----------------------------------------------------------------------------
+_WRITES = os.O_WRONLY | os.O_RDWR | os.O_CREAT
+_KINDS = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory"))
+
+
+class NotRegularFile(OSError):
+    """What rankmem opened (or found) is not a regular file; its message says what it is."""
+
+    def __init__(self, path: str, kind: str) -> None:
+        super().__init__(errno.EINVAL, f"{path} is {kind}, not a regular file; rankmem reads and writes "
+                                       "regular files only (move it aside)")
+        self.path = path  # not OSError's filename: with it set, str() would repeat the path
+        self.kind = kind
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def kind_of(mode: int) -> str:
+    for test, name in _KINDS:
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def open_regular(path: str, flags: int = os.O_RDONLY, mode: int = 0o666) -> int:
+    """``os.open`` for every file rankmem reads or writes: never blocks (``O_NONBLOCK``: a FIFO with no
+    writer opens at once), never follows a link where it writes (``O_NOFOLLOW``), and refuses anything
+    but a regular file with :class:`NotRegularFile` (an OSError). ``mode`` goes through the umask."""
+    nofollow = os.O_NOFOLLOW if flags & _WRITES else 0
+    try:
+        fd = os.open(path, flags | nofollow | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC, mode)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP and nofollow and os.path.islink(path):
+            raise NotRegularFile(path, "a symbolic link") from None
+        raise
     try:
         kind = os.fstat(fd).st_mode
     except OSError:
@@ -121,17 +161,27 @@ def open_regular(path: str, flags: int, mode: int = 0o644) -> int:
         raise
     if not stat.S_ISREG(kind):
         os.close(fd)
-        raise OSError(errno.EINVAL, f"not a regular file ({_kind(kind)}): rankmem writes and reads regular files only",
-                      path)
+        raise NotRegularFile(path, kind_of(kind))
     return fd
 
 
-def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a device"),
-                       (stat.S_ISBLK, "a device"), (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return name
-    return "not a file"
+def open_binary(path: str) -> io.BufferedReader:
+    """``open(path, "rb")``, through :func:`open_regular`."""
+    return io.open(open_regular(path), "rb")  # noqa: UP020 - typed as a BufferedReader, which peeks
+
+
+def is_regular(path: str) -> bool:
+    """Whether ``path`` is a regular file (``os.stat`` never blocks)."""
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except (OSError, ValueError):
+        return False
+
+
+def read_bytes(path: str, limit: int | None = None) -> bytes:
+    """The file's bytes (at most ``limit``), through :func:`open_regular`."""
+    with open_binary(path) as f:
+        return f.read() if limit is None else f.read(limit)
 
 
 def unlinked(fd: int) -> bool:
@@ -142,7 +192,7 @@ def unlinked(fd: int) -> bool:
         return True
 
 
-def _head(path: str, size: int = _PROBE_BYTES) -> bytes | None:
+def head(path: str, size: int = _PROBE_BYTES) -> bytes | None:
     """The first ``size`` bytes of a regular file, None when it is not one or cannot be read."""
     try:
         fd = open_regular(path, os.O_RDONLY)
@@ -159,30 +209,15 @@ def _head(path: str, size: int = _PROBE_BYTES) -> bytes | None:
 def jsonl_run_id(path: str) -> str | None:
     """The run id in the first line of a JSON Lines file of a run (the log's header, an event); None
     when it has none (an older rankmem wrote it) or cannot be read."""
-    head = _head(path)
-    if not head:
+    data = head(path)
+    if not data:
         return None
-    first = head.split(b"\n", 1)[0]
+    first = data.split(b"\n", 1)[0]
     try:
         obj = json.loads(first)
     except ValueError:
         return None
     return valid_run_id(obj.get(RUN_ID_FIELD)) if isinstance(obj, dict) else None
-
-
-HEARTBEAT_RUN_ID_AT = 88
-"""Where a heartbeat record holds its run id (bytes; :mod:`rankmem.forensics.heartbeat` lays it out)."""
-
-
-def heartbeat_run_id(path: str) -> str | None:
-    head = _head(path, HEARTBEAT_RUN_ID_AT + RUN_ID_BYTES)
-    if head is None or len(head) < HEARTBEAT_RUN_ID_AT + RUN_ID_BYTES:
-        return None
-    raw = head[HEARTBEAT_RUN_ID_AT: HEARTBEAT_RUN_ID_AT + RUN_ID_BYTES]
-    try:
-        return valid_run_id(raw.decode("ascii"))
-    except UnicodeDecodeError:
-        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,23 +267,22 @@ class RunDir:
     def heartbeat_file(self, rank: int, directory: str | None = None) -> str:
         return os.path.join(directory or self.heartbeat, f"rank{rank}.hb")
 
-    def lock(self) -> RunDirLock:
-        return RunDirLock(self.root)
-
     def lock_held_by_launcher(self) -> bool:
         return os.environ.get(ENV_HELD) == self.lock_path
 
     # ---- rotation ------------------------------------------------------------------------------
-    def rotate(self, run_id: str | None, only: Iterable[str] | None = None) -> list[Moved]:
+    def rotate(self, run_id: str | None, heartbeat_id: IdReader, only: Iterable[str] | None = None
+               ) -> list[Moved]:
         """Move every file of another run than ``run_id`` aside (see the module docstring); ``only``:
-        just these paths (a rank's own files, at its start). Returns what moved, for one line each.
-        Raises ``OSError`` where the directory cannot be changed (the caller warns)."""
+        just these paths (a rank's own files, at its start); ``heartbeat_id`` reads a heartbeat's run
+        id. A new launch (``run_id`` None) moves the launch log too. Returns what moved, for one line
+        each. Raises ``OSError`` where the directory cannot be changed (the caller warns)."""
         groups: dict[str | None, list[str]] = {}
-        for path, identity in self._foreign(run_id, None if only is None else set(only)):
+        for path, identity in self._foreign(run_id, heartbeat_id, None if only is None else set(only)):
             groups.setdefault(identity, []).append(path)
         moved: list[Moved] = []
         for identity, paths in groups.items():
-            slot = self._slot(identity)
+            slot = self._slot(identity, heartbeat_id)
             for path in paths:
                 target = self._rotated(path, slot)
                 os.makedirs(os.path.dirname(target), exist_ok=True)
@@ -259,18 +293,20 @@ class RunDir:
                 moved.append(Moved(path, target))
         return moved
 
-    def _foreign(self, run_id: str | None, only: set[str] | None) -> list[tuple[str, str | None]]:
+    def _foreign(self, run_id: str | None, heartbeat_id: IdReader, only: set[str] | None
+                 ) -> list[tuple[str, str | None]]:
         out: list[tuple[str, str | None]] = []
         def wanted(path: str) -> bool:
             return only is None or path in only
 
         log_id = jsonl_run_id(self.log) if os.path.lexists(self.log) else None
-        for path, identity in ((self.log, log_id), (self.detail, log_id)):
+        own = (self.log, self.detail) + ((self.launch_log,) if run_id is None else ())
+        for path, identity in ((p, log_id) for p in own):
             # The log and its side file move whatever their identity (it only picks the slot): a second
             # Monitor of the same attempt must not truncate the first one's log.
             if wanted(path) and os.path.lexists(path) and not _being_created(path):
                 out.append((path, identity))
-        for directory, read in ((self.events, jsonl_run_id), (self.heartbeat, heartbeat_run_id)):
+        for directory, read in ((self.events, jsonl_run_id), (self.heartbeat, heartbeat_id)):
             if not os.path.lexists(directory):
                 continue
             if not os.path.isdir(directory) or os.path.islink(directory):
@@ -296,10 +332,11 @@ class RunDir:
             return os.path.join(f"{parent}.{slot}", name)
         return f"{path}.{slot}"
 
-    def _slot(self, identity: str | None) -> int:
+    def _slot(self, identity: str | None, heartbeat_id: IdReader) -> int:
         """The rotation number of the run ``identity``: where its files already went, else the first free."""
         used: set[int] = set()
-        prefixes = [os.path.basename(p) + "." for p in (self.log, self.detail, self.events, self.heartbeat)]
+        prefixes = [os.path.basename(p) + "." for p in (self.log, self.detail, self.launch_log, self.events,
+                                                         self.heartbeat)]
         try:
             names = os.listdir(self.root)
         except OSError:
@@ -311,7 +348,7 @@ class RunDir:
                     used.add(int(number))
         if identity is not None:
             for n in sorted(used):
-                if identity in self._slot_ids(n):
+                if identity in self._slot_ids(n, heartbeat_id):
                     return n
             # A slot whose names exist but hold nothing yet is another rank's rotation of this same run
             # under way (it makes the directory, then moves the files in): taking the next number there
@@ -326,7 +363,7 @@ class RunDir:
 
     def _slot_empty(self, n: int) -> bool:
         """No file under slot ``n``: neither a rotated log nor side file, and its directories empty."""
-        if any(os.path.lexists(f"{path}.{n}") for path in (self.log, self.detail)):
+        if any(os.path.lexists(f"{path}.{n}") for path in (self.log, self.detail, self.launch_log)):
             return False
         for directory in (f"{self.events}.{n}", f"{self.heartbeat}.{n}"):
             try:
@@ -338,9 +375,9 @@ class RunDir:
                 return False
         return True
 
-    def _slot_ids(self, n: int) -> set[str | None]:
+    def _slot_ids(self, n: int, heartbeat_id: IdReader) -> set[str | None]:
         ids: set[str | None] = {jsonl_run_id(f"{self.log}.{n}")}
-        for directory, read in ((f"{self.events}.{n}", jsonl_run_id), (f"{self.heartbeat}.{n}", heartbeat_run_id)):
+        for directory, read in ((f"{self.events}.{n}", jsonl_run_id), (f"{self.heartbeat}.{n}", heartbeat_id)):
             try:
                 names = os.listdir(directory)[:64]
             except OSError:
@@ -370,7 +407,7 @@ def rotated_lines(moved: list[Moved]) -> list[str]:
     by_target: dict[str, str] = {}
     logs = {m.to.rsplit(".", 1)[-1] for m in moved if m.path.endswith(".jsonl")}
     for m in moved:
-        if m.path.endswith(".ranks.arrow") and m.to.rsplit(".", 1)[-1] in logs:
+        if m.path.endswith(".ranks.f64") and m.to.rsplit(".", 1)[-1] in logs:
             continue  # the side file goes with its log: one line says both
         in_dir = os.path.basename(os.path.dirname(m.path)) in (EVENTS_DIR, HEARTBEAT_DIR)
         source, target = (os.path.dirname(m.path), os.path.dirname(m.to)) if in_dir else (m.path, m.to)

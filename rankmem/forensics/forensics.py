@@ -31,7 +31,7 @@ from rankmem.core.records import WindowBytes
 from rankmem.core.rundir import RunDir, open_regular
 from rankmem.core.warnings import warn
 from rankmem.forensics.events import EventWriter, oom_event, oom_where
-from rankmem.forensics.heartbeat import Heartbeat, heartbeat_dir
+from rankmem.forensics.heartbeat import Heartbeat, heartbeat_dir, heartbeat_run_id
 from rankmem.forensics.nearoom import NearOomWatch
 from rankmem.probe.device import DeviceBackend
 from rankmem.probe.host import HostProbe
@@ -54,7 +54,7 @@ def _rotate_own(run_dir: RunDir, rank: int, run_id: str | None, beats: str | Non
     own = [run_dir.event_file(rank), run_dir.events, run_dir.heartbeat]
     own += [run_dir.heartbeat_file(rank, beats)] if beats is not None else []
     try:
-        run_dir.rotate(run_id, only=own)
+        run_dir.rotate(run_id, heartbeat_run_id, only=own)
     except OSError as exc:
         warn(f"rankmem: cannot move an earlier run's files aside in {run_dir.root} ({exc}); "
              "readers tell them apart by their run id")

@@ -51,9 +51,9 @@ from time import time as _now
 
 from rankmem.core.rundir import (
     HEARTBEAT_DIR,
-    HEARTBEAT_RUN_ID_AT,
     RUN_ID_BYTES,
     RunDir,
+    head,
     open_regular,
     valid_run_id,
 )
@@ -92,11 +92,23 @@ _SEQ2_AT, _SEQ3_AT = _PHASE_AT + PHASE_BYTES, RECORD_SIZE - 8
 assert _BEAT_AT % 8 == 0 and _SEQ2_AT == _V2.size - 8 and _SEQ2_AT % 8 == 0, "the views' items are aligned"
 # Their indices in the 8-byte views, worked out once (not a division per store on the training thread).
 _SEQ_I, _STEP_I, _RSS_I, _TIME_I, _SEQ2_I = (at // 8 for at in (_BEAT_AT, _STEP_AT, _RSS_AT, _TIME_AT, _SEQ2_AT))
-assert _V2.size == HEARTBEAT_RUN_ID_AT, "the run directory reads the run id at this offset"
+RUN_ID_AT = _V2.size
+"""Where a heartbeat record holds its run id (bytes): what rotation reads (:func:`heartbeat_run_id`)."""
 MAX_RANK = 1 << 24
 """A rank read from a file beyond this is damage, not a rank (16M ranks: past any cluster)."""
 _NO_RUN = b"\0" * RUN_ID_BYTES
 BOOT_ID = "/proc/sys/kernel/random/boot_id"
+
+
+def heartbeat_run_id(path: str) -> str | None:
+    """The run id a heartbeat file holds; None when it has none or cannot be read (rotation's reader)."""
+    data = head(path, RUN_ID_AT + RUN_ID_BYTES)
+    if data is None or len(data) < RUN_ID_AT + RUN_ID_BYTES:
+        return None
+    try:
+        return valid_run_id(data[RUN_ID_AT:].decode("ascii"))
+    except UnicodeDecodeError:
+        return None
 
 
 def boot_id(path: str = BOOT_ID) -> bytes:

@@ -34,7 +34,6 @@ import importlib.util
 import os
 from typing import Any
 
-from rankmem.core import helpers
 from rankmem.core.cadence import Every
 from rankmem.core.records import HostReading
 from rankmem.errors import RankmemError
@@ -120,11 +119,8 @@ class RayAwareHostProbe:
         found: list[Any] = []
         left_out = 0
         frontier = list(kids.get(os.getpid(), []))
-        own = helpers.helper_pids()  # rankmem's own side-file writer: not one of the rank's workers
         while frontier:
             pid = frontier.pop()
-            if pid in own:
-                continue
             try:
                 proc = psutil.Process(pid)
                 cmdline = proc.cmdline()

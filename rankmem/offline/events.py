@@ -14,8 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rankmem.core.eventrecords import Event, parse_event
-from rankmem.core.files import NotRegularFile, open_binary
-from rankmem.core.rundir import RunDir
+from rankmem.core.rundir import NotRegularFile, RunDir, open_binary
 
 MAX_EVENTS_BYTES = 64 << 20
 """Bytes of one rank's event file read at most (an event is a few KB; a rank records a handful)."""

@@ -3,7 +3,7 @@
 Three sources, all read without touching the job:
 
 - the run log's newest line (per-rank vectors): each rank's memory at its last collect, read from
-  the end of the file by :class:`rankmem.offline.tail.TailFollower`, never whole;
+  the end of the file by :class:`rankmem.offline.follow.Follower`, never whole;
 - the heartbeats (``RUN/heartbeat/rank<r>.hb``): each rank's current step and phase, and how long
   ago it last passed a window edge (a rank that stopped beating is the one to look at);
 - the events (``RUN/events/rank<r>.jsonl``): OOMs, near-OOMs and kills, as they are written.
@@ -31,10 +31,8 @@ from rankmem.core.rundir import RunDir
 from rankmem.core.scalars import to_float
 from rankmem.forensics.heartbeat import HeartbeatRecord, read_heartbeats
 from rankmem.offline.capacity import DEVICE, HOST, NODE
-from rankmem.offline.columnar import DetailFollower
 from rankmem.offline.events import read_events
-from rankmem.offline.tail import Tail, TailFollower, read_header_line
-from rankmem.runlog.layout import INLINE, detail_path
+from rankmem.offline.follow import Follower, Tail
 
 # (column label, WindowBytes field): what a rank row shows, in this order, where the log has it.
 COLUMNS = (
@@ -239,10 +237,9 @@ class Watcher:
         self.run_dir = run_dir_of(run)
         log = run if run.endswith(".jsonl") else RunDir(self.run_dir).log
         self.log_path = log
-        self.follower = TailFollower(log, count=2)
+        self.follower = Follower(log, count=2)
         self._events_stamp: tuple[tuple[str, int, int], ...] = ()
         self._events: list[Event] = []
-        self._detail_follower: DetailFollower | None = None
         self.events_skipped: list[str] = []
         """Event files not read (a FIFO, a device), each with why: the title says so."""
 
@@ -257,29 +254,16 @@ class Watcher:
             self._events_stamp, self._events, self.events_skipped = stamp, read.events, read.skipped
         return self._events
 
-    def _detail(self, header: RunHeader | None) -> tuple[int, dict[str, list[float | None]]] | None:
-        name = header.detail if header is not None else None
-        if name is None or name == INLINE:
-            return None
-        path = detail_path(self.log_path, name)
-        if self._detail_follower is None or self._detail_follower.path != path:
-            self._detail_follower = DetailFollower(path)
-        self._detail_follower.header_line = read_header_line(self.log_path)  # a restart writes a new one
-        return self._detail_follower.poll()
-
     def frame(self, now: float | None = None) -> Frame:
         tail = self.follower.poll()
         # This run's heartbeats and events only: an earlier run's (not moved aside) are not its ranks.
         run_id = tail.header.run_id if tail.header is not None else None
         beats = read_heartbeats(RunDir(self.run_dir).heartbeat, run_id)
-        frame = build_frame(self.run_dir, tail, beats, self._read_events(run_id), now, detail=self._detail(tail.header))
-        follower = self._detail_follower
+        frame = build_frame(self.run_dir, tail, beats, self._read_events(run_id), now, detail=tail.detail)
         if tail.header is None and tail.header_error is None and tail.steps:
             frame.detail_note = f"{self.log_path}: its first line is not a rankmem header (damaged): world size unknown"
-        elif follower is not None and follower.damaged:
-            frame.detail_note = f"{follower.path}: {follower.damaged}; not followed further"
-        elif follower is not None:
-            frame.detail_note = follower.check_lines([(s.get("step"), s.get("time")) for s in tail.steps])
+        else:
+            frame.detail_note = "; ".join(([tail.note] if tail.note else []) + [f"gap: {g}" for g in tail.gaps]) or None
         if self.events_skipped:
             skipped = "; ".join(self.events_skipped)
             frame.detail_note = f"{frame.detail_note}; {skipped}" if frame.detail_note else skipped

@@ -11,9 +11,8 @@ import os
 import sys
 import threading
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
-from rankmem.core import helpers
 from rankmem.core.cadence import Every
 from rankmem.core.guard import attempt
 from rankmem.core.records import HostReading
@@ -199,7 +198,7 @@ class LinuxHostProbe:
                 return set()
         else:
             found = _procfs.descendants(self._pid, self._proc)
-        return found - helpers.helper_pids()  # rankmem's own writer is not one of the rank's workers
+        return found
 
     def node(self) -> tuple[int | None, int | None]:
         data = _procfs.pread(self._meminfo, _MEMINFO_BUF)
@@ -320,9 +319,7 @@ class PsutilHostProbe:
         if not self._children_enabled:
             return None
         if self._children_due.due():
-            own = helpers.helper_pids()
-            found: list[Any] = attempt(self._proc.children, recursive=True, default=[])
-            self._children = [c for c in found if c.pid not in own]
+            self._children = attempt(self._proc.children, recursive=True, default=[])
         # A child that exited since the refresh counts 0.
         return sum(attempt(lambda c=child: int(c.memory_info().rss), default=0) for child in self._children)
 

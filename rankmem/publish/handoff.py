@@ -10,18 +10,23 @@ Nothing collected is lost at a signal: the training thread wakes the thread at e
 futex wake, ~20-120 us of the caller's time on a 2-core machine, bench/RESULTS.md: the price of a
 record on disk within a write's time of its collect rather than up to a polling period later), the
 next collect first waits, briefly (:data:`Handoff.SETTLE_S`), until the previous record is written,
-and SIGTERM / SIGINT flush before they act (:mod:`rankmem.publish.signals`, which also says what a
+and SIGTERM / SIGINT / SIGHUP flush before they act (:mod:`rankmem.publish.signals`, which also says what a
 SIGKILL can still cost). A sink slower than that wait (a tracker in a network stall) is not waited
 for again until it has caught up: training never runs at a tracker's pace.
 
 What becomes of an item is the subclass's business (:class:`rankmem.publish.publisher.Publisher`):
 this module knows queues, threads and forks, not sinks.
+
+:meth:`Handoff.flush` and :meth:`Handoff.close` each wait at most :data:`Handoff.FLUSH_TIMEOUT_S` (5 s) in
+all, whatever stalls underneath: a writer that makes no progress (a hung mount, a stopped thread) cannot
+be stopped in-process, so close() then leaves it, a daemon thread, and says what was not written.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 from collections import deque
 from typing import Any
 
@@ -36,7 +41,8 @@ class Handoff:
 
     MAX_PENDING = 256
     """Records waiting for the sinks before the oldest is dropped (about 256 steps of a stalled tracker)."""
-    FLUSH_TIMEOUT_S = 30.0
+    FLUSH_TIMEOUT_S = 5.0
+    """The most :meth:`flush` (by default) and :meth:`close` (in all) wait for the thread."""
     POLL_S = 1.0
     """How often the idle thread looks at its queue without being woken (a safety net only)."""
     SETTLE_S = 0.2
@@ -67,6 +73,9 @@ class Handoff:
     def _flush_buffers(self) -> None:
         """What the writer buffers (the run log's per-rank batch) to disk."""
 
+    def _dropped(self, item: Any) -> None:
+        """``item`` was dropped from a full queue (called with the queue's lock held)."""
+
     def _shut(self) -> None:
         """The last step of :meth:`close`, the thread stopped: release what the writer holds."""
 
@@ -96,7 +105,7 @@ class Handoff:
             return
         with self._wake:
             if len(self._pending) >= self.MAX_PENDING:
-                self._pending.popleft()
+                self._dropped(self._pending.popleft())
                 self.dropped += 1
                 self._handled += 1  # never to be written: nothing to wait for
                 if self.dropped == 1:
@@ -165,20 +174,37 @@ class Handoff:
                 lambda: (not self._pending and not self._busy and not self._flush_asked) or not thread.is_alive(),
                 timeout if timeout is not None else self.FLUSH_TIMEOUT_S)
 
-    def close(self) -> None:
-        """Flush, stop the thread, then :meth:`_shut`; a second call (or one in a forked child) does nothing."""
+    def close(self, timeout: float | None = None) -> bool:
+        """Flush, stop the thread, then :meth:`_shut`, within ``timeout`` (default
+        :data:`FLUSH_TIMEOUT_S`) in all; False, with one warning, when the thread did not finish: it is
+        left (a daemon) with what it holds. A second call (or one in a forked child) does nothing."""
         if self._closed or os.getpid() != self._pid:
-            return
-        if not self.flush():
-            warn(f"rankmem: the sinks did not finish within {self.FLUSH_TIMEOUT_S:.0f} s; closing them anyway")
-        if self._thread is not None and self._thread.is_alive():
+            return True
+        bound = self.FLUSH_TIMEOUT_S if timeout is None else timeout
+        deadline = time.monotonic() + bound
+        self.flush(max(0.0, deadline - time.monotonic()))
+        thread = self._thread
+        if thread is not None and thread.is_alive():
             with self._wake:
                 self._pending.append(_STOP)
                 self._wake.notify()
-            self._thread.join(self.FLUSH_TIMEOUT_S)
-        with self._sync:  # without the thread, a flush from another thread (the near-OOM watch) waits
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                self._closed = True
+                with self._wake:
+                    left = sum(1 for item in self._pending if item is not _STOP) + self._busy
+                warn(f"rankmem: {type(self).__name__}'s writer did not finish within {bound:.0f} s of close(); "
+                     f"{left} record(s) not written, the writer left behind")
+                return False
+        if not self._sync.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            self._closed = True
+            return False
+        try:  # without the thread, a flush from another thread (the near-OOM watch) waits
             self._closed = True
             self._shut()
+        finally:
+            self._sync.release()
+        return True
 
 
 _in_child = WarnOnce()  # once per forked child (keyed by its pid)

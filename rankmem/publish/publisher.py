@@ -5,7 +5,10 @@ everywhere, at construction, never one rank raising inside a collective sequence
 logging rank opens it. Every rank keeps its last collect (:attr:`Publisher.last_record`).
 
 The records reach the sinks on a background thread (:mod:`rankmem.publish.handoff` says how, and
-what a stalled tracker or a signal can cost); this module says what a record becomes there.
+what a stalled tracker or a signal can cost); this module says what a record becomes there. The run
+log has a queue and a thread of its own (:class:`RunLogQueue`): a tracker that stalls, raises or is slow
+sheds its own records, never the run log's; what the run log itself must drop (a loop faster than the
+disk) is named in its gap record.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from rankmem.core.catalogue import verl_metrics
 from rankmem.core.guard import Guard
@@ -25,10 +28,63 @@ from rankmem.exchange.aggregate import Gathered
 from rankmem.fit import prime
 from rankmem.publish import signals as _signals
 from rankmem.publish.handoff import Handoff
+from rankmem.runlog.writer import RunLogWriter
 from rankmem.sinks import SafeSink, Sink
 from rankmem.trend.stats import PAIRS_AT_LEAST, pairs
 
 _Collect = tuple[int, float, Gathered, dict[str, float]]
+
+
+class RunLogQueue(Handoff):
+    """The run log's own queue and thread: it writes the run-log sinks alone."""
+
+    MAX_PENDING = 4096
+    """Collects waiting for the disk before the oldest is dropped, and named in a gap record."""
+
+    def __init__(self, sinks: Sequence[RunLogWriter], guard: Guard, background: bool) -> None:
+        super().__init__(guard, background)
+        self._sink_objects = list(sinks)
+        self._sinks: list[SafeSink] = []
+        self._lost: tuple[int, int, int] | None = None  # first, last, count dropped since the last write
+
+    def _dropped(self, item: Any) -> None:
+        if isinstance(item, tuple):
+            step = item[0]
+            self._lost = (step, step, 1) if self._lost is None else (self._lost[0], step, self._lost[2] + 1)
+
+    def _write(self, item: _Collect | RunHeader) -> None:
+        if isinstance(item, RunHeader):
+            for sink_object in self._sink_objects:
+                sink = SafeSink(sink_object)
+                sink.open(item)
+                self._sinks.append(sink)
+            return
+        self._hand_lost()
+        step, when, gathered, metrics = item
+        record = StepRecord(step, when, metrics, keys=gathered.keys, matrix=gathered.matrix)
+        for sink in self._sinks:
+            sink.write(record)
+
+    def _hand_lost(self) -> None:
+        """The collects dropped from the queue since the last write, to the writers' pending gap."""
+        with self._wake:
+            lost, self._lost = self._lost, None
+        if lost is None:
+            return
+        first, last, count = lost
+        for sink in self._sinks:
+            cast(RunLogWriter, sink.sink).lost(first, last, count, f"the run log's queue overran ({self.MAX_PENDING} "
+                                                "collects behind: a loop faster than the disk)")
+
+    def _flush_buffers(self) -> None:
+        self._hand_lost()
+        for sink in self._sinks:
+            sink.flush()
+
+    def _shut(self) -> None:
+        for sink in self._sinks:
+            sink.close()
+        self._sinks = []
 
 
 class Publisher(Handoff):
@@ -39,7 +95,9 @@ class Publisher(Handoff):
     def __init__(self, sinks: Sequence[Sink], leak_check: bool, guard: Guard, background: bool = True,
                  verl_keys: bool = False) -> None:
         super().__init__(guard, background)
-        self._sink_objects = list(sinks)
+        self._sink_objects = [s for s in sinks if not isinstance(s, RunLogWriter)]
+        logs = [s for s in sinks if isinstance(s, RunLogWriter)]
+        self._run_log = RunLogQueue(logs, guard, background) if logs else None
         self._sinks: list[SafeSink] = []
         self._leak_check = leak_check
         self._leak_watch: Any = None
@@ -73,6 +131,9 @@ class Publisher(Handoff):
         with _live_lock:
             _live.add(self)  # flushed at exit (and by flush_all), with or without the thread
         _signals.install(flush_all)
+        if self._run_log is not None:
+            self._run_log.opened = True
+            self._run_log._submit(header)
         self._submit(header)
 
     def deliver(self, step: int, when: float, gathered: Gathered) -> dict[str, float]:
@@ -98,7 +159,31 @@ class Publisher(Handoff):
         """Hand one collect to the sinks and the leak watch (on the background thread by default):
         ``metrics`` are the aggregates with what was derived from them (verl's keys; default the
         aggregates alone)."""
-        self._submit((step, when, gathered, gathered.aggregated if metrics is None else metrics))
+        item = (step, when, gathered, gathered.aggregated if metrics is None else metrics)
+        if self._run_log is not None:
+            self._run_log._submit(item)
+        if self._sink_objects or self._leak_check:
+            self._submit(item)
+
+    def settle(self) -> None:
+        """The previous collect's run-log record on disk (and the other sinks', both bounded)."""
+        if self._run_log is not None:
+            self._run_log.settle()
+        super().settle()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Both queues flushed within ``timeout`` (default :data:`FLUSH_TIMEOUT_S`) in all; the run
+        log's first."""
+        deadline = time.monotonic() + (self.FLUSH_TIMEOUT_S if timeout is None else timeout)
+        done = self._run_log is None or self._run_log.flush(timeout)
+        return super().flush(max(0.0, deadline - time.monotonic())) and done
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Close both queues within ``timeout`` (default :data:`FLUSH_TIMEOUT_S`) in all: the run log's
+        first, and the rest in what time is left."""
+        deadline = time.monotonic() + (self.FLUSH_TIMEOUT_S if timeout is None else timeout)
+        done = self._run_log is None or self._run_log.close(timeout)
+        return super().close(max(0.0, deadline - time.monotonic())) and done
 
     def _write(self, item: _Collect | RunHeader) -> None:
         if isinstance(item, RunHeader):

@@ -1,9 +1,9 @@
-"""At SIGTERM or SIGINT, the logging rank's pending records reach disk before the process ends.
+"""At SIGTERM, SIGINT or SIGHUP, the logging rank's pending records reach disk before the process ends.
 
 SIGTERM is what torchrun sends the survivors of a failed rank, and what Slurm and Kubernetes send at
-preemption; its default action ends the process at once, with the record of the last collect (and the
-side file's open batch of per-rank values) still in memory. While a publisher is open, the logging
-rank's main thread handles SIGTERM and SIGINT: it flushes every open publisher (bounded by
+preemption; its default action ends the process at once, with the record of the last collect still
+in memory. While a publisher is open, the logging
+rank's main thread handles SIGTERM, SIGINT and SIGHUP: it flushes every open publisher (bounded by
 :data:`FLUSH_S`), then does what the signal did before: the previous Python handler is called, and a
 default SIGTERM is delivered again with its default action restored, so the process still dies by
 SIGTERM (its exit status, torchrun's view of it, unchanged). A handler the caller installed is kept
@@ -12,8 +12,7 @@ and called after the flush; an ignored signal stays ignored.
 Python runs a signal handler on the main thread between bytecodes: a main thread blocked inside a
 collective runs it when the collective returns (or times out). The sink thread is woken at every
 collect, so by then the records are normally on disk already. SIGKILL runs no code: what it can
-cost is the record of a collect returned less than one sink write (~0.1 ms) before it, and the side
-file's open batch (the per-rank values of up to a batch of steps; their aggregates are on the lines).
+cost is the record of a collect returned less than one sink write (~0.1 ms) before it.
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ from rankmem.core.guard import Guard
 
 FLUSH_S = 2.0
 """The most a terminating signal waits for the sinks (torchrun's grace before SIGKILL is 30 s)."""
-SIGNALS = (signal.SIGTERM, signal.SIGINT)
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 _installed: dict[int, Any] = {}  # signal -> the handler ours replaced
 _guard = Guard()

@@ -7,7 +7,7 @@ The file is untrusted when read. What the per-rank arrays are shaped by (``schem
 :class:`~rankmem.errors.RankmemError` naming the file and the field. Every other field that is absent,
 ``null`` or of the wrong type (a NaN ``started``, a ``config`` that is a list, a rank entry that is a
 string) gets its default, its value kept in ``RunHeader.unread``; fields a newer writer adds go to
-``RunHeader.extra``. Logs of schema 1 (per-rank values on the lines, no ``detail``) read alike.
+``RunHeader.extra``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from rankmem.core.records import RankInfo, RunHeader
 from rankmem.core.rundir import valid_run_id
 from rankmem.core.untrusted import Fields, as_float, as_int, as_object, as_str
 from rankmem.errors import RankmemError
-from rankmem.runlog.layout import DETAIL_NAME, HEADER_KIND, INLINE, RUN_ID_FIELD, SCHEMA, SUPPORTED_SCHEMAS
+from rankmem.runlog.layout import DETAIL_NAME, HEADER_KIND, RUN_ID_FIELD, SCHEMA, SUPPORTED_SCHEMAS
 
 MAX_WORLD = 1 << 20
 """Most ranks a header may claim without listing them (its ``ranks``): a million, past any cluster
@@ -28,8 +28,7 @@ built, while a bogus ``world_size`` of 10**9 would ask for gigabytes per key."""
 
 
 def header_to_json(header: RunHeader, detail: str = DETAIL_NAME) -> dict[str, Any]:
-    """The header line's object: this process's versions and schema, ``detail`` the side file's name
-    (or ``"inline"``)."""
+    """The header line's object: this process's versions and schema, ``detail`` the side file's name."""
     from rankmem.core.version import __version__
 
     try:
@@ -72,10 +71,10 @@ def header_from_json(obj: Mapping[str, Any], path: str) -> RunHeader:
             "read it with the rankmem version that wrote it (see the header's 'rankmem' field)"
         )
     world = _world_size(obj, path)
-    detail = obj.get("detail", INLINE) if schema != 1 else INLINE
-    if not isinstance(detail, str):
-        raise RankmemError(f"{path}: the header's detail must name the per-rank file (or be \"inline\"), "
-                           f"got {short(detail)}; the header is damaged")
+    detail = obj.get("detail")
+    if not isinstance(detail, str) or not detail:
+        raise RankmemError(f"{path}: the header's detail must name the per-rank file, got {short(detail)}; "
+                           "the header is damaged")
     read = Fields(obj)
     read.skip("kind", "schema", "world_size", "detail", "ranks", RUN_ID_FIELD)
     ranks, unread_ranks = _ranks(obj.get("ranks"))

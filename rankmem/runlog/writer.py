@@ -1,20 +1,23 @@
-"""The run-log writer, on the logging rank: the header once, then one whole line per step.
+"""The run-log writer, on the logging rank's run-log thread: the header once, then per collect one
+side-file record (its per-rank values) and one line (its aggregates), in :mod:`rankmem.runlog.layout`.
 
-Lines follow :mod:`rankmem.runlog.layout`: the aggregates on the line, the per-rank values in the
-columnar side file (:mod:`rankmem.runlog.columnar`), or on the line with ``detail="inline"`` (also what
-it falls back to, with one warning, where pyarrow is not installed). Each line is one ``write(2)`` to a file opened for
-appending, with no buffer in between: a crash loses at most the line being written. A write that fails
-part-way (a full disk takes what fits, then says ENOSPC) is cut back to the last whole line, so the
-file never holds half a line followed by later whole ones; the caller (:class:`rankmem.sinks.SafeSink`)
-retries later and reports the steps lost. The header carries the run's identity (``run_id``), which
-the side file and the run's events and heartbeats carry too. Online code: it imports nothing of the reader.
+Each record and each line is one ``write(2)`` to a file opened for appending, with no buffer in between:
+a crash loses at most the collect being written. A write that fails part-way (a full disk takes what
+fits, then says ENOSPC) is cut back to the last whole record. :meth:`RunLogWriter.write` never raises
+for the disk: a collect it cannot write joins a pending gap (:meth:`RunLogWriter.lost` adds those its
+queue dropped), written as a GAP record, steps and reason, as soon as the disk takes writes again, and
+warned about at :meth:`close` if it never does. Online code: it imports nothing of the reader.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import zlib
+from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 from rankmem.core.records import RunHeader, StepRecord
 from rankmem.core.rundir import RunDir, open_regular, unlinked
@@ -22,121 +25,192 @@ from rankmem.core.scalars import json_safe
 from rankmem.core.warnings import WarnOnce, warn
 from rankmem.errors import RankmemError
 from rankmem.runlog.append import append_whole
-from rankmem.runlog.checksum import header_crc
-from rankmem.runlog.columnar import DetailWriter, pyarrow_available
-from rankmem.runlog.detail_pipe import DetailPipe
 from rankmem.runlog.header import header_to_json
 from rankmem.runlog.layout import (
-    INLINE,
+    COLLECT,
+    COLLECT_HEAD,
+    FILE_HEADER,
+    GAP,
+    GAP_HEAD,
+    KEYS,
+    KEYS_HEAD,
+    MAGIC,
+    RECORD_HEAD,
     SEPARATORS,
+    STEP_KIND,
     STEP_MAX,
     STEP_MIN,
-    step_object,
+    VERSION,
+    padded,
 )
 
 _RANK_SUFFIX = "_rank"
+_NO_KEYS = 2**64 - 1
 
 
 def _integer_ranks(metrics: dict[str, float]) -> dict[str, Any]:
     """``K/max_rank`` and ``K/min_rank`` as JSON integers (``1``, not ``1.0``): the aggregate carries
-    them as floats because it is one float64 block, but a rank is a rank. -1 (no rank had ``K``) stays
-    -1; readers take old logs' floats alike."""
+    them as floats because it is one float64 block, but a rank is a rank. -1 stays -1."""
     return {k: int(v) if k.endswith(_RANK_SUFFIX) and v == v else v for k, v in metrics.items()}
 
 
-class RunLogWriter:
-    """Appends whole lines to ``path``; the header is written once, by :meth:`open`.
+def record(kind: int, payload: bytes) -> bytes:
+    """One side-file record: kind, length, payload, and the CRC-32 of all of it."""
+    body = RECORD_HEAD.pack(kind, len(payload) // 8) + payload
+    return body + zlib.crc32(body).to_bytes(8, "little")
 
-    Both methods raise ``OSError`` when the disk refuses a line (nothing of it stays in the file) and
-    may be called again: :meth:`open` after a failure starts over, :meth:`write` goes on appending. A
-    log whose file was deleted under it (the run directory removed mid-run) raises
-    :class:`~rankmem.errors.RankmemError`: what it would write next is lost, which the caller says once.
-    Its own job only: the run directory's lock and the rotation of an earlier run are the caller's
-    (:class:`rankmem.sinks._jsonl.JsonlSink` asks :class:`~rankmem.core.rundir.RunDir`).
+
+def _matrix(rec: StepRecord) -> tuple[Sequence[str], Any]:
+    """The record's keys and ranks x keys float64 matrix (built from its per-rank lists if need be)."""
+    if rec.matrix is not None or not rec.ranks:
+        return rec.keys, rec.matrix
+    keys = tuple(rec.ranks)
+    columns = [[np.nan if v is None else v for v in rec.ranks[k]] for k in keys]
+    return keys, np.array(columns, dtype=np.float64).T
+
+
+class _Gap:
+    """Collects the run log could not write, waiting for their GAP record."""
+
+    def __init__(self, step: int, why: str) -> None:
+        self.first = self.last = step
+        self.count = 0
+        self.why = why
+
+    def add(self, step: int, why: str, count: int = 1) -> None:
+        self.first, self.last = min(self.first, step), max(self.last, step)
+        self.count += count
+        self.why = why
+
+    def describe(self) -> str:
+        span = f"step {self.first}" if self.first == self.last else f"steps {self.first}..{self.last}"
+        return f"{self.count} collect(s) not in the run log ({span}): {self.why}"
+
+
+class RunLogWriter:
+    """Appends whole records to ``path`` and its side file; the headers are written by :meth:`open`.
+
+    :meth:`open` raises ``OSError`` when the disk refuses the header (call it again to start over).
+    A log whose file was deleted under it (the run directory removed mid-run) raises
+    :class:`~rankmem.errors.RankmemError`. The run directory's lock and the rotation of an earlier run
+    are the caller's (:class:`rankmem.sinks._jsonl.JsonlSink`).
     """
 
-    COLUMNAR = "columnar"
-
-    def __init__(self, path: str, detail: str = COLUMNAR, detail_process: bool = False) -> None:
-        """``detail_process``: write the side file from a writer process (:mod:`rankmem.runlog.detail_pipe`)
-        instead of this one, which then never imports pyarrow (the Monitor's run log does so)."""
-        if detail not in (self.COLUMNAR, INLINE):
-            raise ValueError(f"detail must be {self.COLUMNAR!r} or {INLINE!r}, got {detail!r}")
+    def __init__(self, path: str) -> None:
         self.path = path
         self.run_dir = RunDir.of_log(path)
         self.detail_path = self.run_dir.detail
-        self._columnar = detail == self.COLUMNAR
-        self._detail: DetailWriter | DetailPipe | None = None
-        self._detail_process = detail_process
-        self._collects = 0
         self._fd: int | None = None
-        self._size = 0  # bytes of whole lines in the file: where a failed write is cut back to
+        self._side: int | None = None
+        self._size = 0  # bytes of whole lines in the log: where a failed write is cut back to
+        self._side_size = 0
+        self._key_sets: dict[tuple[str, ...], int] = {}
+        self._gap: _Gap | None = None
         self._warn_once = WarnOnce()
 
     def open(self, header: RunHeader) -> None:
-        self._close_fd()
-        if self._columnar and not pyarrow_available():
-            self._columnar = False
-            warn("rankmem: pyarrow is not installed, so the run log keeps the per-rank values on its lines "
-                 "(slower to report on at scale); pip install pyarrow to write them to the columnar side file")
+        self._close_fds()
         os.makedirs(self.run_dir.root, exist_ok=True)
-        self._fd = open_regular(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND)
-        self._size = 0
-        self._collects = 0
-        # default=str: the caller's config may hold paths; they become strings, not a lost header.
-        raw = header_to_json(header, os.path.basename(self.detail_path) if self._columnar else INLINE)
-        line = json.dumps(json_safe(raw), allow_nan=False, separators=SEPARATORS, default=str)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+        self._fd = open_regular(self.path, flags)
+        self._size = self._side_size = 0
+        self._key_sets = {}
+        # The config was made JSON at the Monitor's construction; default=str covers a caller's header.
+        raw = header_to_json(header, os.path.basename(self.detail_path))
+        line = (json.dumps(json_safe(raw), allow_nan=False, separators=SEPARATORS, default=str) + "\n").encode()
         try:
-            self._write_line(line)
-            if self._columnar:
-                kind = DetailPipe if self._detail_process else DetailWriter
-                self._detail = kind(self.detail_path, header.world_size, header.run_id,
-                                    header_crc((line + "\n").encode("utf-8")))
-                self._detail.open()
+            self._size += append_whole(self._fd, line, 0, self.path)
+            self._side = open_regular(self.detail_path, flags)
+            run_id = (header.run_id or "").encode("ascii").ljust(16, b"\0")[:16]
+            head = FILE_HEADER.pack(MAGIC, VERSION, header.world_size, run_id)
+            self._side_size += append_whole(self._side, head, 0, self.detail_path)
         except OSError:
-            self._close_fd()  # the next open() starts over on the empty file
+            self._close_fds()  # the next open() starts over on empty files
             raise
 
-    def write(self, record: StepRecord) -> None:
-        if not STEP_MIN <= record.step <= STEP_MAX:
+    def write(self, rec: StepRecord) -> None:
+        if not STEP_MIN <= rec.step <= STEP_MAX:
             # The reader holds steps as int64; a line it must count as corrupt is better not written.
-            self._warn_once(f"step-range:{record.step}", f"step {record.step} is outside the run log's 64-bit "
-                                                         f"step range; that record is not written to {self.path}")
+            self._warn_once(f"step-range:{rec.step}", f"step {rec.step} is outside the run log's 64-bit "
+                                                      f"step range; that record is not written to {self.path}")
             return
-        # Hot path: encode as is, and only when the text holds a non-finite token (NaN, Infinity,
-        # which JSON lacks) rebuild the record with nulls. Checking every value in Python first cost
-        # more than the encoding itself.
-        ranks = None if self._columnar else record.columns()
-        raw = step_object(record.step, record.time, _integer_ranks(record.metrics), ranks)
-        line = json.dumps(raw, separators=SEPARATORS)
-        if "NaN" in line or "Infinity" in line:
-            line = json.dumps(json_safe(raw), allow_nan=False, separators=SEPARATORS)
-        self._write_line(line)
-        if self._detail is not None:
-            self._detail.add(self._collects, record, self._size)
-        self._collects += 1
-
-    def flush(self) -> None:
-        """Write the per-rank values still waiting for their batch (the lines are never buffered)."""
-        if self._detail is not None:
-            self._detail.flush()
-
-    def _write_line(self, line: str) -> None:
-        assert self._fd is not None, "RunLogWriter.open() must come first"
-        # One fstat (~1 us, on the sink thread): a deleted file takes writes without a word.
-        if unlinked(self._fd):
-            self._close_fd()
+        assert self._fd is not None and self._side is not None, "RunLogWriter.open() must come first"
+        if unlinked(self._fd):  # one fstat (~1 us): a deleted file takes writes without a word
+            self._close_fds()
             raise RankmemError(f"{self.path} was deleted while the run wrote it (its directory removed?); "
                                "the run log stops here and later steps are not logged")
-        self._size += append_whole(self._fd, (line + "\n").encode("utf-8"), self._size, self.path)
+        raw = {"kind": STEP_KIND, "step": rec.step, "time": rec.time, "metrics": _integer_ranks(rec.metrics)}
+        line = json.dumps(raw, separators=SEPARATORS)
+        if "NaN" in line or "Infinity" in line:  # JSON has neither: rebuilt with nulls only when needed
+            line = json.dumps(json_safe(raw), allow_nan=False, separators=SEPARATORS)
+        keys, matrix = _matrix(rec)
+        side, new_keys = self._gap_record(), None
+        key_set = _NO_KEYS
+        if matrix is not None:
+            key_set = self._key_sets.get(tuple(keys), -1)
+            if key_set < 0:
+                key_set = new_keys = len(self._key_sets)
+                names = json.dumps(list(keys)).encode()
+                side += record(KEYS, KEYS_HEAD.pack(key_set, len(names)) + padded(names))
+            block = np.ascontiguousarray(matrix, dtype="<f8").tobytes()
+        else:
+            block = b""
+        k = len(keys) if matrix is not None else 0
+        side += record(COLLECT, COLLECT_HEAD.pack(rec.step, rec.time, self._size, key_set, k) + block)
+        try:
+            written = append_whole(self._side, side, self._side_size, self.detail_path)
+            try:
+                self._size += append_whole(self._fd, (line + "\n").encode(), self._size, self.path)
+            except OSError:
+                os.ftruncate(self._side, self._side_size)  # the record goes with its line
+                raise
+        except OSError as exc:
+            self._lose(rec.step, f"the disk refused it ({exc.strerror or exc})")
+            return
+        self._side_size += written
+        self._gap = None
+        if new_keys is not None:
+            self._key_sets[tuple(keys)] = new_keys
 
-    def _close_fd(self) -> None:
-        if self._detail is not None:
-            detail, self._detail = self._detail, None
-            detail.close()
-        if self._fd is not None:
-            fd, self._fd = self._fd, None
-            os.close(fd)
+    def _gap_record(self) -> bytes:
+        gap = self._gap
+        if gap is None:
+            return b""
+        why = gap.why.encode()
+        return record(GAP, GAP_HEAD.pack(gap.first, gap.last, gap.count, len(why)) + padded(why))
+
+    def _lose(self, step: int, why: str) -> None:
+        if self._gap is None:
+            self._gap = _Gap(step, why)
+            warn(f"rankmem: the run log {self.path} could not take step {step} ({why}); the collects it "
+                 "loses are named in a gap record when it can write again")
+        self._gap.add(step, why)
+
+    def lost(self, first: int, last: int, count: int, why: str) -> None:
+        """Collects that never reached this writer (its queue overran): they join the pending gap."""
+        if self._gap is None:
+            self._gap = _Gap(first, why)
+        self._gap.add(first, why, 0)
+        self._gap.add(last, why, count)
+
+    def flush(self) -> None:
+        """Write the pending gap record, if any (nothing else is buffered)."""
+        if self._gap is not None and self._side is not None:
+            try:
+                self._side_size += append_whole(self._side, self._gap_record(), self._side_size, self.detail_path)
+                self._gap = None
+            except OSError:
+                pass
+
+    def _close_fds(self) -> None:
+        for name in ("_fd", "_side"):
+            fd = getattr(self, name)
+            if fd is not None:
+                setattr(self, name, None)
+                os.close(fd)
 
     def close(self) -> None:
-        self._close_fd()
+        self.flush()
+        if self._gap is not None:
+            warn(f"rankmem: {self._gap.describe()}; the disk took no gap record for them")
+        self._close_fds()

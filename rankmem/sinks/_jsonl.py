@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import os
 
+from rankmem.core.lock import RunDirLock
 from rankmem.core.records import RunHeader
 from rankmem.core.rundir import RUN_LOG_NAME, rotated_lines
 from rankmem.core.warnings import warn
 from rankmem.errors import RankmemError
+from rankmem.forensics.heartbeat import heartbeat_run_id
 from rankmem.runlog.writer import RunLogWriter
 
 
@@ -24,14 +26,13 @@ class JsonlSink(RunLogWriter):
             if out_dir is None:
                 raise RankmemError("the jsonl sink needs a directory: pass out_dir='runs/NAME' to the Monitor")
             path = os.path.join(out_dir, RUN_LOG_NAME)
-        # The side file from a writer process: pyarrow (~45 MiB) stays out of the logging rank (issue 22).
-        super().__init__(path, detail_process=True)
-        self._lock = self.run_dir.lock()
+        super().__init__(path)
+        self._lock = RunDirLock(self.run_dir.root)
 
     def open(self, header: RunHeader) -> None:
         if not self.run_dir.lock_held_by_launcher():
             self._lock.acquire()  # before the rotation: a second job must not move this one's log aside
-        for line in rotated_lines(self.run_dir.rotate(header.run_id)):
+        for line in rotated_lines(self.run_dir.rotate(header.run_id, heartbeat_run_id)):
             warn(f"rankmem: {line}")
         super().open(header)
 

@@ -16,10 +16,9 @@ from rankmem.core.records import RankInfo, RunHeader, StepRecord
 from rankmem.core.version import __version__
 from rankmem.errors import RankmemError
 from rankmem.offline import read_run
-from rankmem.offline.tail import TailFollower
+from rankmem.offline.follow import Follower
 from rankmem.runlog import RUN_LOG_NAME, RunLogWriter
-from rankmem.runlog.layout import DETAIL_NAME, INLINE
-from tests.conftest import REPO
+from rankmem.runlog.layout import DETAIL_NAME
 
 RUN_ID = "0123456789abcdef0123456789abcdef"[:16]
 RANKS = [RankInfo(rank=0, local_rank=0, host="node0", pid=101, device="cuda NVIDIA H200", peak_rss_scope="window",
@@ -38,8 +37,8 @@ def _torch_version() -> str | None:
     return str(torch.__version__)
 
 
-def _write(out: Path, detail: str = "inline", header: RunHeader = HEADER) -> Path:
-    writer = RunLogWriter(str(out / RUN_LOG_NAME), detail=detail)
+def _write(out: Path, header: RunHeader = HEADER) -> Path:
+    writer = RunLogWriter(str(out / RUN_LOG_NAME))
     writer.open(header)
     for step in range(STEPS):
         writer.write(StepRecord(step=step, time=1.75e9 + step, metrics={"mem/host/rss_gib/max": 1.0 + step},
@@ -48,15 +47,11 @@ def _write(out: Path, detail: str = "inline", header: RunHeader = HEADER) -> Pat
     return out / RUN_LOG_NAME
 
 
-@pytest.mark.parametrize("detail", ["inline", "columnar"])
-def test_the_header_reads_back_as_the_record_it_was_written_from(tmp_path: Path, detail: str) -> None:
-    if detail == "columnar":
-        pytest.importorskip("pyarrow")
-    _write(tmp_path, detail)
+def test_the_header_reads_back_as_the_record_it_was_written_from(tmp_path: Path) -> None:
+    _write(tmp_path)
     run = read_run(str(tmp_path))
     assert isinstance(run.header, RunHeader)
-    written_as = DETAIL_NAME if detail == "columnar" else INLINE
-    assert run.header == replace(HEADER, schema=2, detail=written_as, rankmem_version=__version__,
+    assert run.header == replace(HEADER, schema=3, detail=DETAIL_NAME, rankmem_version=__version__,
                                  torch_version=_torch_version())
     assert run.header.ranks[0].device_uuid == "GPU-0000" and run.header.ranks[1].peak_rss_scope == "edges"
     assert run.header.extra == {} and run.header.unread == {}
@@ -146,7 +141,9 @@ ERRORS = [
     pytest.param(_set("world_size", 3), "the header's world_size is 3 but it lists 2 ranks", id="world_size not the ranks"),
     pytest.param(_set("ranks", {"0": {}}), "the header's 'ranks' must be a list", id="ranks an object"),
     pytest.param(_set("detail", 7), "the header's detail must name the per-rank file", id="detail a number"),
-    pytest.param(_set("schema", 3), "has run log schema 3", id="schema from the future"),
+    pytest.param(_set("schema", 4), "has run log schema 4", id="schema from the future"),
+    pytest.param(_set("schema", 2), "has run log schema 2", id="schema of an unreleased layout"),
+    pytest.param(_drop("detail"), "the header's detail must name the per-rank file", id="missing detail"),
     pytest.param(_drop("schema"), "has run log schema None", id="missing schema"),
     pytest.param(_set("schema", True), "has run log schema True", id="schema a bool"),
 ]
@@ -161,31 +158,14 @@ def test_a_damaged_shaping_field_is_one_error_naming_the_file_and_the_field(
     assert str(path) in str(info.value) and message in str(info.value)
 
 
-def test_an_old_schema_1_log_reads_into_the_typed_header() -> None:
-    run = read_run(str(REPO / "tests" / "data" / "schema1_run"))
-    header = run.header
-    assert (header.schema, header.detail, header.world_size) == (1, INLINE, 2)
-    assert (header.rankmem_version, header.torch_version) == ("0.1.0", "2.13.0+cpu")
-    assert header.run_id is None and header.started == pytest.approx(1796041572.314032)
-    assert [(r.rank, r.local_rank, r.host, r.device, r.peak_rss_scope, r.device_uuid) for r in header.ranks] == [
-        (0, 0, "vm", "none", "window", None), (1, 1, "vm", "none", "window", None)]
-    assert header.config["run"]["task"] == "grpo" and header.unread == {}
-    assert run.steps.size > 0
-
-
-def test_a_header_without_a_detail_field_reads_its_values_from_the_lines(tmp_path: Path) -> None:
-    run = read_run(str(_damaged(tmp_path, _drop("detail"))))
-    assert run.header.detail == INLINE and run.series["mem/host/rss_gib"][:, 0].tolist() == [1.0, 2.0, 3.0]
-
-
 def test_watch_follows_the_typed_header_and_names_a_damaged_one(tmp_path: Path) -> None:
     path = _write(tmp_path)
-    tail = TailFollower(str(path)).poll()
+    tail = Follower(str(path)).poll()
     assert tail.header is not None and tail.header.ranks == RANKS and tail.header.run_id == RUN_ID
     assert tail.header_error is None
     (tmp_path / "damaged").mkdir()
     damaged_path = _damaged(tmp_path / "damaged", _set("world_size", "two"))
-    damaged = TailFollower(str(damaged_path)).poll()
+    damaged = Follower(str(damaged_path)).poll()
     assert damaged.header is None and damaged.header_error is not None
     assert "world_size" in str(damaged.header_error)
 

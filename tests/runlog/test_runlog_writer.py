@@ -57,7 +57,7 @@ def test_a_nan_metric_is_written_as_null(tmp_path: Path) -> None:
     assert run.series["lr"].tolist() == [[0.5]]
 
 
-def test_ranks_are_json_integers_and_old_float_ranks_read_alike(tmp_path: Path) -> None:
+def test_ranks_are_json_integers(tmp_path: Path) -> None:
     from rankmem.offline import read_run
 
     monitor = rankmem.Monitor(out_dir=str(tmp_path), device="cpu", children=False)
@@ -70,15 +70,6 @@ def test_ranks_are_json_integers_and_old_float_ranks_read_alike(tmp_path: Path) 
     rank_keys = [k for k in metrics if k.endswith("_rank")]
     assert rank_keys and all(type(metrics[k]) is int for k in rank_keys)
     assert all(type(metrics[k]) is float for k in metrics if k.endswith("/max"))
-    # A log written before ranks were integers (schema 1: the per-rank values on the line): the same
-    # arrays come back.
-    old = line.replace('"loss/max_rank":0,', '"loss/max_rank":0.0,').replace('"loss/min_rank":0,', '"loss/min_rank":0.0,')
-    old = old[:-1] + ',"ranks":{"loss":[1.5]}}'
-    old_header = json.loads(header)
-    old_header["schema"] = 1
-    del old_header["detail"]
-    (tmp_path / "old").mkdir()
-    (tmp_path / "old" / "rankmem.jsonl").write_text(f"{json.dumps(old_header)}\n{old}\n")
-    new_run, old_run = read_run(str(tmp_path), metrics=True), read_run(str(tmp_path / "old"), metrics=True)
-    assert old_run.metrics is not None and new_run.metrics is not None
-    assert old_run.metrics["loss/max_rank"].tolist() == new_run.metrics["loss/max_rank"].tolist() == [0.0]
+    run = read_run(str(tmp_path), metrics=True)
+    assert run.metrics is not None and run.metrics["loss/max_rank"].tolist() == [0.0]
+    assert run.metrics["loss/max"].tolist() == [1.5] and run.series["loss"].tolist() == [[1.5]]

@@ -1,0 +1,166 @@
+"""Following a run that is still being written: the one follower of ``rankmem watch`` (and of anything
+that redraws a live run).
+
+:meth:`Follower.poll` re-reads only what changed: the newest step lines come from the log's end (a
+block read from there, doubled until it holds them: a log may be gigabytes long), the newest per-rank
+values and any gap from the side file's records added since the last poll (:func:`rankmem.offline.runlog.walk`).
+Whatever follows the last newline, or the last whole record, is still being written and is left for
+the next poll. A rotation (a restarted job moved the files aside) is noticed by the file's identity.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from rankmem.core.records import RunHeader
+from rankmem.core.rundir import open_binary, open_regular
+from rankmem.errors import RankmemError
+from rankmem.offline.runlog import (
+    Gap,
+    SideFile,
+    check_file_header,
+    parse_header,
+    read_header_line,
+    step_of,
+    walk,
+)
+from rankmem.runlog.layout import FILE_HEADER
+
+FIRST_BLOCK = 64 * 1024
+MAX_BLOCK = 256 * 1024 * 1024
+"""Reading back stops here: a log whose last N step lines do not fit in 256 MiB is not a run log."""
+
+
+def read_last_steps(path: str, count: int = 2, size: int | None = None) -> tuple[list[dict[str, Any]], int]:
+    """The last ``count`` whole step lines of ``path`` (oldest first) and the bytes read to find them;
+    ``size``: read as if the file ended there. Corrupt lines and the header are skipped."""
+    with open_binary(path) as f:
+        end = os.fstat(f.fileno()).st_size if size is None else size
+        block = FIRST_BLOCK
+        while True:
+            start = max(0, end - block)
+            f.seek(start)
+            data = f.read(end - start)
+            # Cut what follows the last newline (a line being written) and, unless this is the file's
+            # start, the first piece (a line cut by the block's start).
+            cut = data.rfind(b"\n")
+            lines = data[: cut + 1].split(b"\n")[:-1] if cut >= 0 else []
+            if start > 0 and lines:
+                lines = lines[1:]
+            steps: list[dict[str, Any]] = []
+            for line in reversed(lines):
+                step = step_of(line)
+                if step is not None and isinstance(step.get("metrics"), dict):
+                    steps.append(step)
+                    if len(steps) == count:
+                        break
+            if len(steps) == count or start == 0 or block >= MAX_BLOCK:
+                return steps[::-1], len(data)
+            block *= 2
+
+
+@dataclass
+class Tail:
+    """What :class:`Follower` last saw."""
+
+    header: RunHeader | None = None
+    header_error: RankmemError | None = None
+    """Why the header line, though whole, cannot be read (a damaged world size): the caller says so."""
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    """The newest step lines, oldest first."""
+    size: int = 0
+    bytes_read: int = 0
+    """Bytes the last read of the log took (0 when it had not changed)."""
+    detail: tuple[int, dict[str, list[float | None]]] | None = None
+    """The newest collect with per-rank values in the side file: its step, and per key each rank's value."""
+    gaps: list[Gap] = field(default_factory=list)
+    note: str | None = None
+    """Why the side file is not followed (damaged, another run's), or None."""
+
+
+class Follower:
+    """Follows one run log and its side file: :meth:`poll` returns a :class:`Tail`."""
+
+    def __init__(self, path: str, count: int = 2) -> None:
+        self.path = path
+        self.count = count
+        self._identity: tuple[int, int] | None = None
+        self._side_identity: tuple[int, int] | None = None
+        self._side: SideFile | None = None
+        self.tail = Tail()
+
+    def poll(self) -> Tail:
+        try:
+            st = os.stat(self.path)
+        except OSError:  # not written yet, or moved aside and not yet recreated
+            self._identity, self.tail, self._side = None, Tail(), None
+            return self.tail
+        if (st.st_dev, st.st_ino) != self._identity or st.st_size < self.tail.size:
+            self._identity, self.tail, self._side = (st.st_dev, st.st_ino), Tail(), None
+        if self.tail.header is None:
+            self._read_header()
+        if st.st_size != self.tail.size:
+            try:
+                steps, nread = read_last_steps(self.path, self.count, st.st_size)
+                self.tail.steps, self.tail.size, self.tail.bytes_read = steps, st.st_size, nread
+            except OSError:
+                pass
+        else:
+            self.tail.bytes_read = 0
+        if self.tail.header is not None:
+            self._poll_side(self.tail.header)
+        return self.tail
+
+    def _read_header(self) -> None:
+        first = read_header_line(self.path)
+        if first is None:
+            return
+        try:
+            self.tail.header, self.tail.header_error = parse_header(first, self.path), None
+        except RankmemError as exc:
+            self.tail.header, self.tail.header_error = None, exc
+
+    def _poll_side(self, header: RunHeader) -> None:
+        path = os.path.join(os.path.dirname(self.path), os.path.basename(header.detail or ""))
+        try:
+            fd = open_regular(path)
+        except OSError:
+            return
+        try:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != self._side_identity:
+                self._side_identity, self._side = (st.st_dev, st.st_ino), None
+            side = self._side
+            if st.st_size < FILE_HEADER.size or (side is not None and (side.damaged or st.st_size == side.end)):
+                return
+            with mmap.mmap(fd, st.st_size, access=mmap.ACCESS_READ) as mapped:
+                if side is None:
+                    self.tail.note = check_file_header(mapped[: FILE_HEADER.size], path, header)
+                    if self.tail.note is not None:
+                        return
+                    side = self._side = SideFile(header.world_size)
+                self._take(side, mapped, st.st_size)
+        finally:
+            os.close(fd)
+
+    def _take(self, side: SideFile, mapped: mmap.mmap, size: int) -> None:
+        """Walk the new records; keep the newest per-rank values and the gaps (the lists stay short)."""
+        view = memoryview(mapped)
+        try:
+            walk(view, size, side)
+            if side.blocks:
+                index, key_set, at = side.blocks[-1]
+                keys, world = side.key_sets[key_set], side.world
+                values = [[float(x) for x in view[at + 8 * r * len(keys) : at + 8 * (r + 1) * len(keys)].cast("d")]
+                          for r in range(world)]
+                self.tail.detail = (side.steps[index], {k: [None if v[j] != v[j] else v[j] for v in values]
+                                                        for j, k in enumerate(keys)})
+        finally:
+            view.release()
+        self.tail.gaps = list(side.gaps)
+        if side.damaged:
+            self.tail.note = f"{self.path}: the side file: {side.damaged}; not followed further"
+        del side.steps[:-1], side.times[:-1], side.offsets[:-1], side.blocks[:]
