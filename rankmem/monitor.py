@@ -36,7 +36,7 @@ from rankmem.core.catalogue import rank_metrics
 from rankmem.core.guard import Guard
 from rankmem.core.records import RunHeader, StepRecord
 from rankmem.core.rundir import current_run_id
-from rankmem.core.scalars import scalar_items, work_numbers
+from rankmem.core.scalars import plain_config, scalar_items, work_numbers
 from rankmem.errors import RankmemError
 from rankmem.exchange.dist import global_rank, rank_and_world, require_group_if_launched
 from rankmem.exchange.exchange import Exchange
@@ -115,6 +115,7 @@ class MonitorConfig:
         elif not isinstance(sinks, Iterable):
             raise RankmemError(f"sinks must be a list of sink names or objects, got {sinks!r}")
         object.__setattr__(self, "sinks", tuple(sinks))
+        object.__setattr__(self, "run_config", plain_config(self.run_config))  # once: never the log's failure
         if not isinstance(self.sink_options, Mapping):
             raise RankmemError(f"sink_options must be a dict of sink name -> dict of options, got {self.sink_options!r}")
         check_sink_specs(self.sinks or (), self.out_dir, self.sink_options)

@@ -17,7 +17,7 @@ import json
 import math
 from typing import TYPE_CHECKING, Any
 
-from rankmem.cli._common import add_run_argument, require_steps
+from rankmem.cli._common import add_run_argument, note_damage, require_steps
 from rankmem.errors import RankmemError
 
 if TYPE_CHECKING:
@@ -84,6 +84,8 @@ def run(args: argparse.Namespace) -> int:
     _check(args)
     the_run = read_run(args.run)
     require_steps(the_run, "advise")
+    if the_run.gaps:
+        note_damage(the_run, "advise")
     phases = work_phases(the_run)
     if not phases:
         raise RankmemError(f"no phase of {args.run} was told its micro-batches: call monitor.micro_batch(tokens, ...) "

@@ -6,10 +6,12 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import stat
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from rankmem.core.rundir import kind_of
 from rankmem.core.text import printable
 from rankmem.errors import RankmemError
 from rankmem.offline.leaks import LeakConfig
@@ -38,6 +40,9 @@ def check_output(path: str, flag: str) -> None:
         raise RankmemError(f"{flag} {path}: no such directory: {directory}")
     if not os.access(directory, os.W_OK):
         raise RankmemError(f"{flag} {path}: cannot write in {directory} (permission denied)")
+    if os.path.lexists(path) and not stat.S_ISREG(os.lstat(path).st_mode):
+        raise RankmemError(f"{flag} {path}: is {kind_of(os.lstat(path).st_mode)}; rankmem replaces only a "
+                           "regular file: name a file")
 
 
 def add_leak_options(parser: argparse.ArgumentParser) -> None:
@@ -92,6 +97,8 @@ def note_damage(run: Run, command: str) -> None:
     damaged run says so even where stdout is JSON or a file."""
     if run.detail_note:
         print(printable(f"rankmem {command}: note: {run.detail_note}"), file=sys.stderr)
+    for gap in run.gaps:
+        print(printable(f"rankmem {command}: gap: {gap}"), file=sys.stderr)
     if run.corrupt or run.truncated:
         print(f"rankmem {command}: note: skipped {run.corrupt} corrupt line(s)"
               f"{', a truncated last line or batch' if run.truncated else ''}", file=sys.stderr)

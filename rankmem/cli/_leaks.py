@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
 
     the_run = read_run(resolve_run(args.run, "leaks"))
     require_steps(the_run, "leaks")
-    if args.json or the_run.detail_note:
+    if args.json or the_run.detail_note or the_run.gaps:
         note_damage(the_run, "leaks")
     config = leak_config(args)
     if args.keys != list(LEAK_KEYS):  # the defaults are each optional (a CPU run has no device keys)

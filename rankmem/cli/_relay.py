@@ -50,7 +50,7 @@ class StderrRelay:
         self._log_fd: int | None = None
         if log_path is not None:
             try:
-                self._log_fd = open_regular(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND)
+                self._log_fd = open_regular(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)  # rotated before
             except OSError:
                 self.log_path = None
         self._thread = threading.Thread(target=self._pump, name="rankmem-stderr", daemon=True)

@@ -33,6 +33,7 @@ kind's run id with the reader its owner passes (the heartbeat's layout is ``fore
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import io
@@ -41,6 +42,7 @@ import os
 import re
 import secrets
 import stat
+import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -182,6 +184,35 @@ def read_bytes(path: str, limit: int | None = None) -> bytes:
     """The file's bytes (at most ``limit``), through :func:`open_regular`."""
     with open_binary(path) as f:
         return f.read() if limit is None else f.read(limit)
+
+
+def replace_file(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` whole or not at all: a temporary file beside it, renamed over it once
+    written and flushed. Only a regular file or a new path is replaced (:class:`NotRegularFile` for a
+    link, a device...: left untouched); the mode is the replaced file's own, else what the umask gives."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        mask = os.umask(0)
+        os.umask(mask)
+        mode = 0o666 & ~mask
+    else:
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegularFile(path, kind_of(st.st_mode))
+        mode = stat.S_IMODE(st.st_mode)
+    fd, temp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
+                                dir=os.path.dirname(os.path.abspath(path)))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+            os.fchmod(f.fileno(), mode)
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
 
 
 def unlinked(fd: int) -> bool:

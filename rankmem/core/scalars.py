@@ -4,11 +4,14 @@ the check of the work counts a caller tells ``Monitor.micro_batch``."""
 
 from __future__ import annotations
 
+import enum
 import math
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from rankmem.core.catalogue import MEMORY_PREFIX
+from rankmem.core.warnings import warn
 from rankmem.errors import RankmemError
 
 
@@ -81,6 +84,71 @@ def json_safe(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [json_safe(v) for v in obj]
     return obj
+
+
+UNENCODABLE = "<not encodable: {}>"
+"""What the run log's header holds in place of a config value JSON cannot hold (named by its type)."""
+CYCLE = "<cycle>"
+"""What it holds in place of a container that contains itself."""
+
+
+def plain_config(config: Any) -> Any:
+    """The caller's ``run_config`` as plain JSON data, once, at the Monitor's construction: keys become
+    strings (numpy's and Enum's, tuples), numpy scalars numbers, tuples and sets lists, paths strings,
+    non-finite floats None; a cycle becomes :data:`CYCLE` and anything else :data:`UNENCODABLE`, with one
+    warning naming the first. The run log's header can then never fail to encode."""
+    replaced: list[str] = []
+
+    def key(k: Any) -> str:
+        if isinstance(k, str):
+            return k
+        if isinstance(k, enum.Enum):
+            return f"{type(k).__name__}.{k.name}"
+        item = getattr(k, "item", None)
+        return str(item() if callable(item) and not isinstance(k, (tuple, list)) else k)
+
+    def plain(value: Any, path: str, seen: tuple[int, ...]) -> Any:
+        if value is None or isinstance(value, (str, bool, int)):
+            return value
+        if isinstance(value, float):
+            return value if math.isfinite(value) else None
+        if isinstance(value, enum.Enum):
+            return plain(value.value, path, seen)
+        if isinstance(value, os.PathLike):
+            return os.fspath(value) if isinstance(os.fspath(value), str) else repr(value)
+        if isinstance(value, (dict, list, tuple, set, frozenset)):
+            if id(value) in seen:
+                replaced.append(f"{path} (a cycle)")
+                return CYCLE
+            if len(seen) > 64:
+                replaced.append(f"{path} (nested too deep)")
+                return UNENCODABLE.format("nested too deep")
+            inner = (*seen, id(value))
+            if isinstance(value, dict):
+                return {key(k): plain(v, f"{path}.{key(k)}", inner) for k, v in value.items()}
+            items = sorted(value, key=repr) if isinstance(value, (set, frozenset)) else value
+            return [plain(v, f"{path}[{i}]", inner) for i, v in enumerate(items)]
+        item = getattr(value, "item", None)  # a numpy scalar (or a 0-d array, a one-value tensor)
+        if callable(item) and getattr(value, "ndim", 0) == 0:
+            try:
+                return plain(item(), path, seen)
+            except (TypeError, ValueError):
+                pass
+        tolist = getattr(value, "tolist", None)  # a numpy array
+        if callable(tolist) and getattr(value, "size", 1 << 20) <= 4096:
+            try:
+                return plain(tolist(), path, seen)
+            except (TypeError, ValueError):
+                pass
+        replaced.append(f"{path} ({type(value).__name__})")
+        return UNENCODABLE.format(type(value).__name__)
+
+    out = plain(config, "run_config", ())
+    if replaced:
+        warn(f"rankmem: run_config holds what JSON cannot: {replaced[0]}"
+             f"{f' and {len(replaced) - 1} more' if len(replaced) > 1 else ''}; the run log's header holds "
+             f"{CYCLE!r} or {UNENCODABLE.format('TYPE')!r} there instead", stacklevel=4)
+    return out
 
 
 def work_numbers(tokens: Any, sequences: Any, sq_tokens: Any) -> tuple[float, float | None, float | None]:

@@ -13,15 +13,13 @@ web site) is left out.
 from __future__ import annotations
 
 import base64
-import contextlib
 import html
 import importlib.util
 import io
 import math
-import os
-import tempfile
 from collections.abc import Sequence
 
+from rankmem.core.rundir import replace_file
 from rankmem.errors import RankmemError
 from rankmem.offline import Run
 from rankmem.offline.report import (
@@ -231,22 +229,10 @@ def render_html(report: Report, run: Run) -> str:
 
 
 def write_html(report: Report, run: Run, path: str) -> None:
-    """Write the page to ``path`` whole or not at all: to a temporary file beside it, renamed over it
-    once written and flushed (a full disk left half a page behind). RankmemError when it cannot."""
+    """Write the page to ``path`` whole or not at all (:func:`rankmem.core.rundir.replace_file`: a full disk
+    left half a page behind, a rename replaced a device node). RankmemError when it cannot."""
     page = render_html(report, run).encode("utf-8")
-    directory = os.path.dirname(os.path.abspath(path))
     try:
-        fd, temp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+        replace_file(path, page)
     except OSError as exc:
-        raise RankmemError(f"cannot write {path}: {exc.strerror or exc}") from None
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(page)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(temp, 0o644)
-        os.replace(temp, path)
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(temp)
         raise RankmemError(f"cannot write {path}: {exc.strerror or exc}; {path} is as it was") from None

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import io
 import math
 import warnings
 from collections.abc import Iterator, Sequence
@@ -33,6 +34,7 @@ import numpy as np
 from rankmem.core.catalogue import PHASE_PREFIX, PHASE_SUFFIX, PLOT_KEYS, peak_phase, worse
 from rankmem.core.eventrecords import Event
 from rankmem.core.guard import load_optional
+from rankmem.core.rundir import replace_file
 from rankmem.core.text import printable
 from rankmem.errors import MissingExtraError, RankmemError
 from rankmem.offline import Run
@@ -108,8 +110,11 @@ def plot_run(run: Run, output: str, keys: Sequence[str] | None = None, size: tup
         raise RankmemError(f"no such key(s) in the run log: {', '.join(missing) or '(none chosen)'}; choose from: {available}")
     fig = draw_run(run, chosen, size)
     try:
-        # No bbox_inches="tight": the PNG must be exactly the size asked for.
-        fig.savefig(output, dpi=_DPI, format="png")
+        # No bbox_inches="tight": the PNG must be exactly the size asked for. Drawn in memory, then
+        # written whole, and only onto a regular file or a new path.
+        png = io.BytesIO()
+        fig.savefig(png, dpi=_DPI, format="png")
+        replace_file(output, png.getvalue())
     finally:
         plt.close(fig)
     return chosen

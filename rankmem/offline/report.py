@@ -132,6 +132,8 @@ class Report:
     """Logged steps that carry per-rank values, when not all do (past the all-reduce crossover, or the
     last second before a crash); per-key worst values then come from every step's aggregates."""
     detail_note: str | None = None
+    gaps: list[str] = field(default_factory=list)
+    """Collects the run log says it dropped, one line each."""
     """Why per-rank values are missing beyond that (a damaged or missing side file)."""
     limits: list[Limit] = field(default_factory=list)
     """Device total, node total, cgroup limit, where measured, with the least headroom under each."""
@@ -286,6 +288,7 @@ def _tables(run: Run, imb: ImbalanceConfig) -> Report:
         events_skipped=events.skipped,
         detail_steps=int(run.steps.size) if run.logged is not None else None,
         detail_note=run.detail_note,
+        gaps=[str(g) for g in run.gaps],
         peak_rss_scope="/".join(sorted({r.peak_rss_scope for r in run.header.ranks if r.peak_rss_scope})) or None,
     )
     for key in memory_keys(run):
@@ -532,6 +535,7 @@ def summary_lines(report: Report) -> list[str]:
                      "their aggregates: max, min, mean and the ranks holding them); worst values from all steps")
     if report.detail_note:
         lines.append(f"note: {report.detail_note}")
+    lines += [f"gap: {g}" for g in report.gaps]
     note = PEAK_SCOPE_NOTES.get(report.peak_rss_scope or "window")
     if note:
         lines.append(f"peak RSS per window: {note}")
