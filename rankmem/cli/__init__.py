@@ -29,6 +29,7 @@ COMMANDS = {
     "plot": ("rankmem.cli._plot", "plot per-rank memory against step, capacity drawn, to a PNG (default RUN/rankmem.png)"),
     "advise": ("rankmem.cli._advise", "per phase, the largest tokens per micro-batch that fit (verl's config names)"),
     "leaks": ("rankmem.cli._leaks", "detect steadily growing memory per rank (exit 1 when found)"),
+    "export": ("rankmem.cli._export", "write the per-rank values as a Parquet table (the parquet extra)"),
     "watch": ("rankmem.cli._watch", "a live per-rank view of a running job: memory, step, phase, events"),
     "doctor": ("rankmem.cli._doctor", "check this install: versions, device backend, peak scope, cgroup, extras"),
     "completion": ("rankmem.cli._completion", 'print a shell completion script: eval "$(rankmem completion bash)"'),
