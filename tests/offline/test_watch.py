@@ -22,8 +22,7 @@ from rankmem.core.eventrecords import NearOomEvent
 from rankmem.forensics.events import EventWriter
 from rankmem.forensics.heartbeat import Heartbeat, read_heartbeats
 from rankmem.offline import read_run
-from rankmem.offline.columnar import DetailFollower
-from rankmem.offline.tail import FIRST_BLOCK, TailFollower, read_last_steps
+from rankmem.offline.follow import FIRST_BLOCK, Follower, read_last_steps
 from rankmem.offline.watch import COLUMNS, Watcher, build_frame
 from rankmem.runlog import RUN_LOG_NAME
 from rankmem.runlog.layout import DETAIL_NAME
@@ -36,31 +35,31 @@ TRAIN_TIMEOUT_S = 240
 # ---- the tail ----------------------------------------------------------------------------------------
 
 def test_tail_skips_a_line_being_written_and_corrupt_lines(tmp_path: Path) -> None:
-    path = write_run(tmp_path, {key_of("rss"): np.arange(12.0).reshape(6, 2)}, detail="inline")
+    path = write_run(tmp_path, {key_of("rss"): np.arange(12.0).reshape(6, 2)})
     with open(path, "a") as f:
         f.write('{not json\n{"kind":"step","step":99,"ti')  # a corrupt line, then one cut mid-write
     steps, _ = read_last_steps(str(path), 2)
     assert [s["step"] for s in steps] == [4, 5]
-    assert steps[-1]["ranks"][key_of("rss")] == [10.0, 11.0]
+    assert steps[-1]["metrics"][key_of("rss") + "/max"] == 11.0
     steps, _ = read_last_steps(str(path), 100)  # fewer in the file: all of them, header skipped
     assert [s["step"] for s in steps] == list(range(6))
 
 
 def test_tail_reads_a_bounded_amount_of_a_big_log_and_grows_for_long_lines(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
-    path = write_run(tmp_path, {key_of("rss"): rng.random((3000, 8))}, detail="inline")
+    path = write_run(tmp_path, {key_of("rss"): rng.random((3000, 8))})
     size = path.stat().st_size
     steps, nread = read_last_steps(str(path), 2)
     assert [s["step"] for s in steps] == [2998, 2999] and nread == FIRST_BLOCK < size
-    # ~300 KB lines: an inline log of 16k ranks (a columnar log's lines hold the aggregates only).
-    wide = write_run(tmp_path / "wide", {key_of("rss"): rng.random((3, 16384))}, detail="inline")
+    # ~300 KB lines: the aggregates of 3,000 keys.
+    wide = write_run(tmp_path / "wide", {f"k{i}": rng.random((3, 2)) for i in range(3000)})
     steps, nread = read_last_steps(str(wide), 2)
     assert [s["step"] for s in steps] == [1, 2] and FIRST_BLOCK < nread <= wide.stat().st_size
 
 
 def test_follower_rereads_only_on_change_and_follows_a_rotation(tmp_path: Path) -> None:
     write_run(tmp_path, {key_of("rss"): np.ones((3, 2))})
-    follower = TailFollower(str(tmp_path / RUN_LOG_NAME))
+    follower = Follower(str(tmp_path / RUN_LOG_NAME))
     assert [s["step"] for s in follower.poll().steps] == [1, 2]
     assert follower.poll().bytes_read == 0  # unchanged: nothing read
     os.replace(tmp_path / RUN_LOG_NAME, tmp_path / "rankmem.jsonl.1")  # a restart moved it aside...
@@ -94,7 +93,7 @@ def test_frame_marks_the_worst_rank_per_column_in_the_catalogues_direction(tmp_p
 
 def test_frame_before_the_first_step_comes_from_heartbeats(tmp_path: Path) -> None:
     Heartbeat(str(tmp_path / "heartbeat"), 1).beat(None, "", None)
-    frame = build_frame(str(tmp_path), TailFollower(str(tmp_path / RUN_LOG_NAME)).poll(),
+    frame = build_frame(str(tmp_path), Follower(str(tmp_path / RUN_LOG_NAME)).poll(),
                         read_heartbeats(str(tmp_path / "heartbeat")), [])
     assert frame.step is None and frame.world_size == 2 and frame.columns == []
 
@@ -154,7 +153,7 @@ def test_watch_follows_a_real_job(tmp_path: Path) -> None:
                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         _wait_for(lambda: _logged_steps(out) >= 4 and len(read_heartbeats(str(out / "heartbeat"))) == 2
-                  and DetailFollower(str(out / DETAIL_NAME)).poll() is not None,  # its first batch: ~1 s
+                  and Follower(str(out / RUN_LOG_NAME)).poll().detail is not None,
                   120, "the job's first steps")
         # Pause both ranks, so the log and heartbeats hold still while --once reads them.
         beats = read_heartbeats(str(out / "heartbeat"))
@@ -163,14 +162,8 @@ def test_watch_follows_a_real_job(tmp_path: Path) -> None:
         try:
             time.sleep(0.3)
             last = read_last_steps(str(out / RUN_LOG_NAME), 1)[0][-1]
-            # The per-rank values: the side file's newest collect (its batch may be a second behind). Its
-            # writer is a process of its own, not stopped with the ranks: wait until it has written all.
-            settled = time.monotonic() + 10
-            size = -1
-            while time.monotonic() < settled and (out / DETAIL_NAME).stat().st_size != size:
-                size = (out / DETAIL_NAME).stat().st_size
-                time.sleep(1.5)
-            detail = DetailFollower(str(out / DETAIL_NAME)).poll()
+            # The per-rank values: the side file's newest collect, written with its line.
+            detail = Follower(str(out / RUN_LOG_NAME)).poll().detail
             beats = read_heartbeats(str(out / "heartbeat"))
             once = subprocess.run([sys.executable, "-m", "rankmem", "watch", "--once", "--json", str(out)], cwd=REPO,
                                   capture_output=True, text=True, timeout=60)
@@ -220,7 +213,7 @@ def test_watch_follows_a_real_job(tmp_path: Path) -> None:
 # ---- rankmem watch crashes on a step line the reader counts as corrupt --------------------------
 
 @pytest.mark.parametrize("bad", ['{"kind":"step","step":null,"time":5.0,"metrics":{}}',
-                                 '{"kind":"step","step":3,"time":5.0,"metrics":{},"ranks":null}'])
+                                 '{"kind":"step","step":3.5,"time":5.0,"metrics":{}}'])
 def test_watch_skips_a_corrupt_last_step_line(tmp_path: Path, bad: str) -> None:
     """read_last_steps accepts any object with kind=step and a metrics dict; build_frame then does
     int(last["step"]) (TypeError on null) and step.get("ranks", {}).get(...) (AttributeError on null).
@@ -228,7 +221,7 @@ def test_watch_skips_a_corrupt_last_step_line(tmp_path: Path, bad: str) -> None:
     from rankmem.offline.watch import Watcher
     from tests.runlog_helpers import write_run
 
-    write_run(tmp_path, {"mem/host/rss_gib": np.array([[1.0, 2.0], [1.5, 2.5]])}, detail="inline")
+    write_run(tmp_path, {"mem/host/rss_gib": np.array([[1.0, 2.0], [1.5, 2.5]])})
     with open(tmp_path / "rankmem.jsonl", "a") as f:
         f.write(bad + "\n")
     assert read_run(str(tmp_path)).corrupt_lines == [4]
@@ -240,23 +233,19 @@ def test_watch_skips_a_corrupt_last_step_line(tmp_path: Path, bad: str) -> None:
 # ---- rankmem watch reads the whole side file into memory at its first frame ----------------------
 
 def test_watch_first_frame_does_not_read_the_whole_side_file(tmp_path: Path) -> None:
-    """DetailFollower.poll() starts at offset 0 and f.read()s everything up to the end into one bytes
-    object, then decodes every batch, to show the last one: on a long run at scale (1,024 ranks x 28
-    keys x 100k steps is ~23 GB of side file) `rankmem watch` allocates the whole file on a login node
-    at start-up. TailFollower reads the JSON log from its end for exactly this reason."""
+    """The follower maps the side file and walks it: on a long run at scale (1,024 ranks x 28 keys x
+    100k steps is ~23 GB of side file) its first poll must not hold the file on the heap."""
     import tracemalloc
 
-    from rankmem.offline.columnar import DetailFollower
     from tests.runlog_helpers import write_run
 
     steps, world = 1500, 64
     rng = np.random.default_rng(0)
     write_run(tmp_path, {f"k{i}": rng.random((steps, world)) for i in range(8)})
-    side = tmp_path / "rankmem.ranks.arrow"
-    size = side.stat().st_size
-    follower = DetailFollower(str(side))
+    size = (tmp_path / DETAIL_NAME).stat().st_size
+    follower = Follower(str(tmp_path / RUN_LOG_NAME))
     tracemalloc.start()
-    latest = follower.poll()
+    latest = follower.poll().detail
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert latest is not None and latest[0] == steps - 1
@@ -280,25 +269,12 @@ def test_watch_once_with_an_event_time_out_of_range_is_not_a_traceback(tmp_path:
 
 
 
-def test_watch_once_with_a_per_rank_int_past_float_range_is_not_a_traceback(tmp_path: Path,
-                                                                            capsys: pytest.CaptureFixture[str]) -> None:
-    """A per-rank value written as a 400-digit JSON integer: watch._vector calls math.isfinite on it,
-    which raises OverflowError (the reader files the same value as NaN)."""
-    huge = "1" + "0" * 400
-    (tmp_path / "rankmem.jsonl").write_text(
-        '{"kind":"header","schema":1,"world_size":2}\n'
-        '{"kind":"step","step":1,"time":1.0,"metrics":{},"ranks":{"mem/host/rss_gib":[' + huge + ',2.0]}}\n')
-    rc, out, err = _cli(capsys, "watch", "--once", str(tmp_path))
-    assert rc in (0, 2), err
-
-
-
 def test_watch_once_with_a_damaged_world_size_is_one_error_line(tmp_path: Path,
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
     """build_frame does int(header["world_size"]) unchecked: "two" raises ValueError (and 10**9 would
     build a billion rows); read_run refuses both with a RankmemError naming the damaged header."""
     (tmp_path / "rankmem.jsonl").write_text(
-        '{"kind":"header","schema":1,"world_size":"two"}\n'
-        '{"kind":"step","step":1,"time":1.0,"metrics":{},"ranks":{"mem/host/rss_gib":[1.0,2.0]}}\n')
+        '{"kind":"header","schema":3,"world_size":"two","detail":"rankmem.ranks.f64"}\n'
+        '{"kind":"step","step":1,"time":1.0,"metrics":{}}\n')
     rc, out, err = _cli(capsys, "watch", "--once", str(tmp_path))
     assert rc == 2 and "world_size" in err
