@@ -228,7 +228,7 @@ def check_file_header(data: bytes, path: str, header: RunHeader) -> str | None:
         return f"{path} is for {world} ranks, the run log for {header.world_size}: another run's file"
     # A header whose run id is damaged or missing cannot refuse its side file: the world size must do.
     if header.run_id is not None and run_id != header.run_id.encode("ascii"):
-        return f"{path} belongs to another run log (its header does not match): skipped"
+        return f"{path} is from another run (its run id is not the log's): skipped, no per-rank values"
     return None
 
 

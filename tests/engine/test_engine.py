@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from rankmem.cli import main
-from rankmem.runlog.lock import RunDirLock
+from rankmem.core.lock import RunDirLock
 from tests.conftest import REPO, free_port, torchrun
 from tests.runlog_helpers import read_log
 

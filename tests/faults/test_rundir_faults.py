@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import textwrap
@@ -19,9 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from rankmem.core.rundir import RunDir, current_run_id
+from rankmem.cli._relay import StderrRelay
+from rankmem.core.rundir import NotRegularFile, RunDir, current_run_id, open_regular
+from rankmem.forensics.heartbeat import heartbeat_run_id
 from rankmem.offline import read_run
 from tests.conftest import REPO
+from tests.runlog_helpers import known_run
 
 CHILD_TIMEOUT_S = 60
 
@@ -128,13 +132,12 @@ def _ids(path: Path) -> str | None:
 
 
 def test_restarts_rotate_every_file_of_a_run_with_one_number(tmp_path: Path) -> None:
-    """Three library runs into one out_dir, the second without pyarrow (no side file): the log, side
-    file, events and heartbeats of each earlier run share one number, and each log reads with its own side file."""
+    """Three library runs into one out_dir: the log, side file, events and heartbeats of each earlier
+    run share one number, and each log reads with its own side file."""
     out = tmp_path / "run"
     oom = "m.record_oom(MemoryError()) if s == 0 else None"
     assert _child(_steps(out, 6, oom)).returncode == 0
-    no_arrow = "import rankmem.runlog.writer as w; w.pyarrow_available = lambda: False\n"
-    assert _child(no_arrow + textwrap.dedent(_steps(out, 2, oom))).returncode == 0
+    assert _child(_steps(out, 2, oom)).returncode == 0
     third = _child(_steps(out, 14, oom))
     assert third.returncode == 0, third.stderr[-2000:]
     assert "rotated it to" in third.stderr
@@ -145,7 +148,7 @@ def test_restarts_rotate_every_file_of_a_run_with_one_number(tmp_path: Path) -> 
         assert (out / f"heartbeat.{n}" / "rank0.hb").exists()
         run = read_run(str(log))
         assert run.steps.size == steps and run.detail_note is None
-    assert not (out / "rankmem.ranks.arrow.2").exists()  # the run without pyarrow wrote none
+    assert (out / "rankmem.ranks.f64.2").exists()
     assert read_run(str(out)).steps.size == 14 and _ids(out / "events" / "rank0.jsonl") == _ids(out / "rankmem.jsonl")
 
 
@@ -158,18 +161,18 @@ def test_a_rank_rotating_while_another_moves_the_same_run_aside_takes_the_same_n
     os.makedirs(run.events)
     (tmp_path / "events" / "rank1.jsonl").write_text(json.dumps({"kind": "oom", "run_id": old}) + "\n")
     os.makedirs(f"{run.heartbeat}.1")  # the other rank's rotation of the same run, under way
-    moved = run.rotate("fedcba9876543210", only=[os.path.join(run.events, "rank1.jsonl")])
+    moved = run.rotate("fedcba9876543210", heartbeat_run_id, only=[os.path.join(run.events, "rank1.jsonl")])
     assert [os.path.relpath(m.to, tmp_path) for m in moved] == [os.path.join("events.1", "rank1.jsonl")]
     # A slot that holds another run's files is not taken.
     (tmp_path / "events" / "rank0.jsonl").write_text(json.dumps({"kind": "oom", "run_id": "1111111111111111"}) + "\n")
-    moved = run.rotate("fedcba9876543210", only=[os.path.join(run.events, "rank0.jsonl")])
+    moved = run.rotate("fedcba9876543210", heartbeat_run_id, only=[os.path.join(run.events, "rank0.jsonl")])
     assert [os.path.relpath(m.to, tmp_path) for m in moved] == [os.path.join("events.2", "rank0.jsonl")]
 
 
 def test_a_side_file_of_another_run_is_named_not_read(tmp_path: Path) -> None:
     a, b = tmp_path / "a", tmp_path / "b"
     assert _child(_steps(a, 14)).returncode == 0 and _child(_steps(b, 6)).returncode == 0
-    shutil.copy(a / "rankmem.ranks.arrow", b / "rankmem.ranks.arrow")  # same world size, another run
+    shutil.copy(a / "rankmem.ranks.f64", b / "rankmem.ranks.f64")  # same world size, another run
     run = read_run(str(b))
     assert run.detail_note is not None and "is from another run" in run.detail_note
     assert run.steps.size == 0 and run.logged is not None and run.logged.steps.tolist() == list(range(6))
@@ -191,3 +194,78 @@ def test_a_plain_file_where_a_directory_belongs_is_moved_aside(tmp_path: Path) -
     assert done.returncode == 0, done.stderr[-2000:]
     assert (out / "heartbeat.1").read_text() == "not a directory" and (out / "heartbeat" / "rank0.hb").is_file()
     assert RunDir(str(out)).heartbeat == str(out / "heartbeat")
+
+
+# ---- links and devices where rankmem writes: never followed, never replaced ------------------------------
+
+def test_links_planted_in_the_run_directory_are_never_followed(tmp_path: Path) -> None:
+    out, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    (out / "events").mkdir(parents=True)
+    (out / "heartbeat").mkdir()
+    elsewhere.mkdir()
+    planted = {".lock": b"precious lock target\n" * 20, "events/rank0.jsonl": b'{"precious": 1}\n',
+               "heartbeat/rank0.hb": b"precious heartbeat" * 10, "rankmem.ranks.f64": b"precious side",
+               "torchrun.log": b"precious launch log\n"}
+    for i, (name, data) in enumerate(planted.items()):
+        (elsewhere / str(i)).write_bytes(data)
+        os.symlink(elsewhere / str(i), out / name)
+    done = _child(_steps(out, 3, "m.record_oom(MemoryError()) if s == 0 else None"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    for i, data in enumerate(planted.values()):
+        assert (elsewhere / str(i)).read_bytes() == data  # byte for byte
+    assert ".lock is a symbolic link: removed (its target untouched)" in done.stderr
+    run = read_run(str(out))
+    assert run.steps.tolist() == [0, 1, 2] and run.series["loss"][:, 0].tolist() == [0.0, 1.0, 2.0]
+    assert not (out / "rankmem.ranks.f64").is_symlink() and any(p.is_symlink() for p in out.glob("rankmem.ranks.f64.*"))
+    assert not (out / "events" / "rank0.jsonl").is_symlink()  # moved aside as an earlier run's, a new one written
+    # The launch log: a new launch moves it aside with the run's other files; a link made after that is
+    # refused by the launcher's relay, which goes on without a launch log.
+    moved = RunDir(str(out)).rotate(None, heartbeat_run_id)
+    assert str(out / "torchrun.log") in [m.path for m in moved]
+    os.symlink(elsewhere / "4", out / "torchrun.log")
+    read, write = os.pipe()
+    with open(read, "rb") as source, open(os.devnull, "w") as sink:
+        relay = StderrRelay(source, sink, str(out / "torchrun.log"))
+        os.write(write, b"a line of a rank\n")
+        os.close(write)
+        relay.close()
+        assert relay.log_path is None
+    assert (elsewhere / "4").read_bytes() == planted["torchrun.log"]
+    with pytest.raises(NotRegularFile, match="is a symbolic link"):
+        open_regular(str(out / "torchrun.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+
+
+def _device(path: Path) -> None:
+    try:
+        os.mknod(path, 0o600 | stat.S_IFCHR, os.makedev(1, 3))  # what /dev/null is, made here
+    except PermissionError as exc:
+        pytest.skip(f"cannot make a device node here ({exc}): needs root or CAP_MKNOD")
+
+
+@pytest.mark.parametrize("flag", ["--html", "-o"])
+def test_a_page_or_plot_onto_a_device_is_one_error_and_the_node_stays(tmp_path: Path, flag: str) -> None:
+    known_run(tmp_path / "run")
+    node = tmp_path / "node"
+    _device(node)
+    command = ["report", str(tmp_path / "run"), "--html", str(node)] if flag == "--html" else \
+        ["plot", str(tmp_path / "run"), "-o", str(node)]
+    done = subprocess.run([sys.executable, "-m", "rankmem", *command], capture_output=True, text=True, timeout=120,
+                          cwd=REPO)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1 and "is a character device" in done.stderr and "Traceback" not in done.stderr
+    assert stat.S_ISCHR(os.lstat(node).st_mode)
+
+
+@pytest.mark.parametrize(("umask", "mode"), [("077", 0o600), ("022", 0o644)])
+def test_a_page_takes_its_mode_from_the_umask(tmp_path: Path, umask: str, mode: int) -> None:
+    known_run(tmp_path / "run")
+    page = tmp_path / "page.html"
+    done = subprocess.run(["sh", "-c", f'umask {umask} && exec "$0" -m rankmem report "$1" --html "$2"',
+                           sys.executable, str(tmp_path / "run"), str(page)], capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert stat.S_IMODE(os.stat(page).st_mode) == mode
+    os.chmod(page, 0o640)  # a page written over keeps the mode its owner gave it
+    done = subprocess.run([sys.executable, "-m", "rankmem", "report", str(tmp_path / "run"), "--html", str(page)],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0 and stat.S_IMODE(os.stat(page).st_mode) == 0o640
