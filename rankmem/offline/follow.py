@@ -22,6 +22,7 @@ from rankmem.offline.runlog import (
     Gap,
     SideFile,
     check_file_header,
+    header_note,
     parse_header,
     read_header_line,
     step_of,
@@ -112,7 +113,31 @@ class Follower:
             self.tail.bytes_read = 0
         if self.tail.header is not None:
             self._poll_side(self.tail.header)
+            self._check_lines()
         return self.tail
+
+    def _check_lines(self) -> None:
+        """JSON has no checksum: the lines of the side file's newest collects must say its step and time
+        (a damaged line would be drawn as the truth), each read where the side file says it starts."""
+        side = self._side
+        if side is None or self.tail.note is not None:
+            return
+        try:
+            with open_binary(self.path) as f:
+                for step, when, offset in zip(side.steps[-2:], side.times[-2:], side.offsets[-2:], strict=True):
+                    if offset >= self.tail.size:
+                        continue  # its line is not written yet
+                    f.seek(offset)
+                    line = f.readline(MAX_BLOCK)
+                    obj = step_of(line) if line.endswith(b"\n") else None
+                    written = obj.get("time") if obj is not None else None
+                    same = written == when or (written is None and when != when)
+                    if obj is None or obj["step"] != step or not same:
+                        self.tail.note = (f"{self.path}: the line of step {step} (at byte {offset}) disagrees with "
+                                          "the side file: a damaged line")
+                        return
+        except OSError:
+            return
 
     def _read_header(self) -> None:
         first = read_header_line(self.path)
@@ -138,7 +163,9 @@ class Follower:
                 return
             with mmap.mmap(fd, st.st_size, access=mmap.ACCESS_READ) as mapped:
                 if side is None:
-                    self.tail.note = check_file_header(mapped[: FILE_HEADER.size], path, header)
+                    head = mapped[: FILE_HEADER.size]
+                    self.tail.note = check_file_header(head, path, header) or header_note(
+                        head, path, read_header_line(self.path))
                     if self.tail.note is not None:
                         return
                     side = self._side = SideFile(header.world_size)
@@ -163,4 +190,4 @@ class Follower:
         self.tail.gaps = list(side.gaps)
         if side.damaged:
             self.tail.note = f"{self.path}: the side file: {side.damaged}; not followed further"
-        del side.steps[:-1], side.times[:-1], side.offsets[:-1], side.blocks[:]
+        del side.steps[:-2], side.times[:-2], side.offsets[:-2], side.blocks[:]

@@ -217,11 +217,19 @@ class SideFile:
     damaged: str | None = None
 
 
+def header_note(data: bytes, path: str, header_line: bytes | None) -> str | None:
+    """A note when the log's header line is not the one the side file was written with (a damaged line:
+    its per-rank values are still the run's), else None."""
+    if header_line is None or FILE_HEADER.unpack_from(data)[4] == zlib.crc32(header_line):
+        return None
+    return f"the run log's header line does not match {path}'s record of it: damaged or edited"
+
+
 def check_file_header(data: bytes, path: str, header: RunHeader) -> str | None:
     """Why the side file's header does not belong to ``header``'s log, or None."""
     if len(data) < FILE_HEADER.size:
         return f"{path} has no whole file header: no per-rank values"
-    magic, version, world, run_id = FILE_HEADER.unpack_from(data)
+    magic, version, world, run_id, _ = FILE_HEADER.unpack_from(data)
     if magic != MAGIC or version != VERSION:
         return f"{path} is not a rankmem per-rank file of version {VERSION}"
     if world != header.world_size:
@@ -288,7 +296,7 @@ def walk(data: Any, size: int, side: SideFile) -> None:
     side.end = off
 
 
-def _read_side(path: str, header: RunHeader) -> tuple[SideFile, dict[str, np.ndarray], str | None]:
+def _read_side(path: str, header: RunHeader, header_line: bytes) -> tuple[SideFile, dict[str, np.ndarray], str | None]:
     """The side file's records and per-rank series; a note when it is missing or not this log's."""
     side = SideFile(header.world_size)
     try:
@@ -305,6 +313,7 @@ def _read_side(path: str, header: RunHeader) -> tuple[SideFile, dict[str, np.nda
             note = check_file_header(mapped[: FILE_HEADER.size], path, header)
             if note is not None:
                 return side, {}, note
+            note = header_note(mapped[: FILE_HEADER.size], path, header_line)
             view = memoryview(mapped)
             try:
                 walk(view, size, side)
@@ -313,7 +322,7 @@ def _read_side(path: str, header: RunHeader) -> tuple[SideFile, dict[str, np.nda
                 view.release()
     finally:
         os.close(fd)
-    return side, series, None
+    return side, series, note
 
 
 def _series(mapped: mmap.mmap, side: SideFile) -> dict[str, np.ndarray]:
@@ -353,10 +362,11 @@ def read_run(path: str, *, metrics: bool = False) -> Run:
         suffix = base.rsplit(".", 1)[-1]
         side_path = os.path.join(os.path.dirname(path), os.path.basename(header.detail or ""))
         side_path += f".{suffix}" if suffix.isdigit() else ""
-        side, series, note = _read_side(side_path, header)
+        side, series, note = _read_side(side_path, header, first)
         if side.damaged:
-            note = (f"{side_path}: {side.damaged} after collect {len(side.steps)}; the later collects' aggregates "
-                    "come from the run log's lines, without per-rank values")
+            damage = (f"{side_path}: {side.damaged} after collect {len(side.steps)}; the later collects' "
+                      "aggregates come from the run log's lines, without per-rank values")
+            note = f"{note}; {damage}" if note else damage
         has = np.zeros(len(side.steps), dtype=bool)
         has[[b[0] for b in side.blocks]] = True
         # The lines the side file does not hold: after the last collect's own line.

@@ -9,7 +9,7 @@ name). Every other line is one collect's aggregates, written whole in one ``writ
 The per-rank values live in the side file ``rankmem.ranks.f64`` only: records of little-endian 8-byte
 words, so that a reader maps a collect's values straight into a numpy array::
 
-    file header  "RANKMEM\\0" | version | world | run id (16 ASCII bytes, the header line's)
+    file header  "RANKMEM\\0" | version | world | run id (16 ASCII bytes) | CRC-32 of the log's header line
     record       kind | n | n payload words | CRC-32 of the record's words before it
       KEYS       payload: key-set id | byte length | a JSON list of key names, zero-padded to 8 bytes
       COLLECT    payload: step (i64) | time (f64) | the log's size before this collect's line | key-set
@@ -40,8 +40,9 @@ STEP_MIN, STEP_MAX = -(2**63), 2**63 - 1
 
 MAGIC = b"RANKMEM\0"
 VERSION = 1
-FILE_HEADER = struct.Struct("<8sQQ16s")
-"""magic, version, world, run id."""
+FILE_HEADER = struct.Struct("<8sQQ16sQ")
+"""magic, version, world, run id, CRC-32 of the run log's header line (newline included): JSON has no
+checksum, so a damaged header line is told by the side file's."""
 RECORD_HEAD = struct.Struct("<QQ")
 """kind, payload words."""
 COLLECT_HEAD = struct.Struct("<qdQQQ")

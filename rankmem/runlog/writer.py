@@ -122,7 +122,7 @@ class RunLogWriter:
             self._size += append_whole(self._fd, line, 0, self.path)
             self._side = open_regular(self.detail_path, flags)
             run_id = (header.run_id or "").encode("ascii").ljust(16, b"\0")[:16]
-            head = FILE_HEADER.pack(MAGIC, VERSION, header.world_size, run_id)
+            head = FILE_HEADER.pack(MAGIC, VERSION, header.world_size, run_id, zlib.crc32(line))
             self._side_size += append_whole(self._side, head, 0, self.detail_path)
         except OSError:
             self._close_fds()  # the next open() starts over on empty files

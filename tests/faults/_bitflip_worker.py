@@ -1,5 +1,5 @@
-"""Run by tests/faults/test_bitflip_faults.py in a subprocess of its own (a SIGSEGV in pyarrow must
-not take pytest with it): for each flip, flip one bit of a run's file, run report, leaks, watch (and
+"""Run by tests/faults/test_bitflip_faults.py in a subprocess of its own (a crash must not take
+pytest with it): for each flip, flip one bit of a run's file, run report, leaks, watch (and
 plot on some) through the real CLI in this process, restore the byte, and append one JSON line of
 what each said. Usage: python _bitflip_worker.py RUN FLIPS.json OUT.jsonl"""
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -12,24 +11,23 @@ import pytest
 import rankmem
 from rankmem.errors import RankmemError
 from rankmem.offline import read_run
-from rankmem.runlog import RUN_LOG_NAME
+from rankmem.core.records import RunHeader, StepRecord
+from rankmem.runlog import RUN_LOG_NAME, RunLogWriter
+from rankmem.runlog.layout import DETAIL_NAME
 from tests.runlog_helpers import write_run
 
 RSS = "mem/host/rss_gib"
 
 
-def _two_rank(tmp_path: Path, n: int = 6, detail: str = "inline") -> Path:
-    """A log with its per-rank values on the lines: what these tests damage line by line."""
+def _two_rank(tmp_path: Path, n: int = 6) -> Path:
     rss = np.column_stack([np.arange(n) * 0.5, np.arange(n) * 0.25 + 1.0])
     phase = np.full((n, 2), np.nan)
     phase[::2, 1] = 7.0  # only rank 1, only on even steps
-    return write_run(tmp_path, {RSS: rss, "mem/phase/update/peak_rss_gib": phase}, steps=np.arange(n) * 10,
-                     detail=detail)
+    return write_run(tmp_path, {RSS: rss, "mem/phase/update/peak_rss_gib": phase}, steps=np.arange(n) * 10)
 
 
-@pytest.mark.parametrize("detail", ["inline", "columnar"])
-def test_reads_values_steps_and_missing_as_nan(tmp_path: Path, detail: str) -> None:
-    _two_rank(tmp_path, detail=detail)
+def test_reads_values_steps_and_missing_as_nan(tmp_path: Path) -> None:
+    _two_rank(tmp_path)
     run = read_run(str(tmp_path))  # a run directory works as well as the file
     assert run.world_size == 2
     assert run.steps.tolist() == [0, 10, 20, 30, 40, 50]
@@ -40,12 +38,12 @@ def test_reads_values_steps_and_missing_as_nan(tmp_path: Path, detail: str) -> N
     assert phase[::2, 1].tolist() == [7.0, 7.0, 7.0]
     assert np.isnan(phase[1::2, 1]).all()
     assert run.phases() == ["update"]
-    assert run.corrupt == 0 and not run.truncated and run.metrics is None
+    assert run.corrupt == 0 and not run.truncated and run.metrics is None and run.slow_lines == 0
+    assert run.logged is None and run.detail_note is None and run.gaps == []
 
 
-@pytest.mark.parametrize("detail", ["inline", "columnar"])
-def test_metrics_option_matches_fast_path(tmp_path: Path, detail: str) -> None:
-    path = _two_rank(tmp_path, detail=detail)
+def test_metrics_option_reads_the_lines_aggregates(tmp_path: Path) -> None:
+    path = _two_rank(tmp_path)
     full = read_run(str(path), metrics=True)
     fast = read_run(str(path))
     assert full.metrics is not None
@@ -54,26 +52,49 @@ def test_metrics_option_matches_fast_path(tmp_path: Path, detail: str) -> None:
     np.testing.assert_array_equal(full.series[RSS], fast.series[RSS])
 
 
-def test_corrupt_lines_counted_and_truncated_last_line_skipped(tmp_path: Path) -> None:
+def _side(tmp_path: Path) -> Path:
+    return tmp_path / DETAIL_NAME
+
+
+def test_a_record_cut_short_is_skipped_and_flagged_and_its_line_still_read(tmp_path: Path) -> None:
+    _two_rank(tmp_path)
+    data = _side(tmp_path).read_bytes()
+    _side(tmp_path).write_bytes(data[:-20])  # a crash in the last record's write
+    run = read_run(str(tmp_path))
+    assert run.truncated and run.steps.tolist() == [0, 10, 20, 30, 40]
+    assert run.logged is not None and run.logged.steps.tolist() == [0, 10, 20, 30, 40, 50]
+    assert run.logged.metrics[RSS + "/max"][-1] == 2.5
+
+
+def test_a_damaged_record_ends_the_per_rank_values_there_and_says_so(tmp_path: Path) -> None:
+    _two_rank(tmp_path)
+    data = bytearray(_side(tmp_path).read_bytes())
+    data[len(data) // 2] ^= 0x10  # one flipped bit, mid-file
+    _side(tmp_path).write_bytes(bytes(data))
+    run = read_run(str(tmp_path))
+    assert run.detail_note is not None and "checksum does not match" in run.detail_note
+    assert 0 < run.steps.size < 6 and run.series[RSS][:, 0].tolist() == [0.0, 0.5, 1.0, 1.5, 2.0][: run.steps.size]
+    assert run.logged is not None and run.logged.steps.tolist() == [0, 10, 20, 30, 40, 50]
+
+
+def test_a_missing_side_file_is_noted_and_the_aggregates_read(tmp_path: Path) -> None:
+    _two_rank(tmp_path)
+    _side(tmp_path).unlink()
+    run = read_run(str(tmp_path))
+    assert run.detail_note is not None and "is missing" in run.detail_note and run.steps.size == 0
+    assert run.logged is not None and run.logged.metrics[RSS + "/min"].tolist() == [0.0, 0.5, 1.0, 1.5, 2.0, 2.25]
+
+
+def test_lines_past_the_side_file_and_corrupt_ones_are_counted(tmp_path: Path) -> None:
     path = _two_rank(tmp_path)
-    lines = path.read_text().splitlines(keepends=True)
-    lines.insert(3, "this is not json\n")
-    lines.insert(5, '{"kind":"step","step":99,"time":1.0,"metrics":{},"ranks":{"x":[1,\n')
-    lines.append(lines[-1][: len(lines[-1]) // 2])  # a crash mid-write: no newline
-    path.write_text("".join(lines))
+    with open(path, "a") as f:
+        f.write("this is not json\n")
+        f.write('{"kind":"step","step":60,"time":1.0,"metrics":{"x/max":1.0}}\n')
+        f.write('{"kind":"step","step":70,"ti')  # a crash mid-write: no newline
     run = read_run(str(path))
-    assert run.corrupt_lines == [4, 6]
-    assert run.truncated
+    assert run.corrupt_lines == [8] and run.truncated
     assert run.steps.tolist() == [0, 10, 20, 30, 40, 50]
-
-
-def test_other_writers_layout_takes_the_slow_path(tmp_path: Path) -> None:
-    header = {"kind": "header", "schema": 1, "world_size": 2}
-    step = {"ranks": {RSS: [1.5, None]}, "time": 3.0, "step": 7, "kind": "step"}
-    (tmp_path / RUN_LOG_NAME).write_text(json.dumps(header) + "\n" + json.dumps(step, indent=None) + "\n")
-    run = read_run(str(tmp_path / RUN_LOG_NAME))
-    assert run.steps.tolist() == [7] and run.times.tolist() == [3.0]
-    assert run.series[RSS][0, 0] == 1.5 and math.isnan(run.series[RSS][0, 1])
+    assert run.logged is not None and run.logged.steps.tolist() == [0, 10, 20, 30, 40, 50, 60]
 
 
 @pytest.mark.parametrize(
@@ -82,7 +103,7 @@ def test_other_writers_layout_takes_the_slow_path(tmp_path: Path) -> None:
         ("", "is empty: the run wrote no header"),
         ('{"kind":"step","step":0}\n', "has no header line"),
         ("garbage\n", "has no header line"),
-        ('{"kind":"header","schema":7,"world_size":1}\n', "has run log schema 7; this rankmem reads schema 1"),
+        ('{"kind":"header","schema":7,"world_size":1}\n', "has run log schema 7; this rankmem reads schema 3"),
     ],
 )
 def test_bad_files_raise_clear_errors(tmp_path: Path, content: str, message: str) -> None:
@@ -109,92 +130,26 @@ def test_real_monitor_run_reads_back(tmp_path: Path) -> None:
     monitor.close()
     run = read_run(str(tmp_path))
     assert run.steps.tolist() == [0, 1, 2, 3]
-    assert run.world_size == 1 and run.header.schema == 2 and run.header.detail == "rankmem.ranks.arrow"
+    assert run.world_size == 1 and run.header.schema == 3 and run.header.detail == DETAIL_NAME
     assert run.series["loss"][:, 0].tolist() == [1.0, 0.5, 1.0 / 3, 0.25]
     assert (run.series[RSS] > 0.001).all()
     assert run.phases() == ["update"]
 
 
-def test_chunked_arrays_match(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import rankmem.offline.runlog as runlog
-
-    _two_rank(tmp_path, n=9)
-    whole = read_run(str(tmp_path))
-    monkeypatch.setattr(runlog, "_CHUNK", 2)  # flush to numpy blocks every 2 rows
-    chunked = read_run(str(tmp_path))
-    for key, matrix in whole.series.items():
-        np.testing.assert_array_equal(chunked.series[key], matrix)
-    assert chunked.series[RSS][8].tolist() == [4.0, 3.0]
-
-
-def _write_steps(tmp_path: Path, ranks_per_step: list[dict[str, object]], world: int = 2) -> Path:
-    """A run log in the writer's layout with hand-written per-rank objects (keys may differ by step)."""
-    header = {"kind": "header", "schema": 1, "world_size": world}
-    lines = [json.dumps(header)]
-    for step, ranks in enumerate(ranks_per_step):
-        obj = {"kind": "step", "step": step, "time": 1.0 + step, "metrics": {}, "ranks": ranks}
-        lines.append(json.dumps(obj, separators=(",", ":")))
-    path = tmp_path / RUN_LOG_NAME
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
-@pytest.mark.parametrize("chunk", [1024, 2, 1])
-def test_keys_that_differ_by_step_nulls_and_odd_vectors(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk: int
-) -> None:
-    import rankmem.offline.runlog as runlog
-
-    monkeypatch.setattr(runlog, "_CHUNK", chunk)
-    path = _write_steps(
-        tmp_path,
-        [
-            {"a": [1.0, 2.0], "b": [3, None]},
-            {"a": [4.0, 5.0]},  # b absent
-            {"b": [6.0, 7.0], "a": [8.0, 9.0]},  # other key order
-            {"a": [10.0], "b": [11.0, 12.0, 13.0]},  # ragged: whose rank is 10.0? the line is corrupt
-            {"a": None, "b": [True, 1.0]},  # not a vector: corrupt
-            {"a": [None, None], "b": ["x", True], "c": [16.0, 17.0]},  # not numbers: nan; c only here
-        ],
-    )
-    run = read_run(str(path))
+def test_keys_that_differ_by_collect_and_collects_without_values(tmp_path: Path) -> None:
+    header = RunHeader(world_size=2, ranks=[], config={}, started=1.0, run_id="0123456789abcdef")
+    writer = RunLogWriter(str(tmp_path / RUN_LOG_NAME))
+    writer.open(header)
+    rows = [(("a", "b"), [[1.0, 3.0], [2.0, math.nan]]), (("a",), [[4.0], [5.0]]), (("a", "b"), [[8.0, 6.0], [9.0, 7.0]]),
+            (("a", "b"), None), (("c",), [[16.0], [17.0]])]
+    for step, (keys, matrix) in enumerate(rows):
+        metrics = {f"{k}/max": 1.0 for k in keys}
+        writer.write(StepRecord(step, 1.0 + step, metrics, keys=keys, matrix=None if matrix is None else np.array(matrix)))
+    writer.close()
+    run = read_run(str(tmp_path))
     nan = math.nan
     np.testing.assert_array_equal(run.series["a"], [[1, 2], [4, 5], [8, 9], [nan, nan]])
-    np.testing.assert_array_equal(run.series["b"], [[3, nan], [nan, nan], [6, 7], [nan, 1]])
+    np.testing.assert_array_equal(run.series["b"], [[3, nan], [nan, nan], [6, 7], [nan, nan]])
     np.testing.assert_array_equal(run.series["c"], [[nan, nan]] * 3 + [[16, 17]])
-    assert run.steps.tolist() == [0, 1, 2, 5] and run.corrupt_lines == [5, 6]
-    full = read_run(str(path), metrics=True)  # the slow path agrees
-    assert full.steps.tolist() == run.steps.tolist() and full.corrupt_lines == run.corrupt_lines
-    for key, matrix in run.series.items():
-        np.testing.assert_array_equal(full.series[key], matrix)
-
-
-def test_blank_lines_skipped_and_a_whole_last_line_without_newline_kept(tmp_path: Path) -> None:
-    path = _write_steps(tmp_path, [{"a": [1.0, 2.0]}, {"a": [3.0, 4.0]}])
-    text = path.read_text().rstrip("\n")
-    lines = text.split("\n")
-    path.write_text(lines[0] + "\n\n" + lines[1] + "\n" + lines[2])  # no newline after the last line
-    run = read_run(str(path))
-    assert run.series["a"].tolist() == [[1.0, 2.0], [3.0, 4.0]]
-    assert run.corrupt == 0 and not run.truncated
-
-
-
-def test_a_string_per_rank_value_is_nan_whatever_the_other_rows_hold(tmp_path: Path) -> None:
-    """_Columns._blocks_of tries np.fromiter(dtype=float) first, which parses the string "7.5" as 7.5;
-    only when something else in the same 256-row chunk fails (a null) does it fall back to
-    to_float_or_nan, which makes the same string NaN. So one string value reads as 7.5 GiB or as
-    absent depending on its neighbours (the docstring says strings are NaN, as on the slow path)."""
-    from rankmem.offline import read_run
-
-    head = '{"kind":"header","schema":1,"world_size":2}\n'
-    line = '{"kind":"step","step":0,"time":1.0,"metrics":{},"ranks":{"mem/host/rss_gib":["7.5",1.0]}}\n'
-    other = '{"kind":"step","step":1,"time":2.0,"metrics":{},"ranks":{"mem/host/rss_gib":[null,1.0]}}\n'
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    (tmp_path / "a" / "rankmem.jsonl").write_text(head + line)
-    (tmp_path / "b" / "rankmem.jsonl").write_text(head + line + other)
-    alone = read_run(str(tmp_path / "a")).series["mem/host/rss_gib"][0, 0]
-    with_null = read_run(str(tmp_path / "b")).series["mem/host/rss_gib"][0, 0]
-    assert math.isnan(with_null)
-    assert math.isnan(alone), alone  # 7.5 today
+    assert run.steps.tolist() == [0, 1, 2, 4] and run.corrupt == 0
+    assert run.logged is not None and run.logged.steps.tolist() == [0, 1, 2, 3, 4]  # step 3: aggregates only
