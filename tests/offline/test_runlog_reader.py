@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 import rankmem
+from rankmem.core.records import RunHeader, StepRecord
 from rankmem.errors import RankmemError
 from rankmem.offline import read_run
-from rankmem.core.records import RunHeader, StepRecord
 from rankmem.runlog import RUN_LOG_NAME, RunLogWriter
 from rankmem.runlog.layout import DETAIL_NAME
 from tests.runlog_helpers import write_run
