@@ -386,7 +386,7 @@ def read_run(path: str, *, metrics: bool = False) -> Run:
         run.corrupt_lines, run.slow_lines = lines.corrupt, len(lines.steps)
         run.truncated = run.truncated or lines.truncated
         aggregates = lines.arrays()
-        if extra or not has.all():
+        if len(lines.steps) > len(side.steps) or not has.all():
             run.logged = Logged(np.asarray(lines.steps, dtype=np.int64), np.asarray(lines.times), aggregates)
         if metrics:
             at = {o: i for i, o in enumerate(lines.offsets)}

@@ -58,7 +58,7 @@ def test_a_mistyped_command_gets_the_nearest(capsys: pytest.CaptureFixture[str])
     assert _cli(capsys, "reprot", "runs/x") == (2, "", usage + "rankmem: error: no command 'reprot'; did you mean 'report'?\n")
     rc, _, err = _cli(capsys, "xyzzy")
     assert err == usage + ("rankmem: error: no command 'xyzzy'; the commands are: train, report, plot, advise, leaks, "
-                           "watch, doctor, completion\n")
+                           "export, watch, doctor, completion\n")
 
 
 def test_output_paths_are_checked_before_any_work(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
