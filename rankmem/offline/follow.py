@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rankmem.core.records import RunHeader
-from rankmem.core.rundir import open_binary, open_regular
+from rankmem.core.rundir import NotRegularFile, open_binary, open_regular
 from rankmem.errors import RankmemError
 from rankmem.offline.runlog import (
     Gap,
@@ -152,6 +152,9 @@ class Follower:
         path = os.path.join(os.path.dirname(self.path), os.path.basename(header.detail or ""))
         try:
             fd = open_regular(path)
+        except NotRegularFile as exc:
+            self.tail.note = str(exc)
+            return
         except OSError:
             return
         try:

@@ -370,10 +370,13 @@ def read_run(path: str, *, metrics: bool = False) -> Run:
         has = np.zeros(len(side.steps), dtype=bool)
         has[[b[0] for b in side.blocks]] = True
         # The lines the side file does not hold: after the last collect's own line.
-        f.seek(side.offsets[-1] if side.offsets else len(first))
-        tail = f.read().split(b"\n")
+        try:
+            f.seek(side.offsets[-1] if side.offsets else len(first))
+            tail, cut = f.read().split(b"\n"), False
+        except EOFError:  # a gzip'd log cut short (compressed while still written)
+            tail, cut = [b"", b""], True
         extra = sum(1 for line in tail[1 if side.offsets else 0 : -1] if line.strip())
-        truncated = side.truncated or bool(tail[-1].strip())
+        truncated = cut or side.truncated or bool(tail[-1].strip())
         lines: _Lines | None = None
         if metrics or extra or not has.all():
             f.seek(len(first))
