@@ -1,21 +1,17 @@
-"""``rankmem report`` on large run logs: the columnar side file against ``json.loads`` of per-rank lines.
+"""``rankmem report`` on large run logs against ``json.loads`` of their lines.
 
-Run:  python bench/bench_report.py [--steps 100000] [--ranks 8] [--repeat 2] [--wide-steps 10000]
-      [--wide-ranks 1024] [--wide-detail-every 100]
+Run:  python bench/bench_report.py [--steps 100000] [--ranks 8] [--plain-steps 20000] [--plain-ranks 4]
+      [--repeat 2]
 
-Writes (once, cached under the temp dir) the same records through the real RunLogWriter twice: with the
-per-rank values on the lines (``detail="inline"``: schema 1's layout, ~10 KiB a line at 8 ranks) and in
-today's layout (aggregates on the lines, per-rank values in ``rankmem.ranks.arrow``). 28 per-rank keys
-of a GPU run with two phases. Then times, in the same process, alternating: (a) ``for line in f:
-json.loads(line)`` over the per-rank lines (the baseline: any reader of that layout pays at least this);
-(b) ``read_run`` of the columnar log; (c) the whole report of the columnar log (read, per-key peaks with
-phase attribution, per-phase table, growth, leak verdicts, rendering); (d) the same report of the inline
-log. Prints each as a ratio to (a); the target is (a) / (c) >= 20.
+1. ``--steps`` x ``--ranks`` with 28 per-rank keys of a GPU run with two phases, written through the real
+   RunLogWriter (aggregates on the lines, per-rank values in ``rankmem.ranks.f64``). The baseline is
+   ``json.loads`` of the same collects as per-rank JSON lines (what any reader of a per-rank text layout
+   pays at least); then ``read_run`` and the whole report in this process. Target: baseline / report
+   >= 30. The report's peak RSS in a fresh process is stated. Times are CPU seconds (see :func:`best`).
+2. A plain loop's run (``--plain-steps`` x ``--plain-ranks``, the keys a CPU Monitor logs): the whole
+   ``rankmem report`` as a command, against ``json.loads`` over the run log's own lines. Target <= 0.5x.
 
-Then a synthetic wide run as rankmem writes it past the all-reduce crossover: ``--wide-ranks`` ranks,
-``--wide-steps`` steps, aggregates and p50/p90/p99 on every step, per-rank values every
-``--wide-detail-every`` collects (the default cadence); the report of it is timed (target < 10 s) and
-run once more in a fresh process for its peak RSS (the reader's memory).
+Logs are generated once and kept in the temp dir.
 """
 
 from __future__ import annotations
@@ -29,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import redirect_stdout
 
 import numpy as np
@@ -46,54 +43,61 @@ DEVICE = ("allocated", "reserved", "peak_allocated", "peak_reserved", "lifetime_
 PHASE = ("peak_rss", "rss_delta", "peak_allocated", "peak_reserved", "allocated_delta")
 
 
-def keys() -> list[str]:
+def gpu_keys() -> list[str]:
     out = [f"mem/host/{k}_gib" for k in HOST] + [f"mem/node/{k}_gib" for k in NODE]
     out += [f"mem/device/{k}_gib" for k in DEVICE] + ["mem/device/alloc_retries", "mem/device/ooms"]
     out += [f"mem/phase/{p}/{k}_gib" for p in ("rollout", "update") for k in PHASE] + ["loss"]
     return sorted(out)
 
 
-def generate(path: str, steps: int, world: int, detail: str, detail_every: int = 1) -> None:
-    """``steps`` records of ``world`` ranks through the real writer; per-rank values every ``detail_every``
-    collects (the others carry the aggregates and, past the crossover, p50/p90/p99: as the monitor does)."""
-    from rankmem.exchange.reduce import QUANTILE_NAMES, matrix_quantiles
+def cpu_keys() -> list[str]:
+    """The per-rank keys a CPU Monitor logs for a loop with one metric (read off a real collect)."""
+    import rankmem
 
+    monitor = rankmem.Monitor(device="cpu", children=False, leak_check=False, near_oom_watch=False)
+    got = monitor.collect({"loss": 1.0})
+    monitor.close()
+    return sorted(k[: -len("/max")] for k in got if k.endswith("/max"))
+
+
+def generate(run_dir: str, steps: int, world: int, ks: list[str], per_rank_lines: str | None = None) -> None:
+    """``steps`` collects of ``world`` ranks through the real writer; ``per_rank_lines``: also write the
+    same collects as per-rank JSON lines there (the baseline's input)."""
     rng = np.random.default_rng(0)
-    ks = keys()
     ranks = [RankInfo(rank=r, local_rank=r % 8, host=f"node{r // 8}", pid=100 + r, device="cuda NVIDIA H100",
                       peak_rss_scope="window") for r in range(world)]
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    writer = RunLogWriter(path, detail=detail)
+    os.makedirs(run_dir, exist_ok=True)
+    writer = RunLogWriter(os.path.join(run_dir, "rankmem.jsonl"))
     writer.open(RunHeader(world_size=world, ranks=ranks, config={}, started=1.7e9))
+    lines = open(per_rank_lines, "w") if per_rank_lines else None  # noqa: SIM115 - closed below
     level = rng.uniform(5, 60, (world, len(ks)))
     for step in range(steps):
         matrix = level + rng.normal(0, 0.01, level.shape)  # ranks x keys, full-precision floats
         metrics = aggregate(ks, matrix)
-        if detail_every > 1:
-            q = matrix_quantiles(matrix, None, 32)
-            metrics.update({f"{k}/{n}": float(q[i, j]) for i, k in enumerate(ks) for j, n in enumerate(QUANTILE_NAMES)})
-        carries = step % detail_every == 0
-        writer.write(StepRecord(step=step, time=1.7e9 + step, metrics=metrics, keys=ks,
-                                matrix=matrix if carries else None))
+        writer.write(StepRecord(step=step, time=1.7e9 + step, metrics=metrics, keys=ks, matrix=matrix))
+        if lines is not None:
+            ranks_obj = {k: matrix[:, j].tolist() for j, k in enumerate(ks)}
+            lines.write(json.dumps({"kind": "step", "step": step, "time": 1.7e9 + step, "metrics": metrics,
+                                    "ranks": ranks_obj}, separators=(",", ":")) + "\n")
     writer.close()
+    if lines is not None:
+        lines.close()
 
 
-def cached(name: str, steps: int, world: int, detail: str, detail_every: int = 1) -> str:
-    """The run directory of a generated log, generated once per shape and kept in the temp dir."""
-    run_dir = os.path.join(tempfile.gettempdir(), f"rankmem_bench2_{name}_{steps}x{world}_every{detail_every}")
-    log = os.path.join(run_dir, "rankmem.jsonl")
+def cached(name: str, steps: int, world: int, ks: list[str], per_rank: bool) -> str:
+    run_dir = os.path.join(tempfile.gettempdir(), f"rankmem_bench3_{name}_{steps}x{world}")
     if not os.path.exists(os.path.join(run_dir, "done")):
         t0 = time.perf_counter()
-        generate(log, steps, world, detail, detail_every)
+        generate(run_dir, steps, world, ks, os.path.join(run_dir, "per_rank.jsonl") if per_rank else None)
         open(os.path.join(run_dir, "done"), "w").close()
         print(f"generated {run_dir} in {time.perf_counter() - t0:.1f} s")
     return run_dir
 
 
 def sizes(run_dir: str) -> str:
-    parts = [f"{e.name} {e.stat().st_size / 2**20:.0f} MiB" for e in sorted(os.scandir(run_dir), key=lambda e: e.name)
-             if e.name.startswith("rankmem.")]
-    return ", ".join(parts)
+    return ", ".join(f"{e.name} {e.stat().st_size / 2**20:.0f} MiB" for e in sorted(os.scandir(run_dir),
+                                                                                   key=lambda e: e.name)
+                     if e.name.endswith((".jsonl", ".f64")))
 
 
 def report_of(run_dir: str) -> None:
@@ -101,10 +105,19 @@ def report_of(run_dir: str) -> None:
         render(build_report(read_run(run_dir)))
 
 
+def loads(path: str) -> None:
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            json.loads(line)
+
+
+def cli_report(run_dir: str) -> None:
+    subprocess.run([sys.executable, "-m", "rankmem", "report", run_dir], check=True, capture_output=True, timeout=600)
+
+
 def peak_rss_mib(run_dir: str) -> float:
-    """Peak RSS of a fresh process that imports rankmem and reports ``run_dir``, MiB."""
-    # VmHWM, not ru_maxrss: Linux keeps ru_maxrss across fork and exec, so a child would report this
-    # process's own peak (the generator's).
+    """Peak RSS of a fresh process that runs ``rankmem report`` on ``run_dir``, MiB (VmHWM: ru_maxrss
+    would carry this process's own peak across fork and exec)."""
     code = ("import io, contextlib, sys; from rankmem.cli import main; path = sys.argv[1];"
             "contextlib.redirect_stdout(io.StringIO()).__enter__(); rc = main(['report', path]);"
             "assert rc == 0, rc;"
@@ -113,82 +126,59 @@ def peak_rss_mib(run_dir: str) -> float:
     return int(out.stderr.strip().splitlines()[-1]) / 1024
 
 
-def baseline_rss_mib() -> float:
-    code = ("import sys; import numpy, pyarrow, rich; from rankmem.cli import main;"
-            "import rankmem.offline.report, rankmem.offline.runlog;"
-            "sys.stderr.write(open('/proc/self/status').read().split('VmHWM:')[1].split()[0])")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    return int(out.stderr.strip().splitlines()[-1]) / 1024
+def best(contenders: dict[str, Callable[[], None]], repeat: int) -> dict[str, float]:
+    """Each contender's best time of ``repeat``, alternating: CPU time of this process (and its
+    children's, for a command), which a shared machine's load disturbs far less than wall time; the
+    wall time is printed beside it."""
+    cpu = {name: math.inf for name in contenders}
+    for _ in range(repeat):
+        for name, fn in contenders.items():
+            t0, w0 = _cpu(), time.perf_counter()
+            fn()
+            cpu[name] = min(cpu[name], _cpu() - t0)
+            print(f"    {name}: {cpu[name]:.2f} s cpu, {time.perf_counter() - w0:.2f} s wall")
+    return cpu
+
+
+def _cpu() -> float:
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=100_000)
     parser.add_argument("--ranks", type=int, default=8)
+    parser.add_argument("--plain-steps", type=int, default=20_000)
+    parser.add_argument("--plain-ranks", type=int, default=4)
     parser.add_argument("--repeat", type=int, default=2)
-    parser.add_argument("--wide-steps", type=int, default=10_000)
-    parser.add_argument("--wide-ranks", type=int, default=1024)
-    parser.add_argument("--wide-detail-every", type=int, default=100)
     args = parser.parse_args()
     if args.steps:
-        compare(args)
-    if args.wide_steps:
-        wide(args)
+        run = cached("gpu", args.steps, args.ranks, gpu_keys(), per_rank=True)
+        print(f"{args.steps} steps x {args.ranks} ranks, {len(gpu_keys())} per-rank keys: {sizes(run)}")
+        wall = best({"plain": lambda: loads(os.path.join(run, "per_rank.jsonl")), "read": lambda: read_run(run),
+                     "report": lambda: report_of(run)}, args.repeat)
+        for name, label in (("plain", "(a) json.loads of each per-rank line:"), ("read", "(b) read_run:"),
+                            ("report", "(c) rankmem report (in process):")):
+            print(f"  {label:40s} {wall[name]:6.2f} s ({wall['plain'] / wall[name]:5.1f}x)")
+        speedup = wall["plain"] / wall["report"]
+        print(f"  target (a)/(c) >= 30x: {speedup:.1f}x {'PASS' if speedup >= 30 else 'FAIL'}; "
+              f"report peak RSS {peak_rss_mib(run):.0f} MiB (fresh process)")
+    if args.plain_steps:
+        ks = cpu_keys()
+        run = cached("plain", args.plain_steps, args.plain_ranks, ks, per_rank=False)
+        print(f"\nplain loop: {args.plain_steps} steps x {args.plain_ranks} ranks, {len(ks)} per-rank keys: "
+              f"{sizes(run)}")
+        wall = best({"loads": lambda: loads(os.path.join(run, "rankmem.jsonl")), "report": lambda: report_of(run),
+                     "cli": lambda: cli_report(run)}, args.repeat)
+        print(f"  (a) json.loads of the run log's own lines: {wall['loads']:6.2f} s")
+        print(f"  (b) rankmem report, in process:            {wall['report']:6.2f} s ({wall['report'] / wall['loads']:.2f}x)")
+        print(f"  (c) rankmem report, the whole command:     {wall['cli']:6.2f} s ({wall['cli'] / wall['loads']:.2f}x)")
+        print(f"  target (b)/(a) <= 0.5: {'PASS' if wall['report'] <= 0.5 * wall['loads'] else 'FAIL'}; "
+              f"report peak RSS {peak_rss_mib(run):.0f} MiB (fresh process)")
     if os.path.exists("/proc/loadavg"):
         with open("/proc/loadavg") as f:
             print("load average after the runs (1, 5, 15 min):", " ".join(f.read().split()[:3]))
-
-
-def compare(args: argparse.Namespace) -> None:
-    """The columnar log against json.loads of the per-rank lines, and the report of both."""
-    inline = cached("inline", args.steps, args.ranks, "inline")
-    columnar = cached("columnar", args.steps, args.ranks, "columnar")
-    inline_log = os.path.join(inline, "rankmem.jsonl")
-    print(f"{args.steps} steps x {args.ranks} ranks, {len(keys())} per-rank keys")
-    print(f"  per-rank lines: {sizes(inline)}")
-    print(f"  columnar:       {sizes(columnar)}")
-
-    def plain() -> None:
-        with open(inline_log, encoding="utf-8") as f:
-            for line in f:
-                json.loads(line)
-
-    # The machine is shared: alternate the contenders and keep each one's best of --repeat runs, in wall
-    # time and in this process's CPU time (less disturbed by other processes on the same cores).
-    contenders = (("plain", plain), ("read", lambda: read_run(columnar)), ("report", lambda: report_of(columnar)),
-                  ("inline", lambda: report_of(inline)))
-    wall = {name: math.inf for name, _ in contenders}
-    cpu = dict(wall)
-    for _ in range(args.repeat):
-        for name, fn in contenders:
-            t0, c0 = time.perf_counter(), time.process_time()
-            fn()
-            wall[name] = min(wall[name], time.perf_counter() - t0)
-            cpu[name] = min(cpu[name], time.process_time() - c0)
-    print(f"{'':44s}  {'wall':>17s}  {'cpu':>17s}")
-    for name, label in (("plain", "(a) json.loads of each per-rank line:"), ("read", "(b) read_run, columnar:"),
-                        ("report", "(c) rankmem report, columnar:"), ("inline", "(d) rankmem report, per-rank lines:")):
-        print(f"{label:44s}  {wall[name]:6.2f} s ({wall['plain'] / wall[name]:5.1f}x)"
-              f"  {cpu[name]:6.2f} s ({cpu['plain'] / cpu[name]:5.1f}x)")
-    speedup = wall["plain"] / wall["report"]
-    print(f"  target (a)/(c) >= 20x: {speedup:.1f}x wall, {cpu['plain'] / cpu['report']:.1f}x cpu: "
-          f"{'PASS' if speedup >= 20 else 'FAIL'}")
-
-
-
-def wide(args: argparse.Namespace) -> None:
-    """A run past the all-reduce crossover, as rankmem writes it: its report's time and memory."""
-    wide = cached("wide", args.wide_steps, args.wide_ranks, "columnar", args.wide_detail_every)
-    print(f"\nwide: {args.wide_steps} steps x {args.wide_ranks} ranks, per-rank values every "
-          f"{args.wide_detail_every} collects: {sizes(wide)}")
-    best = math.inf
-    for _ in range(args.repeat):
-        t0 = time.perf_counter()
-        report_of(wide)
-        best = min(best, time.perf_counter() - t0)
-    base, peak = baseline_rss_mib(), peak_rss_mib(wide)
-    print(f"  rankmem report: {best:.2f} s (target < 10 s: {'PASS' if best < 10 else 'FAIL'}); peak RSS "
-          f"{peak:.0f} MiB in a fresh process, {peak - base:.0f} MiB over its imports ({base:.0f} MiB)")
 
 
 if __name__ == "__main__":

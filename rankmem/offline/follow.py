@@ -10,6 +10,7 @@ the next poll. A rotation (a restarted job moved the files aside) is noticed by 
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
 from dataclasses import dataclass, field
@@ -25,10 +26,11 @@ from rankmem.offline.runlog import (
     header_note,
     parse_header,
     read_header_line,
+    side_path_of,
     step_of,
     walk,
 )
-from rankmem.runlog.layout import FILE_HEADER
+from rankmem.runlog.layout import FILE_HEADER, HEADER_KIND
 
 FIRST_BLOCK = 64 * 1024
 MAX_BLOCK = 256 * 1024 * 1024
@@ -120,7 +122,7 @@ class Follower:
         """JSON has no checksum: the lines of the side file's newest collects must say its step and time
         (a damaged line would be drawn as the truth), each read where the side file says it starts."""
         side = self._side
-        if side is None or self.tail.note is not None:
+        if side is None or not side.offsets or self.tail.note is not None:
             return
         try:
             with open_binary(self.path) as f:
@@ -136,24 +138,37 @@ class Follower:
                         self.tail.note = (f"{self.path}: the line of step {step} (at byte {offset}) disagrees with "
                                           "the side file: a damaged line")
                         return
+                # The side file's record comes before its line: a whole line past the newest record's
+                # (within the size read before the side file) says the side file is cut or damaged.
+                if b"\n" in f.read(max(0, min(self.tail.size - f.tell(), 1 << 20))):
+                    self.tail.note = (f"{self.path}: the run log goes on past step {side.steps[-1]}, the side "
+                                      "file's newest record: the side file is cut or damaged")
         except OSError:
             return
 
     def _read_header(self) -> None:
         first = read_header_line(self.path)
-        if first is None:
-            return
+        try:
+            obj = json.loads(first) if first is not None else None
+        except ValueError:
+            obj = None
+        if first is None or not isinstance(obj, dict) or obj.get("kind") != HEADER_KIND:
+            return  # not (yet) a header: watch says so, from the lines
         try:
             self.tail.header, self.tail.header_error = parse_header(first, self.path), None
         except RankmemError as exc:
             self.tail.header, self.tail.header_error = None, exc
 
     def _poll_side(self, header: RunHeader) -> None:
-        path = os.path.join(os.path.dirname(self.path), os.path.basename(header.detail or ""))
+        path = side_path_of(self.path)
         try:
             fd = open_regular(path)
         except NotRegularFile as exc:
             self.tail.note = str(exc)
+            return
+        except FileNotFoundError:
+            if self.tail.steps:
+                self.tail.note = f"{path} is missing: no per-rank values"
             return
         except OSError:
             return

@@ -28,7 +28,7 @@ import numpy as np
 
 from rankmem.core.catalogue import phase_names
 from rankmem.core.records import RunHeader
-from rankmem.core.rundir import is_regular, kind_of, open_binary, open_regular
+from rankmem.core.rundir import detail_name, is_regular, kind_of, open_binary, open_regular
 from rankmem.core.scalars import to_float_or_nan
 from rankmem.errors import RankmemError
 from rankmem.runlog.header import header_from_json
@@ -169,6 +169,17 @@ def open_log(path: str) -> Iterator[IO[bytes]]:
                            "source, or gunzip what can be read of it") from None
     finally:
         handle.close()
+
+
+def side_path_of(log_path: str) -> str:
+    """The side file of the log at ``log_path``, by the log's name, not by what its header says (a damaged
+    header must not send the reader elsewhere): ``rankmem.jsonl.2.gz`` -> ``rankmem.ranks.f64.2``."""
+    directory, base = os.path.split(log_path)
+    base = base[: -len(".gz")] if base.endswith(".gz") else base
+    stem, _, suffix = base.rpartition(".")
+    if not (suffix.isdigit() and stem):
+        stem, suffix = base, ""
+    return os.path.join(directory, detail_name(stem) + (f".{suffix}" if suffix else ""))
 
 
 def parse_header(first: bytes, path: str) -> RunHeader:
@@ -358,10 +369,7 @@ def read_run(path: str, *, metrics: bool = False) -> Run:
     with open_log(path) as f:
         first = f.readline(MAX_HEADER)
         header = parse_header(first, path)
-        base = path[: -len(".gz")] if path.endswith(".gz") else path
-        suffix = base.rsplit(".", 1)[-1]
-        side_path = os.path.join(os.path.dirname(path), os.path.basename(header.detail or ""))
-        side_path += f".{suffix}" if suffix.isdigit() else ""
+        side_path = side_path_of(path)
         side, series, note = _read_side(side_path, header, first)
         if side.damaged:
             damage = (f"{side_path}: {side.damaged} after collect {len(side.steps)}; the later collects' "
