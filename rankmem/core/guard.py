@@ -3,7 +3,7 @@
 A boundary is a handler that catches every ``Exception``: where a failure of rankmem's own measuring,
 writing or watching stops, becomes a warning (or a figure marked unavailable) and training goes on.
 There are few, each named below; everywhere else code catches the types it expects (``OSError``,
-``ValueError``, ``pynvml.NVMLError``, ``pyarrow.ArrowException``) and tells errors apart by their type,
+``ValueError``, ``pynvml.NVMLError``) and tells errors apart by their type,
 never by their text. A :class:`~rankmem.errors.RankmemError` (a user error every rank meets alike)
 passes the training thread's boundaries; anything that is not an ``Exception`` (KeyboardInterrupt,
 SystemExit) passes them all. ``tests/core/test_guard.py`` finds every broad handler in the package
@@ -33,8 +33,6 @@ The boundaries (``file: function``: where it stands, why):
   (:class:`~rankmem.sinks.SafeSink`).
 - ``core/warnings.py: warn``: the warning channel itself (``-W error``, a logging hook that raises):
   below the Guard, which warns through it.
-- ``runlog/detail_child.py: main``: the top level of the side file's writer process: one line on the
-  rank's stderr instead of a traceback, exit status 1; the run log's lines go on without it.
 
 Not boundaries: a handler that cleans up and re-raises (``except BaseException: ...; raise``, as in
 ``windows.py``, ``integrations/hf.py`` and ``ray/cluster.py``) lets everything through.

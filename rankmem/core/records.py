@@ -219,10 +219,9 @@ class RunHeader:
     """The run's identity (:func:`rankmem.core.rundir.current_run_id` of the logging rank), which every
     file of the run carries."""
     schema: int | None = None
-    """The run log's schema (1 or 2), as read."""
+    """The run log's schema, as read."""
     detail: str | None = None
-    """Where the per-rank values are, as read: the side file's name, or ``"inline"`` (on the step lines;
-    what a schema-1 log and a log without the field mean)."""
+    """The side file's name, as the header gives it (readers find it by the log's own name)."""
     rankmem_version: str | None = None
     """The rankmem that wrote the log (the header's ``rankmem``), as read."""
     torch_version: str | None = None
@@ -256,7 +255,7 @@ class StepRecord:
     """The per-rank keys, sorted, when :attr:`matrix` is given or the collect carried no detail."""
     matrix: Any = None
     """ranks x :attr:`keys` float64 array (NaN where absent), or None: what the monitor hands over, so
-    that a columnar sink never builds the per-rank lists."""
+    that the run log never builds the per-rank lists."""
 
     def columns(self) -> dict[str, list[float | None]]:
         """:attr:`ranks`, built from :attr:`matrix` when only that is given."""

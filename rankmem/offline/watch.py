@@ -97,10 +97,11 @@ class Frame:
     """Column key -> per rank, the binding limit of that usage (GiB): the device total for device keys, the
     least of node total and cgroup limit for host keys (:mod:`rankmem.offline.capacity`'s families)."""
     detail_step: int | None = None
-    """The step of the per-rank values shown, when they come from the side file (its last batch may be
-    up to a second behind the newest line; past the crossover, the last collect that carried them)."""
+    """The step of the per-rank values shown, when they come from the side file (past the crossover,
+    the last collect that carried them)."""
     detail_note: str | None = None
-    """Why the side file is no longer followed (a damaged batch, another run's file), or None."""
+    """Why the side file is no longer followed (a damaged record, another run's file), and the run
+    log's gaps, or None."""
 
 
 def _vector(step: dict[str, Any], key: str, world: int) -> list[float | None]:

@@ -69,24 +69,6 @@ def _matrix(rec: StepRecord) -> tuple[Sequence[str], Any]:
     return keys, np.array(columns, dtype=np.float64).T
 
 
-class _Gap:
-    """Collects the run log could not write, waiting for their GAP record."""
-
-    def __init__(self, step: int, why: str) -> None:
-        self.first = self.last = step
-        self.count = 0
-        self.why = why
-
-    def add(self, step: int, why: str, count: int = 1) -> None:
-        self.first, self.last = min(self.first, step), max(self.last, step)
-        self.count += count
-        self.why = why
-
-    def describe(self) -> str:
-        span = f"step {self.first}" if self.first == self.last else f"steps {self.first}..{self.last}"
-        return f"{self.count} collect(s) not in the run log ({span}): {self.why}"
-
-
 class RunLogWriter:
     """Appends whole records to ``path`` and its side file; the headers are written by :meth:`open`.
 
@@ -105,7 +87,7 @@ class RunLogWriter:
         self._size = 0  # bytes of whole lines in the log: where a failed write is cut back to
         self._side_size = 0
         self._key_sets: dict[tuple[str, ...], int] = {}
-        self._gap: _Gap | None = None
+        self._gap: list[Any] | None = None  # [first, last, count, why] of collects waiting for a GAP record
         self._warn_once = WarnOnce()
 
     def open(self, header: RunHeader) -> None:
@@ -165,7 +147,7 @@ class RunLogWriter:
                 os.ftruncate(self._side, self._side_size)  # the record goes with its line
                 raise
         except OSError as exc:
-            self._lose(rec.step, f"the disk refused it ({exc.strerror or exc})")
+            self.lost(rec.step, rec.step, 1, f"the disk refused it ({exc.strerror or exc})")
             return
         self._side_size += written
         self._gap = None
@@ -173,25 +155,21 @@ class RunLogWriter:
             self._key_sets[tuple(keys)] = new_keys
 
     def _gap_record(self) -> bytes:
-        gap = self._gap
-        if gap is None:
-            return b""
-        why = gap.why.encode()
-        return record(GAP, GAP_HEAD.pack(gap.first, gap.last, gap.count, len(why)) + padded(why))
-
-    def _lose(self, step: int, why: str) -> None:
         if self._gap is None:
-            self._gap = _Gap(step, why)
-            warn(f"rankmem: the run log {self.path} could not take step {step} ({why}); the collects it "
-                 "loses are named in a gap record when it can write again")
-        self._gap.add(step, why)
+            return b""
+        first, last, count, why = self._gap
+        text = why.encode()
+        return record(GAP, GAP_HEAD.pack(first, last, count, len(text)) + padded(text))
 
     def lost(self, first: int, last: int, count: int, why: str) -> None:
-        """Collects that never reached this writer (its queue overran): they join the pending gap."""
+        """Collects that are not in the log (the disk refused them, the queue dropped them): they join
+        the pending gap, warned about once when it opens."""
         if self._gap is None:
-            self._gap = _Gap(first, why)
-        self._gap.add(first, why, 0)
-        self._gap.add(last, why, count)
+            self._gap = [first, last, 0, why]
+            warn(f"rankmem: the run log {self.path} could not take step {first} ({why}); the collects it "
+                 "loses are named in a gap record when it can write again")
+        gap = self._gap
+        gap[:] = [min(gap[0], first), max(gap[1], last), gap[2] + count, why]
 
     def flush(self) -> None:
         """Write the pending gap record, if any (nothing else is buffered)."""
@@ -212,5 +190,7 @@ class RunLogWriter:
     def close(self) -> None:
         self.flush()
         if self._gap is not None:
-            warn(f"rankmem: {self._gap.describe()}; the disk took no gap record for them")
+            first, last, count, why = self._gap
+            warn(f"rankmem: {count} collect(s) not in the run log (steps {first}..{last}: {why}); the disk "
+                 "took no gap record for them")
         self._close_fds()
