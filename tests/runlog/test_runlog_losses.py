@@ -217,3 +217,38 @@ def test_a_signal_to_the_process_group_leaves_every_collected_step_with_its_valu
     run = read_run(str(tmp_path))
     assert run.steps.tolist()[: last + 1] == list(range(last + 1)) and run.logged is None
     assert np.array_equal(run.series["loss"][: last + 1, 0], np.arange(last + 1, dtype=float))
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("round_", range(3))
+def test_sigterm_to_a_two_rank_train_leaves_every_collected_step_with_its_values(tmp_path: Path,
+                                                                                  round_: int) -> None:
+    """``timeout``, Slurm's preemption and ``--timeout-s`` send SIGTERM to the whole job: before, the
+    side file's writer process died at once and 93 of 250 steps lost their per-rank values."""
+    from rankmem.forensics.heartbeat import read_heartbeats
+
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "rankmem", "train", "--nproc-per-node", "2", "--task", "sft",
+                             "--steps", "100000", "--no-progress", "--out", str(out)], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        log = out / "rankmem.jsonl"
+        while not (log.exists() and log.read_bytes().count(b"\n") > 20 + 15 * round_):
+            assert proc.poll() is None and time.monotonic() < deadline, "the job did not start logging"
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGTERM)  # the launcher's group; it forwards to the job's
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=60)
+    run = read_run(str(out))
+    beats = read_heartbeats(str(out / "heartbeat"))
+    steps = run.steps.tolist()
+    assert steps == list(range(len(steps))) and run.logged is None and run.gaps == [], (steps[-5:], err[-2000:])
+    # Rank 0's last window edge was at most one step past its last collect (the step it was in).
+    assert beats[0].step is not None and beats[0].step <= steps[-1] + 1, (beats[0].step, steps[-1])
+    values = run.series["mem/host/rss_gib"]
+    assert values.shape == (len(steps), 2) and np.isfinite(values).all() and (values > 0.05).all()
