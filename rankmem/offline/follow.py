@@ -196,8 +196,9 @@ class Follower:
         view = memoryview(mapped)
         try:
             walk(view, size, side)
-            if side.blocks:
-                index, key_set, at = side.blocks[-1]
+            if side.runs:
+                first, count, start, stride, key_set = side.runs[-1]
+                index, at = first + count - 1, start + (count - 1) * stride
                 keys, world = side.key_sets[key_set], side.world
                 values = [[float(x) for x in view[at + 8 * r * len(keys) : at + 8 * (r + 1) * len(keys)].cast("d")]
                           for r in range(world)]
@@ -208,4 +209,4 @@ class Follower:
         self.tail.gaps = list(side.gaps)
         if side.damaged:
             self.tail.note = f"{self.path}: the side file: {side.damaged}; not followed further"
-        del side.steps[:-2], side.times[:-2], side.offsets[:-2], side.blocks[:]
+        del side.steps[:-2], side.times[:-2], side.offsets[:-2], side.runs[:]

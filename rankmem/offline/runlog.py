@@ -219,8 +219,9 @@ class SideFile:
     times: list[float] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)
     """Per collect: the run log's size before its line."""
-    blocks: list[tuple[int, int, int]] = field(default_factory=list)
-    """Per collect with per-rank values: (collect index, key-set id, byte offset of its world x K block)."""
+    runs: list[tuple[int, int, int, int, int]] = field(default_factory=list)
+    """Runs of collects with per-rank values, adjacent in the file and of one key set: (index of the first
+    collect, collects, byte offset of its world x K block, bytes from one record to the next, key set)."""
     gaps: list[Gap] = field(default_factory=list)
     end: int = FILE_HEADER.size
     """Where the next record starts: the bytes before it are whole records."""
@@ -273,6 +274,9 @@ def walk(data: Any, size: int, side: SideFile) -> None:
             side.damaged = f"the record at byte {off} is damaged: its checksum does not match"
             break
         problem = None
+        if kind == COLLECT and n >= 5 and (taken := _run_of(data, off, size, n, side)):
+            off += taken
+            continue
         if kind == COLLECT and n >= 5:
             step, time, offset, key_set, k = collect(data, off + 16)
             if k:
@@ -280,7 +284,7 @@ def walk(data: Any, size: int, side: SideFile) -> None:
                 if names is None or len(names) != k or n != 5 + world * k:
                     problem = "its per-rank block does not match its key set"
                 else:
-                    side.blocks.append((len(side.steps), key_set, off + 56))
+                    side.runs.append((len(side.steps), 1, off + 56, 0, key_set))
             side.steps.append(step)
             side.times.append(time)
             side.offsets.append(offset)
@@ -305,6 +309,34 @@ def walk(data: Any, size: int, side: SideFile) -> None:
             break
         off = end + 8
     side.end = off
+
+
+def _run_of(data: Any, off: int, size: int, n: int, side: SideFile) -> int:
+    """The bytes of the run of whole collect records of one size and key set from ``off``, checked and
+    taken into ``side`` as numpy columns (a long run's records cost no Python each but their CRC's call);
+    0 where fewer than two records qualify (the record-by-record path reads and judges them)."""
+    size_of = 16 + 8 * n + 8
+    m = (size - off) // size_of
+    if m < 2:
+        return 0
+    words = np.ndarray((m, size_of // 8), dtype="<u8", buffer=data, offset=off)
+    key_set, k = int(words[0, 5]), int(words[0, 6])
+    names = side.key_sets.get(key_set)
+    if not k or names is None or len(names) != k or n != 5 + side.world * k:
+        return 0
+    same = (words[:, 0] == COLLECT) & (words[:, 1] == n) & (words[:, 5] == key_set) & (words[:, 6] == k)
+    count = m if same.all() else int(np.argmin(same))
+    crcs = np.fromiter((zlib.crc32(data[o : o + size_of - 8]) for o in range(off, off + count * size_of, size_of)),
+                       dtype=np.uint64, count=count)
+    bad = crcs != words[:count, -1]
+    count = int(np.argmax(bad)) if bad.any() else count  # the bad one is judged on its own, next
+    if count < 2:
+        return 0
+    side.runs.append((len(side.steps), count, off + 56, size_of, key_set))
+    side.steps += words[:count, 2].view(np.int64).tolist()
+    side.times += words[:count, 3].view(np.float64).tolist()
+    side.offsets += words[:count, 4].tolist()
+    return count * size_of
 
 
 def _read_side(path: str, header: RunHeader, header_line: bytes) -> tuple[SideFile, dict[str, np.ndarray], str | None]:
@@ -337,25 +369,19 @@ def _read_side(path: str, header: RunHeader, header_line: bytes) -> tuple[SideFi
 
 
 def _series(mapped: mmap.mmap, side: SideFile) -> dict[str, np.ndarray]:
-    """``series[key][row, rank]`` from the mapped blocks: one strided view per run of adjacent records of
-    one key set, copied once per key."""
-    world, rows = side.world, len(side.blocks)
-    names = sorted({k for i in {b[1] for b in side.blocks} for k in side.key_sets[i]})
-    series = {k: np.full((rows, world), np.nan) for k in names}
+    """``series[key][row, rank]`` from the mapped records: one strided view per run, copied once per key."""
+    rows = sum(run[1] for run in side.runs)
+    names = sorted({k for run in side.runs for k in side.key_sets[run[4]]})
+    series = {k: np.full((rows, side.world), np.nan) for k in names}
     row = 0
-    while row < rows:
-        _, key_set, start = side.blocks[row]
+    for _, count, start, stride, key_set in side.runs:
         keys = side.key_sets[key_set]
-        stride = side.blocks[row + 1][2] - start if row + 1 < rows else 0
-        end = row + 1
-        while end < rows and side.blocks[end][1] == key_set and side.blocks[end][2] - side.blocks[end - 1][2] == stride:
-            end += 1
-        cube = np.ndarray((end - row, world, len(keys)), dtype="<f8", buffer=mapped, offset=start,
+        cube = np.ndarray((count, side.world, len(keys)), dtype="<f8", buffer=mapped, offset=start,
                           strides=(stride or 8, 8 * len(keys), 8))
         for j, key in enumerate(keys):
-            series[key][row:end] = cube[:, :, j]
+            series[key][row : row + count] = cube[:, :, j]
         del cube
-        row = end
+        row += count
     return series
 
 
@@ -376,7 +402,8 @@ def read_run(path: str, *, metrics: bool = False) -> Run:
                       "aggregates come from the run log's lines, without per-rank values")
             note = f"{note}; {damage}" if note else damage
         has = np.zeros(len(side.steps), dtype=bool)
-        has[[b[0] for b in side.blocks]] = True
+        for run_of in side.runs:
+            has[run_of[0] : run_of[0] + run_of[1]] = True
         # The lines the side file does not hold: after the last collect's own line.
         try:
             f.seek(side.offsets[-1] if side.offsets else len(first))
