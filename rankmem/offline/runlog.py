@@ -1,15 +1,10 @@
-"""The run-log reader: a run log and its side file into numpy arrays, one row per collect, one column
-per rank (the format: :mod:`rankmem.runlog.layout`).
+"""The run-log reader: a run log and its side file (:mod:`rankmem.runlog.layout`) into numpy arrays.
 
-The per-rank values come from the side file, memory-mapped: each run of records of one key set is a
-strided view of the file, copied once into ``series[key][row, rank]``; no text is parsed. Each record's
-CRC is checked; reading stops at the first record that is cut short (a crash mid-write: flagged) or
-damaged (named in :attr:`Run.detail_note`), never misread. The JSON lines are parsed only where they
-are needed: ``metrics=True``, collects without per-rank values (past the all-reduce crossover), and
-collects the side file does not hold (it is missing, damaged, or a crash came between the two writes).
-Whatever the files hold, reading raises nothing but :class:`RankmemError` (about the log as a whole:
-no header, a header without a usable world size or schema). A gzip'd log is read as it is. Offline
-code: it needs numpy, never torch.
+The side file is memory-mapped and each run of records of one key set copied once into
+``series[key][row, rank]``; every record's CRC is checked, and reading stops at the first record cut
+short (flagged) or damaged (named in :attr:`Run.detail_note`), never misread. The JSON lines are parsed
+only where needed (``metrics=True``, collects without per-rank values, collects past the side file).
+Reading raises nothing but :class:`RankmemError`, about the log as a whole. Offline code: no torch.
 """
 
 from __future__ import annotations
@@ -73,43 +68,33 @@ class Gap:
 
 @dataclass
 class Logged:
-    """Every collect of a run log, with or without per-rank values: step, time and aggregates."""
+    """Every collect's step, time and aggregates (``K/max``... per collect, NaN where it lacks ``K``)."""
 
     steps: np.ndarray
     times: np.ndarray
     metrics: dict[str, np.ndarray]
-    """``K/max``, ``K/min``, ``K/mean``, ``K/max_rank``, ``K/min_rank`` (and ``K/p50``... past the
-    crossover) per collect; NaN where a collect lacks ``K``."""
 
 
 @dataclass
 class Run:
-    """A run log read into arrays: one row per collect with per-rank values, one column per rank.
-
-    ``series[K]`` is a float64 array of shape ``(len(steps), world_size)`` holding the per-rank values of
-    key ``K``; ``nan`` where a step or a rank lacks it. ``metrics`` holds the aggregated keys (one value
-    per row) only when read with ``metrics=True``. ``gaps``: collects the run log says it dropped.
-    """
+    """A run log read into arrays: one row per collect with per-rank values (``steps``: int64, ``times``:
+    unix float64), ``series[K]`` of shape ``(len(steps), world_size)``, NaN where absent. ``metrics``:
+    the aggregates per row, with ``metrics=True``. ``logged``: every collect (from the lines), when some
+    carry no per-rank values. ``corrupt_lines``: 1-based numbers of lines read that were not a step;
+    ``truncated``: a last line or record cut short; ``slow_lines``: lines parsed; ``detail_note``: why
+    the per-rank values are partial; ``gaps``: collects the run log says it dropped."""
 
     path: str
     header: RunHeader
     steps: np.ndarray
-    """Step numbers, int64, in file order."""
     times: np.ndarray
-    """Unix times of the collects, float64."""
     series: dict[str, np.ndarray]
     corrupt_lines: list[int] = field(default_factory=list)
-    """1-based numbers of the lines read that did not parse (or were not a step), skipped."""
     truncated: bool = False
-    """True when the log's last line or the side file's last record was cut short (a crash mid-write)."""
     metrics: dict[str, np.ndarray] | None = None
     slow_lines: int = 0
-    """Step lines parsed (``json.loads``): 0 for a whole log of per-rank collects read without metrics."""
     logged: Logged | None = None
-    """Every collect's step, time and aggregates (from the lines), when some collects carry no per-rank
-    values (past the all-reduce crossover, a damaged side file); None when every collect does."""
     detail_note: str | None = None
-    """Why the per-rank values are partial beyond :attr:`logged` (a damaged or missing side file)."""
     gaps: list[Gap] = field(default_factory=list)
 
     @property
@@ -211,20 +196,18 @@ def step_of(line: bytes | str) -> dict[str, Any] | None:
 
 @dataclass
 class SideFile:
-    """The records of a side file walked so far (:func:`walk`): what a reader and a follower share."""
+    """The records walked so far (:func:`walk`); ``offsets``: per collect, where its line starts."""
 
     world: int
     key_sets: dict[int, list[str]] = field(default_factory=dict)
     steps: list[int] = field(default_factory=list)
     times: list[float] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)
-    """Per collect: the run log's size before its line."""
     runs: list[tuple[int, int, int, int, int]] = field(default_factory=list)
     """Runs of collects with per-rank values, adjacent in the file and of one key set: (index of the first
     collect, collects, byte offset of its world x K block, bytes from one record to the next, key set)."""
     gaps: list[Gap] = field(default_factory=list)
-    end: int = FILE_HEADER.size
-    """Where the next record starts: the bytes before it are whole records."""
+    end: int = FILE_HEADER.size  # where the next record starts
     truncated: bool = False
     damaged: str | None = None
 
@@ -369,20 +352,26 @@ def _read_side(path: str, header: RunHeader, header_line: bytes) -> tuple[SideFi
 
 
 def _series(mapped: mmap.mmap, side: SideFile) -> dict[str, np.ndarray]:
-    """``series[key][row, rank]`` from the mapped records: one strided view per run, copied once per key."""
+    """``series[key][row, rank]`` from the mapped records: each run transposed out of the file in one
+    copy (keys x collects x ranks); a run that is the whole file is the series as it is."""
     rows = sum(run[1] for run in side.runs)
     names = sorted({k for run in side.runs for k in side.key_sets[run[4]]})
-    series = {k: np.full((rows, side.world), np.nan) for k in names}
+    series: dict[str, np.ndarray] = {}
     row = 0
     for _, count, start, stride, key_set in side.runs:
         keys = side.key_sets[key_set]
         cube = np.ndarray((count, side.world, len(keys)), dtype="<f8", buffer=mapped, offset=start,
                           strides=(stride or 8, 8 * len(keys), 8))
-        for j, key in enumerate(keys):
-            series[key][row : row + count] = cube[:, :, j]
+        block = np.ascontiguousarray(cube.transpose(2, 0, 1), dtype=np.float64)
         del cube
+        if count == rows:
+            return {key: block[j] for j, key in enumerate(keys)}
+        for j, key in enumerate(keys):
+            if key not in series:
+                series[key] = np.full((rows, side.world), np.nan)
+            series[key][row : row + count] = block[j]
         row += count
-    return series
+    return {k: series[k] for k in names}
 
 
 def read_run(path: str, *, metrics: bool = False) -> Run:
