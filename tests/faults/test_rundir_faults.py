@@ -269,3 +269,13 @@ def test_a_page_takes_its_mode_from_the_umask(tmp_path: Path, umask: str, mode: 
     done = subprocess.run([sys.executable, "-m", "rankmem", "report", str(tmp_path / "run"), "--html", str(page)],
                           capture_output=True, text=True, timeout=120, cwd=REPO)
     assert done.returncode == 0 and stat.S_IMODE(os.stat(page).st_mode) == 0o640
+
+
+def test_a_second_launch_keeps_the_first_launch_log_beside_its_run_log(tmp_path: Path) -> None:
+    assert _child(_steps(tmp_path, 2)).returncode == 0
+    (tmp_path / "torchrun.log").write_text("[rank1]: Traceback (most recent call last): the first launch's\n")
+    first = (tmp_path / "rankmem.jsonl").read_bytes()
+    moved = RunDir(str(tmp_path)).rotate(None, heartbeat_run_id)  # what rankmem train does before a launch
+    assert {os.path.basename(m.to) for m in moved} >= {"rankmem.jsonl.1", "rankmem.ranks.f64.1", "torchrun.log.1"}
+    assert (tmp_path / "torchrun.log.1").read_text().startswith("[rank1]: Traceback")
+    assert (tmp_path / "rankmem.jsonl.1").read_bytes() == first and not (tmp_path / "torchrun.log").exists()
