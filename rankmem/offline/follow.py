@@ -1,11 +1,7 @@
-"""Following a run that is still being written: the one follower of ``rankmem watch`` (and of anything
-that redraws a live run).
-
-:meth:`Follower.poll` re-reads only what changed: the newest step lines come from the log's end (a
-block read from there, doubled until it holds them: a log may be gigabytes long), the newest per-rank
-values and any gap from the side file's records added since the last poll (:func:`rankmem.offline.runlog.walk`).
-Whatever follows the last newline, or the last whole record, is still being written and is left for
-the next poll. A rotation (a restarted job moved the files aside) is noticed by the file's identity.
+"""The one follower of a run still being written (``rankmem watch``): :meth:`Follower.poll` re-reads
+only what changed. The newest step lines come from the log's end (a block, doubled until it holds
+them), the newest per-rank values and gaps from the side-file records added since the last poll. What
+follows the last newline or whole record is left for the next poll; a rotation is told by identity.
 """
 
 from __future__ import annotations
@@ -67,21 +63,19 @@ def read_last_steps(path: str, count: int = 2, size: int | None = None) -> tuple
 
 @dataclass
 class Tail:
-    """What :class:`Follower` last saw."""
+    """What :class:`Follower` last saw: ``header_error`` (a whole header line that cannot be read),
+    ``steps`` (the newest step lines, oldest first), ``bytes_read`` (0: unchanged), ``detail`` (the side
+    file's newest step and per-key, per-rank values), ``gaps``, and ``note`` (why the side file is not
+    followed, or disagrees with the lines)."""
 
     header: RunHeader | None = None
     header_error: RankmemError | None = None
-    """Why the header line, though whole, cannot be read (a damaged world size): the caller says so."""
     steps: list[dict[str, Any]] = field(default_factory=list)
-    """The newest step lines, oldest first."""
     size: int = 0
     bytes_read: int = 0
-    """Bytes the last read of the log took (0 when it had not changed)."""
     detail: tuple[int, dict[str, list[float | None]]] | None = None
-    """The newest collect with per-rank values in the side file: its step, and per key each rank's value."""
     gaps: list[Gap] = field(default_factory=list)
     note: str | None = None
-    """Why the side file is not followed (damaged, another run's), or None."""
 
 
 class Follower:

@@ -434,25 +434,18 @@ class _Lines:
         self.truncated = False
         try:
             for lineno, raw in enumerate(f, start=2):
-                self._add(lineno, raw, at)
+                obj = step_of(raw) if raw.endswith(b"\n") else None
+                if obj is not None:
+                    self.steps.append(obj["step"])
+                    self.times.append(to_float_or_nan(obj.get("time")))
+                    self.offsets.append(at)
+                    self.metrics.append(obj.get("metrics") or {})
+                elif raw.strip():
+                    self.corrupt += [lineno] if raw.endswith(b"\n") else []
+                    self.truncated = self.truncated or not raw.endswith(b"\n")
                 at += len(raw)
         except EOFError:  # a gzip'd log cut short (compressed while still written)
             self.truncated = True
-
-    def _add(self, lineno: int, raw: bytes, at: int) -> None:
-        if not raw.strip():
-            return
-        obj = step_of(raw) if raw.endswith(b"\n") else None
-        if obj is None:
-            if raw.endswith(b"\n"):
-                self.corrupt.append(lineno)
-            else:
-                self.truncated = True
-            return
-        self.steps.append(obj["step"])
-        self.times.append(to_float_or_nan(obj.get("time")))
-        self.offsets.append(at)
-        self.metrics.append(obj.get("metrics") or {})
 
     def arrays(self) -> dict[str, np.ndarray]:
         out: dict[str, np.ndarray] = {}
