@@ -142,14 +142,16 @@ def test_the_run_log_survives_a_disk_that_fills_and_empties(small_tmpfs: Path) -
     assert run.corrupt == 0 and not run.truncated  # no torn line was left behind by a failed write
     steps = run.steps.tolist()
     first_lost = next(i for i, s in enumerate(steps) if s != i)
-    back = steps[first_lost]
     assert 20 <= first_lost <= 22  # the log's last page may take a line or two before the disk refuses
-    assert 100 <= back <= 100 + 2 * SafeSink.MAX_SKIP and steps == [*range(first_lost), *range(back, 300)]
+    # The run log tries every collect itself: it writes again at the first one after space returns, and
+    # names the steps in between in a gap record.
+    assert steps == [*range(first_lost), *range(100, 300)] and run.logged is None
     assert run.series["k099"][:, 0].tolist() == [99.0] * len(steps)
-    messages = _messages(caught)
-    assert len(messages) == 2 and messages[0].startswith(f"rankmem: sink JsonlSink failed in write() at step {first_lost}")
-    assert messages[1].startswith(f"rankmem: sink JsonlSink is writing again from step {back}; {back - first_lost} "
-                                  f"logged step(s) lost (steps {first_lost}..{back - 1}) over ")
+    assert [(g.first, g.last, g.count) for g in run.gaps] == [(first_lost, 99, 100 - first_lost)]
+    assert run.gaps[0].why == "the disk refused it (No space left on device)"
+    messages = [str(w.message) for w in caught if "run log" in str(w.message) or "sink" in str(w.message)]
+    assert len(messages) == 1 and messages[0].startswith(f"rankmem: the run log {out / 'rankmem.jsonl'} could not "
+                                                         f"take step {first_lost} (the disk refused it")
 
 
 def test_a_key_mlflow_refuses_is_renamed_and_the_sink_stays_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
