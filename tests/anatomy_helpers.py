@@ -31,15 +31,25 @@ def grad_bytes(params: Iterable[torch.Tensor]) -> int:
     return sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
 
 
+def optimizer_bytes(optimizer: torch.optim.Optimizer | None) -> int:
+    """Bytes of the optimizer's state tensors of dimension >= 1 (AdamW's moments, not its step count)."""
+    if optimizer is None:
+        return 0
+    return sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
+               if isinstance(v, torch.Tensor) and v.dim() >= 1)
+
+
 class Mirror(TorchDispatchMode):
-    """Mirror storages onto ``cuda``; :attr:`peak` / :attr:`grads_at_peak` since the last :meth:`mark`."""
+    """Mirror storages onto ``cuda``; since the last :meth:`mark`, the :attr:`peak` of allocated bytes and
+    the gradient and optimizer bytes alive at its first instant (``truth``)."""
 
     def __init__(self, cuda: TensorCuda, params: list[torch.nn.Parameter]) -> None:
         super().__init__()
         self.cuda, self.params = cuda, params
+        self.optimizer: torch.optim.Optimizer | None = None
         self._live: dict[int, tuple[Any, int]] = {}
         self.peak = 0
-        self.grads_at_peak = 0
+        self.truth = (0, 0)
 
     def adopt(self, tensors: Iterable[torch.Tensor]) -> None:
         """Storages made before the mode was entered (the model's parameters)."""
@@ -54,7 +64,7 @@ class Mirror(TorchDispatchMode):
         self._live[ptr] = (weakref.ref(storage, lambda _, p=ptr: self._free(p)), handle)
         allocated = self.cuda.memory_allocated()
         if allocated > self.peak:
-            self.peak, self.grads_at_peak = allocated, grad_bytes(self.params)
+            self.peak, self.truth = allocated, (grad_bytes(self.params), optimizer_bytes(self.optimizer))
 
     def _free(self, ptr: int) -> None:
         entry = self._live.pop(ptr, None)
@@ -62,7 +72,8 @@ class Mirror(TorchDispatchMode):
             self.cuda.free(entry[1])
 
     def mark(self) -> None:
-        self.peak, self.grads_at_peak = self.cuda.memory_allocated(), grad_bytes(self.params)
+        self.peak = self.cuda.memory_allocated()
+        self.truth = (grad_bytes(self.params), optimizer_bytes(self.optimizer))
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
