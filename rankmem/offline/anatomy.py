@@ -1,0 +1,95 @@
+"""What fills each phase's peak, offline: the worst rank's split beside the median rank's, and what to
+change for the part that dominates (docs/anatomy.md). Over :class:`rankmem.offline.Run`'s arrays."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from rankmem.core.catalogue import ANATOMY_PARTS, phase_key
+from rankmem.offline import Run
+
+CHANGE = {
+    "activations": "fewer tokens per micro-batch, or activation checkpointing",
+    "optimizer": "shard the optimizer state (ZeRO-1 / FSDP) or offload it to the host",
+    "params": "shard the parameters (FSDP / ZeRO-3) or keep them in a lower precision",
+    "grads_high": "shard the gradients (ZeRO-2 / FSDP) or accumulate them in a lower precision",
+    "other": "memory outside torch's allocator: see the device split by owner (NCCL, context, other processes)",
+    "host other": "the process below the phase (interpreter, libraries, data, heap kept from earlier windows)",
+    "slack": "allocator slack: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+}
+"""What a user changes when a part fills most of the peak."""
+
+SHOWN = ("params", "optimizer", "grads_high", "activations", "slack", "other")
+"""The stacked parts, in order: the gradient range's high end is what the activations were computed with."""
+
+
+@dataclass
+class PhaseAnatomy:
+    """One phase: at the step of its highest peak, that rank's split and the median rank's (GiB)."""
+
+    phase: str
+    step: int
+    rank: int
+    median_rank: int
+    worst: dict[str, float]
+    median: dict[str, float]
+    dominant: str
+    """The part the worst rank holds most of."""
+    change: str
+
+
+def _split(run: Run, phase: str, row: int, rank: int) -> dict[str, float]:
+    out = {}
+    for part in ANATOMY_PARTS:
+        matrix = run.series.get(phase_key(phase, f"anatomy/{part}_gib"))
+        if matrix is not None and np.isfinite(matrix[row, rank]):
+            out[part] = float(matrix[row, rank])
+    return out
+
+
+def anatomy_rows(run: Run) -> list[PhaseAnatomy]:
+    """Per phase with anatomy keys: the step and rank of its highest split total (the peak), and the
+    rank whose total is the median at that step."""
+    rows = []
+    for phase in run.phases():
+        parts = [run.series[k] for part in SHOWN if (k := phase_key(phase, f"anatomy/{part}_gib")) in run.series]
+        if not parts:
+            continue
+        total = np.nansum(np.stack(parts), axis=0)  # steps x ranks
+        total[~np.isfinite(parts[0])] = -np.inf
+        if not np.isfinite(total).any():
+            continue
+        row, rank = divmod(int(total.argmax()), total.shape[1])
+        order = np.argsort(total[row], kind="stable")
+        median_rank = int(order[(len(order) - 1) // 2])
+        worst = _split(run, phase, row, rank)
+        dominant = max((p for p in SHOWN if p in worst), key=lambda p: worst[p])
+        host = "slack" not in worst and dominant == "other"  # on the host, "other" is the resident rest
+        rows.append(PhaseAnatomy(phase, int(run.steps[row]), rank, median_rank, worst,
+                                 _split(run, phase, row, median_rank), dominant,
+                                 CHANGE["host other" if host else dominant]))
+    return rows
+
+
+def _parts(split: dict[str, float], mib: bool) -> str:
+    def f(part: str) -> str:
+        value = split.get(part, 0.0)
+        return f"{value * 1024:.1f}" if mib else f"{value:.2f}"
+
+    grads = "grads " + (f("grads_high") if split.get("grads_low") == split.get("grads_high")
+                        else f"{f('grads_low')}-{f('grads_high')}")
+    named = [f"{p} {f(p)}" for p in ("params", "optimizer") if p in split]
+    return ", ".join([*named, grads, *(f"{p} {f(p)}" for p in ("activations", "slack", "other") if p in split)])
+
+
+def anatomy_lines(rows: list[PhaseAnatomy]) -> list[str]:
+    """The report's lines: per phase, the worst rank's split, the median rank's, what to change."""
+    lines = []
+    for a in rows:
+        mib = sum(a.worst.get(p, 0.0) for p in SHOWN) < 1
+        lines.append(f"what fills the {a.phase} peak ({'MiB' if mib else 'GiB'}, step {a.step}): rank {a.rank}: "
+                     f"{_parts(a.worst, mib)}; median rank {a.median_rank}: {_parts(a.median, mib)}; most is "
+                     f"{a.dominant.replace('_high', '')}: {a.change}")
+    return lines
