@@ -3,11 +3,13 @@ change for the part that dominates (docs/anatomy.md). Over :class:`rankmem.offli
 
 from __future__ import annotations
 
+import html
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from rankmem.core.catalogue import ANATOMY_PARTS, phase_key
+from rankmem.core.catalogue import ANATOMY_PARTS, phase_key, phase_names
 from rankmem.offline import Run
 
 CHANGE = {
@@ -93,3 +95,40 @@ def anatomy_lines(rows: list[PhaseAnatomy]) -> list[str]:
                      f"{_parts(a.worst, mib)}; median rank {a.median_rank}: {_parts(a.median, mib)}; most is "
                      f"{a.dominant.replace('_high', '')}: {a.change}")
     return lines
+
+
+def compact_lines(ranks: Mapping[str, Sequence[float | None]]) -> list[str]:
+    """``rankmem watch``'s lines: per phase, the rank whose split adds up highest, in one line."""
+    lines = []
+    for phase in phase_names(k for k in ranks if "/anatomy/" in k):
+        split = {p: ranks.get(phase_key(phase, f"anatomy/{p}_gib"), []) for p in ANATOMY_PARTS}
+        world = max(len(v) for v in split.values())
+        totals = [sum(v[r] or 0.0 for p, v in split.items() if p in SHOWN and r < len(v)) for r in range(world)]
+        rank = max(range(world), key=lambda r: totals[r])
+        mine = {p: float(x) for p, v in split.items() if rank < len(v) and (x := v[rank]) is not None}
+        mib = totals[rank] < 1
+        lines.append(f"{phase} rank {rank} ({'MiB' if mib else 'GiB'}): {_parts(mine, mib)}")
+    return lines
+
+
+COLOURS = {"params": "#4e79a7", "optimizer": "#f28e2b", "grads_high": "#59a14f", "activations": "#e15759",
+           "slack": "#bab0ac", "other": "#76b7b2"}
+
+
+def html_bars(run: Run, rows: list[PhaseAnatomy]) -> str:
+    """The HTML page's stacked bars: per phase, each rank's split at the step of the phase's highest peak,
+    on one scale per phase (plain divs: the page fetches nothing)."""
+    out = []
+    for a in rows:
+        row = int(np.flatnonzero(run.steps == a.step)[0])
+        splits = [_split(run, a.phase, row, rank) for rank in range(run.world_size)]
+        scale = max(sum(s.get(p, 0.0) for p in SHOWN) for s in splits) or 1.0
+        out.append(f"<h3>{html.escape(a.phase)} (step {a.step})</h3>")
+        for rank, s in enumerate(splits):
+            bars = "".join(f'<span style="display:inline-block;height:1em;width:{100 * s[p] / scale:.2f}%;'
+                           f'background:{COLOURS[p]}" title="{p.replace("_high", "")} {s[p]:.3f} GiB"></span>'
+                           for p in SHOWN if s.get(p, 0.0) > 0)
+            out.append(f'<div style="display:flex;align-items:center"><span style="width:6em">rank {rank}</span>'
+                       f'<span style="flex:1;white-space:nowrap;overflow:hidden">{bars}</span></div>')
+    legend = " ".join(f'<span style="color:{c}">&#9632;</span> {p.replace("_high", "")}' for p, c in COLOURS.items())
+    return "\n".join(out) + f"\n<p>{legend}</p>" if out else ""

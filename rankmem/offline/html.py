@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 from rankmem.errors import RankmemError
 from rankmem.offline import Run
+from rankmem.offline.anatomy import html_bars
 from rankmem.offline.report import (
     Report,
     event_lines,
@@ -222,6 +223,9 @@ def render_html(report: Report, run: Run) -> str:
     verdicts = verdict_lines(report)
     if verdicts:
         parts.append(_section("headroom", "Headroom and growth", _list(verdicts)))
+    bars = html_bars(run, report.anatomy)
+    if bars:
+        parts.append(_section("anatomy", "What fills the peak (each rank, at the step of the phase's highest)", bars))
     parts.append(_plots(run))
     body = "\n".join(p for p in parts if p)
     return (f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
