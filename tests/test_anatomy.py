@@ -174,3 +174,20 @@ def test_ptrs_name_the_tracked_storages() -> None:
     assert ptrs["params"] == {p.untyped_storage().data_ptr() for p in model.parameters()}
     assert ptrs["grads"] == {p.grad.untyped_storage().data_ptr() for p in model.parameters() if p.grad is not None}
     assert len(ptrs["optimizer"]) == 2 * len(ptrs["params"])  # AdamW's two moments per parameter
+
+
+def test_prometheus_names_the_part_in_a_category_label() -> None:
+    from rankmem.core.records import StepRecord
+    from rankmem.sinks._promfigures import Figures
+
+    keys = [f"mem/phase/update/anatomy/{p}_gib" for p in ("params", "activations")]
+    metrics = {f"{k}/{stat}": v for k, v in zip(keys, (0.5, 2.0), strict=True) for stat in ("max", "min", "mean")}
+    metrics.update({f"{k}/max_rank": 1.0 for k in keys})
+    record = StepRecord(step=3, time=1.0, metrics=metrics, keys=keys)
+    families = {f.name: f for f in Figures("job", 2).families(record, None, [], 2, {})}
+    family = families["rankmem_phase_anatomy_bytes"]
+    assert family.labels == ("job", "stat", "phase", "category")
+    assert (("job", "max", "update", "activations"), 2.0 * GIB) in family.samples
+    assert (("job", "mean", "update", "params"), 0.5 * GIB) in family.samples
+    worst = families["rankmem_worst_rank"].samples
+    assert (("job", "rankmem_phase_anatomy_bytes:activations", "update"), 1.0) in worst
