@@ -76,7 +76,8 @@ class Tracker:
                 self._grad_sizes.append(_nbytes(t))
         if optimizer is not None and all(o is not optimizer for o in self._optimizers):
             self._optimizers.append(optimizer)
-            self._handles += [optimizer.register_step_pre_hook(self._pre), optimizer.register_step_post_hook(self._post)]
+            self._handles += [optimizer.register_step_pre_hook(self._pre),
+                              optimizer.register_step_post_hook(self._post)]
             self._read_optimizer(force=True)
 
     def grads(self) -> int:
@@ -109,7 +110,7 @@ class Tracker:
         self.optimizer_bytes = total
 
     def _pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self._guard.call("anatomy", "peak anatomy failed at an optimizer step", self._at_step, default=None)
+        self._guard.call("anatomy", "peak anatomy failed at a step", self._at_step, default=None)
 
     def _at_step(self) -> None:
         self._step_grads = g = self.grads()
@@ -118,7 +119,7 @@ class Tracker:
             self.boundary(g)
 
     def _post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self._guard.call("anatomy", "peak anatomy failed at an optimizer step", self._after_step, default=None)
+        self._guard.call("anatomy", "peak anatomy failed at a step", self._after_step, default=None)
 
     def _after_step(self) -> None:
         self._read_optimizer()
@@ -130,9 +131,9 @@ class Tracker:
         ``grads``, ``optimizer``): what an allocator history's blocks are classed by. A walk: not for
         the hot path."""
         grads = {_local(p.grad).untyped_storage().data_ptr() for p in self._grad_params if p.grad is not None}
-        optimizer = {_local(v).untyped_storage().data_ptr() for o in self._optimizers for s in o.state.values()
-                     for v in s.values() if hasattr(v, "untyped_storage") and v.dim() >= 1
-                     and _local(v).device.type == self.kind}
+        optimizer = {_local(v).untyped_storage().data_ptr() for o in self._optimizers
+                     for s in o.state.values() for v in s.values()
+                     if hasattr(v, "untyped_storage") and v.dim() >= 1 and _local(v).device.type == self.kind}
         return {"params": set(self._storages), "grads": grads, "optimizer": optimizer}
 
     def close(self) -> None:
@@ -207,16 +208,19 @@ class Anatomy:
         if peak is None:
             return
         t = self.tracker
-        low, high, optimizer = run.best if run.best is not None else (run.start[0], run.start[0], run.start[1])
+        start_grads, start_optimizer = run.start
+        # No segment raised the peak: it is the phase's start, where the gradients are known.
+        low, high, optimizer = run.best or (start_grads, start_grads, start_optimizer)
         held = t.params_bytes + (optimizer or 0) + high
         if self.device:
-            other = None if dev is None or dev.used is None or dev.reserved is None else max(dev.used - dev.reserved, 0)
+            known = dev is not None and dev.used is not None and dev.reserved is not None
+            other = max(dev.used - dev.reserved, 0) if known else None  # type: ignore[operator,union-attr]
             slack = None if window.peak_reserved is None else window.peak_reserved - peak
         else:
             # The host: the resident process below the tracked state at the phase's start (interpreter,
             # libraries, data, heap kept from before) is its own figure; what rose above it is the phase's.
             start_rss = window.start_rss
-            tracked = t.params_bytes + (run.start[1] or 0) + run.start[0]
+            tracked = t.params_bytes + (start_optimizer or 0) + start_grads
             other = None if start_rss is None else max(0, min(start_rss - tracked, peak - held))
             slack = None
         p.anatomy_params, p.anatomy_optimizer = t.params_bytes, optimizer

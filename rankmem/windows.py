@@ -410,8 +410,8 @@ class _Phase(_Window):
             if error is not None:
                 windows._failed(error, self, rss, dev)
             anatomy = windows.anatomy
-            run = None if anatomy is None else windows._guard.call("anatomy", "peak anatomy failed", anatomy.close,
-                                                                    self, default=None)
+            run = None if anatomy is None else windows._guard.call("anatomy", "peak anatomy failed",
+                                                                    anatomy.close, self, default=None)
             windows._close_phase(self._name, self, rss, dev, run)
         finally:
             windows._phase_stack.pop()

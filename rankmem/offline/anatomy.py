@@ -17,8 +17,8 @@ CHANGE = {
     "optimizer": "shard the optimizer state (ZeRO-1 / FSDP) or offload it to the host",
     "params": "shard the parameters (FSDP / ZeRO-3) or keep them in a lower precision",
     "grads_high": "shard the gradients (ZeRO-2 / FSDP) or accumulate them in a lower precision",
-    "other": "memory outside torch's allocator: see the device split by owner (NCCL, context, other processes)",
-    "host other": "the process below the phase (interpreter, libraries, data, heap kept from earlier windows)",
+    "other": "memory outside torch's allocator: see the device split by owner (NCCL, context, others)",
+    "host other": "the process below the phase (interpreter, libraries, data, heap kept from before)",
     "slack": "allocator slack: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
 }
 """What a user changes when a part fills most of the peak."""
@@ -56,7 +56,8 @@ def anatomy_rows(run: Run) -> list[PhaseAnatomy]:
     rank whose total is the median at that step."""
     rows = []
     for phase in run.phases():
-        parts = [run.series[k] for part in SHOWN if (k := phase_key(phase, f"anatomy/{part}_gib")) in run.series]
+        keys = [phase_key(phase, f"anatomy/{part}_gib") for part in SHOWN]
+        parts = [run.series[k] for k in keys if k in run.series]
         if not parts:
             continue
         total = np.nansum(np.stack(parts), axis=0)  # steps x ranks
@@ -83,7 +84,8 @@ def _parts(split: dict[str, float], mib: bool) -> str:
     grads = "grads " + (f("grads_high") if split.get("grads_low") == split.get("grads_high")
                         else f"{f('grads_low')}-{f('grads_high')}")
     named = [f"{p} {f(p)}" for p in ("params", "optimizer") if p in split]
-    return ", ".join([*named, grads, *(f"{p} {f(p)}" for p in ("activations", "slack", "other") if p in split)])
+    rest = [f"{p} {f(p)}" for p in ("activations", "slack", "other") if p in split]
+    return ", ".join([*named, grads, *rest])
 
 
 def anatomy_lines(rows: list[PhaseAnatomy]) -> list[str]:
@@ -91,7 +93,8 @@ def anatomy_lines(rows: list[PhaseAnatomy]) -> list[str]:
     lines = []
     for a in rows:
         mib = sum(a.worst.get(p, 0.0) for p in SHOWN) < 1
-        lines.append(f"what fills the {a.phase} peak ({'MiB' if mib else 'GiB'}, step {a.step}): rank {a.rank}: "
+        unit = "MiB" if mib else "GiB"
+        lines.append(f"what fills the {a.phase} peak ({unit}, step {a.step}): rank {a.rank}: "
                      f"{_parts(a.worst, mib)}; median rank {a.median_rank}: {_parts(a.median, mib)}; most is "
                      f"{a.dominant.replace('_high', '')}: {a.change}")
     return lines
@@ -103,7 +106,8 @@ def compact_lines(ranks: Mapping[str, Sequence[float | None]]) -> list[str]:
     for phase in phase_names(k for k in ranks if "/anatomy/" in k):
         split = {p: ranks.get(phase_key(phase, f"anatomy/{p}_gib"), []) for p in ANATOMY_PARTS}
         world = max(len(v) for v in split.values())
-        totals = [sum(v[r] or 0.0 for p, v in split.items() if p in SHOWN and r < len(v)) for r in range(world)]
+        totals = [sum(v[r] or 0.0 for p, v in split.items() if p in SHOWN and r < len(v))
+                  for r in range(world)]
         rank = max(range(world), key=lambda r: totals[r])
         mine = {p: float(x) for p, v in split.items() if rank < len(v) and (x := v[rank]) is not None}
         mib = totals[rank] < 1
@@ -128,7 +132,9 @@ def html_bars(run: Run, rows: list[PhaseAnatomy]) -> str:
             bars = "".join(f'<span style="display:inline-block;height:1em;width:{100 * s[p] / scale:.2f}%;'
                            f'background:{COLOURS[p]}" title="{p.replace("_high", "")} {s[p]:.3f} GiB"></span>'
                            for p in SHOWN if s.get(p, 0.0) > 0)
-            out.append(f'<div style="display:flex;align-items:center"><span style="width:6em">rank {rank}</span>'
+            out.append(f'<div style="display:flex;align-items:center">'
+                       f'<span style="width:6em">rank {rank}</span>'
                        f'<span style="flex:1;white-space:nowrap;overflow:hidden">{bars}</span></div>')
-    legend = " ".join(f'<span style="color:{c}">&#9632;</span> {p.replace("_high", "")}' for p, c in COLOURS.items())
+    legend = " ".join(f'<span style="color:{c}">&#9632;</span> {p.replace("_high", "")}'
+                      for p, c in COLOURS.items())
     return "\n".join(out) + f"\n<p>{legend}</p>" if out else ""

@@ -225,7 +225,7 @@ def render_html(report: Report, run: Run) -> str:
         parts.append(_section("headroom", "Headroom and growth", _list(verdicts)))
     bars = html_bars(run, report.anatomy)
     if bars:
-        parts.append(_section("anatomy", "What fills the peak (each rank, at the step of the phase's highest)", bars))
+        parts.append(_section("anatomy", "What fills the peak (each rank, the phase's highest step)", bars))
     parts.append(_plots(run))
     body = "\n".join(p for p in parts if p)
     return (f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'

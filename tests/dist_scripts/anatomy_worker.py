@@ -54,7 +54,8 @@ def main(mode: str, out: str) -> None:
             with monitor.step(step):
                 for phase in ("update", "log_prob"):
                     mirror.mark()
-                    with (worker.phase if mode == "worker" else monitor.phase)(phase):  # the worker's tells it
+                    # The worker's own phase: it tells its micro-batches inside its phases only.
+                    with (worker.phase if mode == "worker" else monitor.phase)(phase):
                         if mode == "worker" and phase == "update":
                             worker.train_batch(batch)
                         elif mode == "worker":
@@ -74,7 +75,8 @@ def main(mode: str, out: str) -> None:
             record = monitor.last_record
             assert record is not None
             mine = {k: v[rank] for k, v in record.columns().items() if k.startswith("mem/phase/")}
-            records.append({"truth": truth, "mine": mine, "aggregates": {k: v for k, v in metrics.items() if "/anatomy/" in k}})
+            aggregates = {k: v for k, v in metrics.items() if "/anatomy/" in k}
+            records.append({"truth": truth, "mine": mine, "aggregates": aggregates})
     params_direct = sum(p.untyped_storage().nbytes() for p in params) / GIB
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump({"params": params_direct, "heavy": heavy, "steps": records}, f)
