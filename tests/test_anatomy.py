@@ -129,15 +129,15 @@ def test_against_memtracker() -> None:
 
 
 def test_host_split_sums_to_the_rss_peak() -> None:
-    """No device: the host's RSS peak, split; slack is the allocator's, absent here, never 0. The first
-    step's activations raise the RSS; a later step's reuse the heap the first one freed (``other``)."""
+    """No device: the host's RSS peak, split; slack is the allocator's, absent here, never 0. Activations
+    here are what the RSS rose by (heap freed before and reused counts as ``other``: docs/anatomy.md), so
+    only their sign is asserted; the rest is exact."""
     model, optimizer = _model()
     monitor = rankmem.Monitor(device="cpu", children=False, near_oom_watch=False)
     monitor.track(model, optimizer)
     truth: list[int] = []
     _loop(model, optimizer, monitor, 1)
-    first = split(monitor.local_metrics(), "update")
-    assert first["activations"] > 1.5 * 192 * 1024 * 4  # the second micro-batch's hidden layer, twice
+    monitor.local_metrics()
     _loop(model, optimizer, monitor, 1, after=lambda step: truth.append(optimizer_bytes(optimizer)))
     values = monitor.local_metrics()
     monitor.close()
