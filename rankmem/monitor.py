@@ -32,6 +32,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from rankmem.anatomy import Anatomy, Tracker
 from rankmem.core.catalogue import rank_metrics
 from rankmem.core.guard import Guard
 from rankmem.core.records import RunHeader, StepRecord
@@ -221,6 +222,13 @@ class _Readouts:
         return self._exchange.header
 
     @property
+    def tracker(self) -> Tracker | None:
+        """What :meth:`Monitor.track` was told, or None; ``tracker.ptrs()`` gives the tracked storages'
+        ``data_ptr()`` by category (params, grads, optimizer)."""
+        anatomy = self._windows.anatomy
+        return None if anatomy is None else anatomy.tracker
+
+    @property
     def last_record(self) -> StepRecord | None:
         """The last collect's record, per-rank vectors included, on every rank (built on first use)."""
         return self._publisher.last_record
@@ -295,6 +303,22 @@ class Monitor(_Readouts):
             self._guard.warn_once("micro_batch", "micro_batch() outside a phase is ignored: call it inside "
                                   "monitor.phase(...), where the phase's peak is measured", stacklevel=3)
 
+    def track(self, model: Any, optimizer: Any = None) -> None:
+        """Tell the monitor what this rank trains, so that every phase's peak is split into parameters,
+        optimizer state, gradients (a range), activations, allocator slack and memory outside torch
+        (``mem/phase/<name>/anatomy/*``, docs/anatomy.md). Once per model (actor, critic, reference), after
+        it is on its device and wrapped (FSDP's ``fully_shard`` replaces the parameters), on every rank.
+        Registers a step pre- and post-hook on ``optimizer``; each ``micro_batch()`` becomes an edge.
+        Local."""
+        windows = self._open_windows()
+        if windows.anatomy is None:
+            device = windows.device
+            kind = "cpu" if device is None else str(getattr(device.module, "tensor_device_type", device.name))
+            tracker = Tracker(kind, self._guard)
+            tracker.boundary = windows.boundary
+            windows.anatomy = Anatomy(tracker, device is not None)
+        windows.anatomy.tracker.add(model, optimizer)
+
     def local_metrics(self, metrics: Mapping[str, Any] | None = None) -> dict[str, float]:
         """This rank's per-rank keys for the window that just closed, plus the caller's scalars.
         Consumes the window: the next call starts a new one. :meth:`collect` calls this first."""
@@ -363,6 +387,8 @@ class Monitor(_Readouts):
     def close(self) -> None:
         """Flush and close the sinks, close the probe's descriptors. Local; safe to call twice."""
         self._closed = True
+        if self._windows.anatomy is not None:
+            self._windows.anatomy.tracker.close()
         self._publisher.close()
         # Closed while an exception propagates (a finally block): the heartbeat says the exit was not clean.
         self._forensics.close(clean=sys.exc_info()[0] is None)

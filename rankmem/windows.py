@@ -29,6 +29,7 @@ from rankmem.probe.host import HostProbe
 from rankmem.probe.nodewatch import NodeFigures
 
 if TYPE_CHECKING:
+    from rankmem.anatomy import Anatomy, _Run
     from rankmem.probe.nvmlwatch import DeviceAttribution
 
 _N = TypeVar("_N", int, float)
@@ -162,6 +163,8 @@ class Windows:
         self._collects = 0
         self._numbered = False  # a collect was given step=: the collect count is no step number then
         self._implicit: _Window | None = self._begin()
+        self.anatomy: Anatomy | None = None
+        """Set by Monitor.track(): phase peaks are then split (rankmem.anatomy), micro-batches are edges."""
 
     @property
     def where(self) -> Where:
@@ -230,11 +233,21 @@ class Windows:
         window is no phase: only phases carry work keys."""
         if not self._phase_stack or len(self._folded) < 2:
             return False
+        if self.anatomy is not None:  # the micro-batch before this one ends here
+            self.boundary()
         window = self._folded[-1]
         if window.work is None:
             window.work = Work()
         window.work.add(tokens, sequences, sq_tokens)
         return True
+
+    def boundary(self, grads: int | None = None) -> None:
+        """An edge inside the open phases where a segment of their anatomy ends (a micro-batch, an
+        optimizer step's start or end); ``grads``: the gradient bytes, where already counted."""
+        anatomy = self.anatomy
+        if anatomy is not None and anatomy.active:
+            self._edge()
+            self._guard.call("anatomy", "peak anatomy failed", anatomy.boundary, grads, default=None)
 
     # ---- windows ------------------------------------------------------------------------------------
     def next_step(self, given: int | None) -> tuple[int, bool]:
@@ -274,8 +287,15 @@ class Windows:
         window._windows, window._name = self, name
         return window
 
-    def _close_phase(self, name: str, window: _Window, rss: int | None, dev: DeviceReading | None) -> None:
+    def _close_phase(self, name: str, window: _Window, rss: int | None, dev: DeviceReading | None,
+                     run: _Run | None = None) -> None:
         p = self._phases.setdefault(name, PhaseBytes())
+        if run is not None and self.anatomy is not None:  # this run's split, where it holds the phase's peak
+            held, own = (p.peak_allocated, window.peak_allocated) if self.anatomy.device else (p.peak_rss,
+                                                                                              window.peak_rss)
+            if own is not None and (held is None or own >= held):
+                self._guard.call("anatomy", "peak anatomy failed", self.anatomy.into, p, window, run, dev,
+                                 default=None)
         # A phase run twice in a step: the peak, and the rise of the run that reached it (a run that only
         # held a peak an earlier run raised must not hide that rise, nor lend its own to a lower peak).
         # Inside an open phase of the same name (a helper that opens "update" called from "update"), the
@@ -378,6 +398,8 @@ class _Phase(_Window):
             windows._moved()
             raise
         windows._folded.append(self)
+        if windows.anatomy is not None:
+            windows._guard.call("anatomy", "peak anatomy failed", windows.anatomy.open, self, default=None)
 
     def __exit__(self, kind: object, error: BaseException | None, tb: object) -> None:
         windows = self._windows
@@ -387,7 +409,10 @@ class _Phase(_Window):
                 windows._folded.remove(self)
             if error is not None:
                 windows._failed(error, self, rss, dev)
-            windows._close_phase(self._name, self, rss, dev)
+            anatomy = windows.anatomy
+            run = None if anatomy is None else windows._guard.call("anatomy", "peak anatomy failed",
+                                                                    anatomy.close, self, default=None)
+            windows._close_phase(self._name, self, rss, dev, run)
         finally:
             windows._phase_stack.pop()
             windows._moved()

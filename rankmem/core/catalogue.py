@@ -138,6 +138,11 @@ PHASE_RISE_CATALOGUE: tuple[KeySpec, ...] = (
 that *raised* a step's peak from those that only held it (:func:`peak_phase`). Documented in
 docs/phase-attribution.md rather than README's key table: they serve the verdicts, not the reader."""
 
+ANATOMY_PARTS = ("params", "optimizer", "grads_low", "grads_high", "activations", "slack", "other")
+ANATOMY_CATALOGUE: tuple[KeySpec, ...] = tuple(KeySpec(f"anatomy/{part}_gib", "anatomy_" + part, "GiB")
+                                               for part in ANATOMY_PARTS)
+"""Per phase ``P``: ``mem/phase/P/anatomy/<part>_gib``, the split of P's peak (docs/anatomy.md)."""
+
 WORK_FIELDS = ("mb_tokens", "mb_sequences", "mb_sq_tokens", "tokens", "micro_batches")
 """The :class:`~rankmem.core.records.PhaseBytes` fields that count work, not bytes."""
 
@@ -163,8 +168,8 @@ def spec(key: str) -> KeySpec | None:
     """The catalogue entry of a per-rank key, phase keys included; None for the caller's own keys."""
     found = SPECS.get(key)
     if found is None and key.startswith(PHASE_PREFIX):
-        suffix = key.rsplit("/", 1)[-1]
-        found = next((s for s in (*PHASE_CATALOGUE, *PHASE_RISE_CATALOGUE) if s.key == suffix), None)
+        suffix = key.split("/", 3)[-1]
+        found = next((s for s in _PHASE_KEYS if s.key == suffix), None)
     return found
 
 
@@ -202,7 +207,7 @@ def phase_names(keys: Iterable[str]) -> list[str]:
     return sorted({k.split("/")[2] for k in keys if k.startswith(PHASE_PREFIX) and k.count("/") >= 3})
 
 
-_PHASE_KEYS = (*PHASE_CATALOGUE, *PHASE_RISE_CATALOGUE)
+_PHASE_KEYS = (*PHASE_CATALOGUE, *PHASE_RISE_CATALOGUE, *ANATOMY_CATALOGUE)
 _WINDOW_FIELDS = tuple((s.key, s.field, s.unit == "GiB") for s in CATALOGUE)
 
 

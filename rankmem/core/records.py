@@ -178,6 +178,14 @@ class PhaseBytes:
     itself raised (0 where it only held memory from before)."""
     peak_allocated_rise: int | None = None
     peak_reserved_rise: int | None = None
+    # What filled the peak (rankmem.anatomy, docs/anatomy.md): with Monitor.track() only.
+    anatomy_params: int | None = None
+    anatomy_optimizer: int | None = None
+    anatomy_grads_low: int | None = None
+    anatomy_grads_high: int | None = None
+    anatomy_activations: int | None = None
+    anatomy_slack: int | None = None
+    anatomy_other: int | None = None
 
 
 @dataclass(slots=True)

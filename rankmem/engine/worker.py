@@ -218,6 +218,8 @@ class TrainingWorker:
         self.module = wrap_model(model.to(device), config.engine, device)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(config))
+        if monitor is not None:  # after wrap_model: FSDP2 has replaced the parameters by their shards
+            monitor.track(self.module, self.optimizer)
         peak = config.peak_tflops if config.peak_tflops is not None else (989.0 if device.type == "cuda" else 0.1)
         self.peak_flops = peak * 1e12
         self._in_phase = 0

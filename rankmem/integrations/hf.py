@@ -80,7 +80,9 @@ class RankmemCallback(StepWindow, TrainerCallback):  # type: ignore[misc]
         self._warned_inputs = False
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._monitor()
+        monitor, optimizer = self._monitor(), kwargs.get("optimizer")
+        if kwargs.get("model") is not None:  # accelerate's optimizer wrapper steps the torch one it holds
+            monitor.track(kwargs["model"], getattr(optimizer, "optimizer", optimizer))
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # global_step counts the steps done; on_log names this one global_step + 1 once it is.

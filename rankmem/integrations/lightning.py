@@ -74,6 +74,10 @@ class RankmemCallback(StepWindow, Callback):  # type: ignore[misc]
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self._monitor()
 
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        for optimizer in trainer.optimizers or [None]:  # created after setup(): tracked here
+            self._monitor().track(pl_module, optimizer)
+
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self._open_step(logging_step(trainer))
 

@@ -30,6 +30,7 @@ import numpy as np
 from rankmem.core.catalogue import key_of, phase_key, work_key
 from rankmem.errors import RankmemError
 from rankmem.fit import Fit, FitConfig, NoFit, fit_phase, grew_pool, overhead_ratio
+from rankmem.fit.held import HELD_PARTS, held_state
 from rankmem.offline import Run
 from rankmem.offline.capacity import capacities
 from rankmem.trend.trend import LeakConfig, Trend, regression_axis, trend
@@ -108,6 +109,10 @@ def _phase_series(run: Run, phase: str, rank: int, warmup: int, kind: str) -> _S
     col = _col(run, work_key(phase, "mb_tokens"), rank, rows)
     q_key = work_key(phase, "mb_sq_tokens")
     q = _col(run, q_key, rank, rows) if q_key in run.series else None
+    # Peak anatomy (Monitor.track): the rise less the gradients and optimizer state present at the peak;
+    # the baseline holds them instead.
+    held, static = held_state(*(_col(run, k, rank, rows) if k in run.series else None for k in
+                                (phase_key(phase, f"anatomy/{p}_gib") for p in HELD_PARTS)))
     if kind == "device":
         peak = _col(run, phase_key(phase, "peak_allocated_gib"), rank, rows)
         base = _col(run, key_of("allocated"), rank, rows)
@@ -117,13 +122,13 @@ def _phase_series(run: Run, phase: str, rank: int, warmup: int, kind: str) -> _S
         baseline = float(np.median(finite[-BASELINE_STEPS:])) if finite.size else math.nan
         seen = run.steps[rows][np.isfinite(base)]
         at = float(np.median(seen[-BASELINE_STEPS:])) if seen.size else math.nan
-        return _Series(col, peak - base, q, baseline, _nanmax(other), at, ratio)
+        return _Series(col, peak - base - held, q, baseline + static, _nanmax(other), at, ratio)
     peak = _col(run, phase_key(phase, "peak_rss_gib"), rank, rows)
     base = _col(run, key_of("rss"), rank, rows)
     baseline = float(np.nanmin(base)) if np.isfinite(base).any() else math.nan
     fitted = run.steps[rows][np.isfinite(col) & np.isfinite(peak)]
     at = float(np.mean(fitted)) if fitted.size else math.nan
-    return _Series(col, peak - baseline, q, baseline, 0.0, at)
+    return _Series(col, peak - baseline - held, q, baseline + static, 0.0, at)
 
 
 def _allocator_ratio(run: Run, phase: str, rank: int, rows: slice, peak: np.ndarray) -> float:

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from rankmem.core.rundir import replace_file
 from rankmem.errors import RankmemError
 from rankmem.offline import Run
+from rankmem.offline.anatomy import html_bars
 from rankmem.offline.report import (
     Report,
     event_lines,
@@ -220,6 +221,9 @@ def render_html(report: Report, run: Run) -> str:
     verdicts = verdict_lines(report)
     if verdicts:
         parts.append(_section("headroom", "Headroom and growth", _list(verdicts)))
+    bars = html_bars(run, report.anatomy)
+    if bars:
+        parts.append(_section("anatomy", "What fills the peak (each rank, the phase's highest step)", bars))
     parts.append(_plots(run))
     body = "\n".join(p for p in parts if p)
     return (f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'

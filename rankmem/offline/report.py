@@ -35,6 +35,7 @@ from rankmem.core.eventrecords import Event, KilledEvent, NearOomEvent, OomEvent
 from rankmem.core.scalars import json_safe, to_float
 from rankmem.core.text import printable
 from rankmem.offline import Run
+from rankmem.offline.anatomy import PhaseAnatomy, anatomy_lines, anatomy_rows
 from rankmem.offline.capacity import capacities
 from rankmem.offline.events import read_events
 from rankmem.offline.imbalance import (
@@ -145,6 +146,8 @@ class Report:
     """Per phase told its micro-batches and rank: the excess peak, what its tokens explain, the rest."""
     overruns: list[OverBudget] = field(default_factory=list)
     """Per phase with a configured token budget: the windows whose heaviest micro-batch went over it."""
+    anatomy: list[PhaseAnatomy] = field(default_factory=list)
+    """Per phase with ``Monitor.track``: what fills its peak on the worst rank and the median rank."""
 
     def worst(self) -> list[tuple[str, KeyReport]]:
         """(headline label, report) of the catalogue's headline keys present: who is closest to trouble."""
@@ -299,6 +302,7 @@ def _tables(run: Run, imb: ImbalanceConfig) -> Report:
                 report.headroom = kr
     report.host_growth = growth(run, key_of("rss"))
     report.phases = phase_rows(run)
+    report.anatomy = anatomy_rows(run)
     report.limits = limits(run, report)
     if run.logged is None:  # the split needs every step's per-rank values
         report.imbalance = rank_excess(run, floor_gib=imb.floor_gib, fraction=imb.fraction)
@@ -575,7 +579,7 @@ def verdict_lines(report: Report) -> list[str]:
             f"host RSS growth (first to last step): {g.growth * 1024:+.1f} MiB on rank {g.rank} "
             f"(mean over ranks {g.mean_growth * 1024:+.1f} MiB)"
         )
-    return lines + imbalance_lines(report.imbalance, report.overruns)
+    return lines + imbalance_lines(report.imbalance, report.overruns) + anatomy_lines(report.anatomy)
 
 
 def leak_lines(report: Report) -> list[str]:

@@ -30,6 +30,7 @@ from rankmem.core.records import RunHeader
 from rankmem.core.rundir import RunDir
 from rankmem.core.scalars import to_float
 from rankmem.forensics.heartbeat import HeartbeatRecord, read_heartbeats
+from rankmem.offline.anatomy import compact_lines
 from rankmem.offline.capacity import DEVICE, HOST, NODE
 from rankmem.offline.events import read_events
 from rankmem.offline.follow import Follower, Tail
@@ -102,6 +103,8 @@ class Frame:
     detail_note: str | None = None
     """Why the side file is no longer followed (a damaged record, another run's file), and the run
     log's gaps, or None."""
+    anatomy: list[str] = field(default_factory=list)
+    """Per phase with ``Monitor.track``: what fills the highest rank's peak, one line each."""
 
 
 def _vector(step: dict[str, Any], key: str, world: int) -> list[float | None]:
@@ -182,6 +185,8 @@ def build_frame(run_dir: str, tail: Tail, beats: dict[int, HeartbeatRecord], eve
         step_time_s=step_time, columns=columns, rows=rows, worst=worst, capacity=capacity, detail_step=detail_step,
         limits=_limits(last, columns, world) if last is not None else {},
         events=events[-EVENTS_SHOWN:], event_count=len(events),
+        anatomy=compact_lines({k: _vector(last, k, world) for k in last["ranks"] if "/anatomy/" in k})
+        if last is not None and isinstance(last.get("ranks"), dict) else [],
     )
 
 

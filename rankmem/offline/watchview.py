@@ -217,6 +217,7 @@ def render_frame(frame: Frame, stale_s: float = 30.0) -> Any:
         legend.append(f"{WORST_MARK} the worst rank of the column")
     legend.append(f"yellow from {WARN_SHARE:.0%}, red from {DANGER_SHARE:.0%} of the binding limit")
     parts.append(Text("; ".join(legend), "dim"))
+    parts += [Text(printable("what fills the peak: " + line)) for line in frame.anatomy]
     if frame.event_count:
         parts.append(Text(f"events ({frame.event_count}, newest last):"))
         for e in frame.events:

@@ -20,6 +20,7 @@ import numpy as np
 from rankmem.core.catalogue import key_of, phase_key, phase_names, work_key
 from rankmem.core.warnings import warn
 from rankmem.fit import Fit, NoFit, fit_phase, grew_pool, overhead_ratio
+from rankmem.fit.held import HELD_PARTS, held_state
 
 HEADROOM_FRACTION = 0.05
 WARMUP = 2
@@ -74,19 +75,24 @@ class AdviceWatch:
         # memory outside torch.
         extra_cols = [index.get(phase_key(phase, k)) for k in ("peak_reserved_gib", "peak_reserved_rise_gib")]
         extra_cols.append(index.get(key_of("other")))
+        held_cols = [index.get(phase_key(phase, f"anatomy/{p}_gib")) for p in HELD_PARTS]
         if cols[0] is None or peak_col is None or base_col is None:
             return
         for rank in range(matrix.shape[0]):
             row = matrix[rank]
             q = row[cols[1]] if cols[1] is not None else np.nan
             reserved, rise, other = (float(row[c]) if device and c is not None else np.nan for c in extra_cols)
-            entry = (float(row[cols[0]]), float(q), float(row[peak_col]), float(row[base_col]), reserved, rise, other)
+            low, high, o = (float(row[c]) if c is not None else np.nan for c in held_cols)
+            entry = (float(row[cols[0]]), float(q), float(row[peak_col]), float(row[base_col]), reserved,
+                     rise, other, low, high, o)
             self.history.setdefault((phase, rank), deque(maxlen=HISTORY)).append(entry)
         self.device[phase] = device
 
     def _series(self, key: tuple[str, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, float, float, float]:
         """(T, rise, Q or None, baseline, the allocator's ratio, other) of one phase and rank, from its history."""
-        t, q, peak, base, reserved, rise, other = (np.array(c) for c in zip(*self.history[key], strict=True))
+        t, q, peak, base, reserved, rise, other, low, high, o = (np.array(c) for c in zip(*self.history[key],
+                                                                                           strict=True))
+        held, static = held_state(low, high, o)  # peak anatomy: as in rankmem.offline.advice
         device = self.device[key[0]]
         baseline = float(np.nanmin(base)) if not device else float(np.nanmedian(base[-5:]))
         ratio, outside = 1.0, 0.0
@@ -94,7 +100,8 @@ class AdviceWatch:
             ratio = overhead_ratio(peak, reserved, grew_pool(reserved, peak, rise if np.isfinite(rise).any() else None))
             finite = other[np.isfinite(other)]
             outside = max(float(finite.max()), 0.0) if finite.size else 0.0
-        return t, peak - (base if device else baseline), q if np.isfinite(q).all() else None, baseline, ratio, outside
+        rise_of = peak - (base if device else baseline) - held
+        return t, rise_of, q if np.isfinite(q).all() else None, baseline + static, ratio, outside
 
     def _judge(self) -> list[str]:
         given: list[str] = []

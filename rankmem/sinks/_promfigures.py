@@ -59,13 +59,25 @@ class KeyName:
     name: str
     phase: str | None
     scale: float
+    category: str | None = None
+    """The part of a phase's peak (``mem/phase/P/anatomy/<category>_gib``): one family, a label each."""
+
+    def labels(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The phase (and category) label names and values of this key's samples."""
+        if self.phase is None:
+            return (), ()
+        if self.category is None:
+            return ("phase",), (self.phase,)
+        return ("phase", "category"), (self.phase, self.category)
 
 
 def key_name(key: str) -> KeyName:
     """The Prometheus name of a per-rank key (the scheme in the module docstring)."""
-    phase = None
+    phase = category = None
     if key.startswith(PHASE_PREFIX) and key.count("/") >= 3:
         _, _, phase, suffix = key.split("/", 3)
+        if suffix.startswith("anatomy/") and suffix.endswith("_gib"):
+            suffix, category = "anatomy_gib", _BAD.sub("_", suffix[len("anatomy/"):-len("_gib")])
         body = "phase_" + suffix
     elif key.startswith(MEMORY_PREFIX):
         body = key[len(MEMORY_PREFIX):]
@@ -76,7 +88,7 @@ def key_name(key: str) -> KeyName:
         body, scale = body[: -len("_gib")] + "_bytes", float(GIB)
     elif key.startswith(MEMORY_PREFIX) and body.endswith("_s"):
         body = body[: -len("_s")] + "_seconds"  # Prometheus's base unit spelled out: mem/node/age_s
-    return KeyName("rankmem_" + _BAD.sub("_", body), phase, scale)
+    return KeyName("rankmem_" + _BAD.sub("_", body), phase, scale, category)
 
 
 class Namer:
@@ -84,16 +96,16 @@ class Namer:
 
     def __init__(self) -> None:
         self._names: dict[str, KeyName] = {}
-        self._owner: dict[tuple[str, str | None], str] = {}
+        self._owner: dict[tuple[str, str | None, str | None], str] = {}
 
     def __call__(self, key: str) -> KeyName:
         found = self._names.get(key)
         if found is None:
             found = key_name(key)
-            owner = self._owner.setdefault((found.name, found.phase), key)
+            owner = self._owner.setdefault((found.name, found.phase, found.category), key)
             if owner != key:
                 digest = hashlib.sha1(key.encode("utf-8", "replace")).hexdigest()[:8]
-                found = KeyName(f"{found.name}_{digest}", found.phase, found.scale)
+                found = KeyName(f"{found.name}_{digest}", found.phase, found.scale, found.category)
             self._names[key] = found
         return found
 
@@ -175,8 +187,8 @@ class Figures:
                              "where low is bad), as the run log's max_rank/min_rank", ("job", "metric", "phase"))
         for key in record.key_names():
             kn = self._namer(key)
-            phase = () if kn.phase is None else (kn.phase,)
-            labels = ("job", "stat") + (("phase",) if kn.phase is not None else ())
+            names, phase = kn.labels()
+            labels = ("job", "stat", *names)
             fam = self._family(out, kn.name, f"rankmem {key} across ranks (stat: max, min, mean; p50, p90, p99 above 128 ranks)", labels)
             for stat in STATS:
                 value = metrics.get(f"{key}/{stat}")
@@ -184,7 +196,8 @@ class Figures:
                     fam.samples.append(((self.job, stat, *phase), value * kn.scale))
             at = metrics.get(f"{key}/{worst_stat(key)}_rank")
             if at is not None and at == at:
-                worst.samples.append(((self.job, kn.name, kn.phase or ""), float(at)))
+                metric = kn.name if kn.category is None else f"{kn.name}:{kn.category}"
+                worst.samples.append(((self.job, metric, kn.phase or ""), float(at)))
 
     def _per_rank(self, detail: StepRecord, ranks: Sequence[RankInfo], out: dict[str, Family]) -> None:
         keys = list(detail.keys)
@@ -194,9 +207,9 @@ class Figures:
             cached = self._rows = (detail.matrix, worst_ranks(keys, matrix, self.top_k))
         for col, (key, rows) in enumerate(zip(keys, cached[1], strict=True)):
             kn = self._namer(key)
-            labels = ("job", *RANK_LABELS) + (("phase",) if kn.phase is not None else ())
+            names, phase = kn.labels()
+            labels = ("job", *RANK_LABELS, *names)
             name = "rankmem_rank_" + kn.name[len("rankmem_"):]
             fam = self._family(out, name, f"rankmem {key} of the top-{self.top_k} worst ranks", labels)
-            phase = () if kn.phase is None else (kn.phase,)
             for r in rows:
                 fam.samples.append(((self.job, *rank_labels(ranks, r), *phase), float(matrix[r, col]) * kn.scale))
