@@ -3,16 +3,38 @@
 Public API: :class:`Monitor` (built on every rank), :class:`MonitorConfig`, :func:`sample` for a
 one-off local reading, the records it returns, and the verl drop-in
 :func:`allgather_dict_into_dict`. Importing rankmem does not import torch.
+
+The names are imported on first use: ``rankmem.integrations.verl.setup`` runs in every Ray worker of a
+verl job and must import nothing but the standard library (this package is imported on the way to it).
 """
 
 from __future__ import annotations
 
-from rankmem.core.records import DeviceReading, HostReading
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from rankmem.core.version import __version__
-from rankmem.errors import MissingExtraError, RankmemError
-from rankmem.exchange.dict_gather import allgather_dict_into_dict
-from rankmem.monitor import Monitor, MonitorConfig
-from rankmem.probe.sample import MemorySample, sample
+
+if TYPE_CHECKING:
+    from rankmem.core.records import DeviceReading, HostReading
+    from rankmem.errors import MissingExtraError, RankmemError
+    from rankmem.exchange.dict_gather import allgather_dict_into_dict
+    from rankmem.monitor import Monitor, MonitorConfig
+    from rankmem.probe.sample import MemorySample, sample
+
+_HOME = {"DeviceReading": "rankmem.core.records", "HostReading": "rankmem.core.records",
+         "MissingExtraError": "rankmem.errors", "RankmemError": "rankmem.errors",
+         "allgather_dict_into_dict": "rankmem.exchange.dict_gather", "Monitor": "rankmem.monitor",
+         "MonitorConfig": "rankmem.monitor", "MemorySample": "rankmem.probe.sample", "sample": "rankmem.probe.sample"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOME:
+        raise AttributeError(f"module 'rankmem' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOME[name]), name)
+    globals()[name] = value  # the next look-up is a plain attribute
+    return value
+
 
 __all__ = [
     "DeviceReading",

@@ -33,6 +33,8 @@ The boundaries (``file: function``: where it stands, why):
   (:class:`~rankmem.sinks.SafeSink`).
 - ``core/warnings.py: warn``: the warning channel itself (``-W error``, a logging hook that raises):
   below the Guard, which warns through it.
+- ``integrations/verl/__init__.py: _never_raise``: Ray's worker-process setup hook and the patch it
+  applies when verl's engine worker is imported: one warning, and the worker starts without rankmem.
 - ``runlog/detail_child.py: main``: the top level of the side file's writer process: one line on the
   rank's stderr instead of a traceback, exit status 1; the run log's lines go on without it.
 
