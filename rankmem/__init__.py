@@ -11,11 +11,13 @@ verl job and must import nothing but the standard library (this package is impor
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
 
 from rankmem.core.version import __version__
 
+TYPE_CHECKING = False  # typing itself costs a verl worker's setup hook more than this whole package
 if TYPE_CHECKING:
+    from typing import Any
+
     from rankmem.core.records import DeviceReading, HostReading
     from rankmem.errors import MissingExtraError, RankmemError
     from rankmem.exchange.dict_gather import allgather_dict_into_dict

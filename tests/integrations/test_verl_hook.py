@@ -32,6 +32,9 @@ class Engine:
     def get_data_parallel_group(self):
         return None  # data parallelism 1: verl skips the gather
 
+    def train_batch(self, data, loss_function):
+        return {"loss": [0.5], "metrics": {"actor/pg_loss": [0.5]}, "model_output": {}}
+
 
 class TrainingWorker:
     def __init__(self, config):
@@ -41,8 +44,10 @@ class TrainingWorker:
         pass
 
     def train_batch(self, data):
-        return self._postprocess_output({"metrics": {"actor/pg_loss": [0.5]}}, global_token_num=None,
-                                        delta_time=1.0, forward_only=False, images_seqlens=None)
+        output = self.engine.train_batch(data, loss_function=None)
+        output.pop("model_output")
+        return self._postprocess_output(output, global_token_num=None, delta_time=1.0, forward_only=False,
+                                        images_seqlens=None)
 
     def infer_batch(self, data):
         return None
@@ -92,7 +97,7 @@ def test_a_ray_worker_built_like_verls_is_patched_when_it_imports_the_engine_wor
     ray = pytest.importorskip("ray")
     known = _stand_in(tmp_path / "known", ENGINE_WORKERS)
     unknown = _stand_in(tmp_path / "unknown", ENGINE_WORKERS.replace("output, *, global", "outputs, *, global")
-                         .replace("output.pop", "outputs.pop"))  # a signature rankmem does not know
+                         .replace('= output.pop("metrics")', '= outputs.pop("metrics")'))  # a signature rankmem does not know
 
     @ray.remote
     class Probe:
@@ -137,6 +142,7 @@ def test_a_ray_worker_built_like_verls_is_patched_when_it_imports_the_engine_wor
     assert after["file"].startswith(known) and after["patched"] and after["warnings"] == []
     metrics = after["metrics"]
     assert metrics["actor/pg_loss"] == [0.5]  # verl's own figures untouched
+    assert "mem/phase/update/peak_rss_gib/max" in metrics  # the engine's call, a phase closed before the take
     # rankmem's figures, and verl's cpu key carrying this process's RSS, not the node's used memory
     assert abs(metrics["mem/host/rss_gib/max"][0] - after["rss_gib"]) < 32 / 1024
     assert metrics["perf/cpu_memory_used_gb"] == metrics["mem/host/rss_gib/max"]

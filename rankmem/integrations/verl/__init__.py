@@ -17,10 +17,12 @@ from __future__ import annotations
 import importlib
 import sys
 import warnings
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
 
+TYPE_CHECKING = False  # not typing's: importing typing would double the hook's time
 if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+    from typing import Any
+
     from rankmem.integrations.verl._gather import (
         VERL_NAMES,
         VerlDictGather,

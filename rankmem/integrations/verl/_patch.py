@@ -8,7 +8,8 @@ On verl's ``TrainingWorker`` (each rank of the actor, reference and critic):
   engine verl has loaded) wrapped so that each micro-batch's work is told to the open phase.
 - ``reset`` (the engine builds the model and optimizer there): ``monitor.track(model, optimizer)``
   where the Monitor has ``track`` and the engine an optimizer (the peak's anatomy).
-- ``train_batch`` is the phase ``update`` (one mini-batch), ``infer_batch`` the phase ``log_prob``.
+- its engine's ``train_batch`` is the phase ``update`` (one mini-batch), ``infer_batch`` the phase
+  ``log_prob``: the engine's calls, so that each phase has closed when its figures are taken.
 - ``_postprocess_output``: this rank's figures go into the metrics dict *before* verl's data-parallel
   gather (:func:`~rankmem.integrations.verl.metrics_for_gather`, or with a run directory the
   collect's aggregates), so the driver's ``reduce_metrics`` shows the worst rank; verl's three
@@ -41,8 +42,7 @@ PATCHED = "__rankmem_patched__"
 
 # What the patch relies on: method -> the parameters (after self) it passes through or reads.
 _SHAPE: dict[str, dict[str, tuple[str, ...]]] = {
-    "TrainingWorker": {"__init__": ("config",), "reset": (), "train_batch": ("data",), "infer_batch": ("data",),
-                       "_postprocess_output": ("output", "global_token_num", "delta_time", "forward_only",
+    "TrainingWorker": {"__init__": ("config",), "reset": (), "_postprocess_output": ("output", "global_token_num", "delta_time", "forward_only",
                                                "images_seqlens")},
     "ActorRolloutRefWorker": {"update_weights": ("global_steps", "mode")},
 }
@@ -81,8 +81,6 @@ def apply(module: Any) -> None:
     tw, arw = module.TrainingWorker, module.ActorRolloutRefWorker
     _wrap(tw, "__init__", _after(_start))
     _wrap(tw, "reset", _after(_track))
-    _wrap(tw, "train_batch", _in_phase("update"))
-    _wrap(tw, "infer_batch", _in_phase("log_prob"))
     _wrap(tw, "_postprocess_output", functools.partial(_postprocess_output, module.tu))
     _wrap(arw, "update_weights", _in_phase("weight_sync", awaited=True))
     setattr(module, PATCHED, True)
@@ -112,6 +110,12 @@ def _wrap(cls: type, name: str, make: Any) -> None:
     setattr(cls, name, wrapper)
 
 
+def _wrap_bound(engine: Any, name: str, make: Any) -> None:
+    wrapper = functools.wraps(getattr(engine, name))(make(getattr(engine, name)))
+    setattr(wrapper, PATCHED, True)
+    setattr(engine, name, wrapper)  # on the instance: the engine classes are verl's many backends
+
+
 def _after(then: Any) -> Any:
     def make(original: Any) -> Any:
         def method(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -124,27 +128,32 @@ def _after(then: Any) -> Any:
 
 
 def _in_phase(name: str, awaited: bool = False) -> Any:
-    def make(original: Any) -> Any:
-        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def make(original: Any) -> Any:  # a method, or a bound method
+        def method(*args: Any, **kwargs: Any) -> Any:
             monitor = _state["monitor"]
             if monitor is None:
-                return original(self, *args, **kwargs)
+                return original(*args, **kwargs)
             with monitor.phase(name):
-                return original(self, *args, **kwargs)
+                return original(*args, **kwargs)
 
-        async def coroutine(self: Any, *args: Any, **kwargs: Any) -> Any:
+        async def coroutine(*args: Any, **kwargs: Any) -> Any:
             monitor = _state["monitor"]
             if monitor is None:
-                return await original(self, *args, **kwargs)
+                return await original(*args, **kwargs)
             with monitor.phase(name):
-                return await original(self, *args, **kwargs)
+                return await original(*args, **kwargs)
         return coroutine if awaited else method
     return make
 
 
 def _start(worker: Any) -> None:
-    """The process's Monitor, on the first TrainingWorker built; and each loaded engine's split told."""
-    _tell_splits(type(worker.engine).__module__)
+    """The process's Monitor, on the first TrainingWorker built; this worker's engine calls as phases, and
+    each loaded engine's split told."""
+    engine = worker.engine
+    for method, phase in (("train_batch", "update"), ("infer_batch", "log_prob")):
+        if callable(getattr(engine, method, None)) and not getattr(getattr(engine, method), PATCHED, False):
+            _wrap_bound(engine, method, _in_phase(phase))
+    _tell_splits(type(engine).__module__)
     if _state["monitor"] is not None:
         return
     options = settings()
