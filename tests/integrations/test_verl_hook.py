@@ -18,6 +18,8 @@ from typing import Any
 
 import pytest
 
+from tests.runlog_helpers import read_log
+
 REPO = Path(__file__).resolve().parents[2]
 
 ENGINE_WORKERS = '''
@@ -96,6 +98,7 @@ def test_a_ray_worker_built_like_verls_is_patched_when_it_imports_the_engine_wor
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ray = pytest.importorskip("ray")
     known = _stand_in(tmp_path / "known", ENGINE_WORKERS)
+    runs = str(tmp_path / "runs")
     unknown = _stand_in(tmp_path / "unknown", ENGINE_WORKERS.replace("output, *, global", "outputs, *, global")
                          .replace('= output.pop("metrics")', '= outputs.pop("metrics")'))  # a signature rankmem does not know
 
@@ -115,6 +118,7 @@ def test_a_ray_worker_built_like_verls_is_patched_when_it_imports_the_engine_wor
 
                 worker = ew.TrainingWorker(config=None)
                 metrics = worker.train_batch(None)["metrics"]
+                worker.train_batch(None)
             import psutil
 
             return {"file": ew.__file__, "metrics": metrics, "rss_gib": psutil.Process().memory_info().rss / 2**30,
@@ -128,9 +132,10 @@ def test_a_ray_worker_built_like_verls_is_patched_when_it_imports_the_engine_wor
     try:
         job_env = ray.get_runtime_context().runtime_env
         results = {}
-        for name, path in (("known", known), ("unknown", unknown)):
+        for name, path, out in (("known", known, ""), ("unknown", unknown, ""), ("run log", known, runs)):
             # RayWorkerGroup._create_worker: per-actor env_vars, merged with the job's runtime env.
-            env = {"RANK": "0", "WORLD_SIZE": "1", "WG_PREFIX": "abc", "PYTHONPATH": f"{path}:{REPO}"}
+            env = {"RANK": "0", "WORLD_SIZE": "1", "WG_PREFIX": "abc", "PYTHONPATH": f"{path}:{REPO}",
+                   "RANKMEM_OUT": out}
             actor = Probe.options(runtime_env={"env_vars": env}).remote()  # type: ignore[attr-defined]
             results[name] = (ray.get(actor.before.remote(), timeout=120),
                              ray.get(actor.import_engine_worker.remote(), timeout=120))
@@ -152,3 +157,11 @@ def test_a_ray_worker_built_like_verls_is_patched_when_it_imports_the_engine_wor
     assert len(after["warnings"]) == 1 and "TrainingWorker._postprocess_output" in after["warnings"][0]
     assert after["metrics"] == {"actor/pg_loss": [0.5], "perf/max_memory_allocated_gb": 0.0,
                                 "perf/cpu_memory_used_gb": 123.0}  # the worker ran as written
+    # With RANKMEM_OUT: a collect per output, the group's run log under the worker group's prefix, and
+    # the aggregates (the rank of the max too) in verl's metrics.
+    before, after = results["run log"]
+    header, records = read_log(Path(runs) / "abc")
+    assert header["world_size"] == 1 and len(records) == 2
+    assert abs(records[-1]["metrics"]["mem/host/rss_gib/max"] - after["rss_gib"]) < 32 / 1024
+    assert after["metrics"]["mem/host/rss_gib/max_rank"] == [0]
+    assert after["metrics"]["perf/cpu_memory_used_gb"] == after["metrics"]["mem/host/rss_gib/max"]

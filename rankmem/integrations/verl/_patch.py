@@ -159,7 +159,7 @@ def _start(worker: Any) -> None:
     options = settings()
     _state["every"] = options.pop("every")
     group = None
-    if options["sinks"]:  # a run log: collect over the ranks that produce outputs (one per DP rank)
+    if options["out_dir"] is not None or options["sinks"]:  # a run log: collect over the ranks that produce outputs (one per DP rank)
         import torch.distributed as dist
 
         group = worker.engine.get_data_parallel_group()
