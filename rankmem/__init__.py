@@ -3,9 +3,6 @@
 Public API: :class:`Monitor` (built on every rank), :class:`MonitorConfig`, :func:`sample` for a
 one-off local reading, the records it returns, and the verl drop-in
 :func:`allgather_dict_into_dict`. Importing rankmem does not import torch.
-
-The names are imported on first use: ``rankmem.integrations.verl.setup`` runs in every Ray worker of a
-verl job and must import nothing but the standard library (this package is imported on the way to it).
 """
 
 from __future__ import annotations
@@ -24,10 +21,11 @@ if TYPE_CHECKING:
     from rankmem.monitor import Monitor, MonitorConfig
     from rankmem.probe.sample import MemorySample, sample
 
-_HOME = {"DeviceReading": "rankmem.core.records", "HostReading": "rankmem.core.records",
-         "MissingExtraError": "rankmem.errors", "RankmemError": "rankmem.errors",
-         "allgather_dict_into_dict": "rankmem.exchange.dict_gather", "Monitor": "rankmem.monitor",
-         "MonitorConfig": "rankmem.monitor", "MemorySample": "rankmem.probe.sample", "sample": "rankmem.probe.sample"}
+# Loaded on first use: rankmem.integrations.verl.setup, in every Ray worker of a verl job, imports this.
+_HOME = {name: f"rankmem.{module}" for module, names in (
+    ("core.records", "DeviceReading HostReading"), ("errors", "MissingExtraError RankmemError"), ("monitor",
+     "Monitor MonitorConfig"), ("exchange.dict_gather", "allgather_dict_into_dict"), ("probe.sample",
+     "MemorySample sample")) for name in names.split()}
 
 
 def __getattr__(name: str) -> Any:
@@ -38,15 +36,5 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-__all__ = [
-    "DeviceReading",
-    "HostReading",
-    "MemorySample",
-    "MissingExtraError",
-    "Monitor",
-    "MonitorConfig",
-    "RankmemError",
-    "__version__",
-    "allgather_dict_into_dict",
-    "sample",
-]
+__all__ = ["DeviceReading", "HostReading", "MemorySample", "MissingExtraError", "Monitor", "MonitorConfig",
+           "RankmemError", "__version__", "allgather_dict_into_dict", "sample"]

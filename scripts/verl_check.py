@@ -226,13 +226,13 @@ class CheckRunner:
             json.dump(result, f, default=float)
 
 
-def run_route(route: str) -> dict[str, Any]:
+def run_route(route: str, *settings: str) -> dict[str, Any]:
     """verl's ``run_ppo`` on its composed ``ppo_trainer`` config, with the token for the hook route."""
     from hydra import compose, initialize_config_dir
     from verl.trainer import main_ppo
 
     overrides = ["ray_kwargs.ray_init.num_cpus=4", "+ray_kwargs.ray_init.include_dashboard=false",
-                 "+ray_kwargs.ray_init.logging_level=ERROR"] + ([TOKEN] if route == "hook" else [])
+                 "+ray_kwargs.ray_init.logging_level=ERROR", *settings] + ([TOKEN] if route == "hook" else [])
     with initialize_config_dir(config_dir=os.path.join(os.path.dirname(main_ppo.__file__), "config"),
                                version_base=None):
         config = compose(config_name="ppo_trainer", overrides=overrides)
@@ -257,8 +257,7 @@ def main() -> int:
         if not ok:
             failures.append(what)
 
-    routes = {route: run_route(route) for route in ("diff", "hook")}
-    diff, hook = routes["diff"], routes["hook"]
+    diff, hook = run_route("diff"), run_route("hook")
     print("verl check: verl 0.9.1's run_ppo and TrainingWorker on 2 ranks (gloo), the README's diff vs the hook")
     check(diff["runtime_env_hook"] is None and hook["runtime_env_hook"] == "rankmem.integrations.verl.setup",
           f"the Hydra token puts the hook in ray.init's runtime env: {hook['runtime_env_hook']}")
@@ -290,6 +289,14 @@ def main() -> int:
                   if key.endswith("max") else abs(h["reduced"][key] - sum(rss) / 2) < 32 / 1024,
                   f"{key}: {d['reduced'][key]:.3f} (diff) {h['reduced'][key]:.3f} (hook) GiB; "
                   f"ranks' RSS {rss[0]:.3f}, {rss[1]:.3f}")
+    with tempfile.TemporaryDirectory() as runs:  # the README's line: a run log per worker group
+        logged = run_route("hook", f'+ray_kwargs.ray_init.runtime_env.env_vars.RANKMEM_OUT="{runs}"')
+        [prefix] = os.listdir(runs)
+        lines = [json.loads(line) for line in open(os.path.join(runs, prefix, "rankmem.jsonl"))]
+    worst = logged["steps"][-1]["reduced"]["mem/host/rss_gib/max_rank"]
+    check(lines[0]["world_size"] == 2 and len(lines) == 1 + STEPS * 2 and worst == 1,
+          f"with RANKMEM_OUT: {prefix}/rankmem.jsonl, {len(lines) - 1} records of world 2 (a collect per "
+          f"mini-batch), and verl's metrics name the worst rank: mem/host/rss_gib/max_rank = {worst}")
     print(f"verl check: {'passed' if not failures else f'{len(failures)} failed'} in {time.monotonic() - started:.1f} s")
     return 0 if not failures else 1
 

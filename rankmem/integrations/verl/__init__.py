@@ -1,43 +1,30 @@
-"""verl: rankmem in every engine worker of a verl job with no edit to verl, through Ray's setup hook.
+"""verl with no edit to verl: :func:`setup` is Ray's ``worker_process_setup_hook`` (docs/integrations.md).
 
-``+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=rankmem.integrations.verl.setup`` on verl's
-command line makes Ray call :func:`setup` in every worker process of the job (docs/integrations.md).
-The hook runs in the TaskRunner, the rollout servers and the reward actors too, so this module imports
-only the standard library, never raises and returns in well under a millisecond: it installs an import
-hook and nothing else. The patch itself (:mod:`rankmem.integrations.verl._patch`) is imported only when
-the worker imports verl's engine worker module; a process that never does pays nothing.
-
-The functions a hand-written integration calls (:func:`metrics_for_gather`, :func:`tell_micro_batches`,
-:func:`allgather_dict_into_dict`, ...) live in :mod:`rankmem.integrations.verl._gather` and are
-imported from here on first use.
+Ray runs it in every worker of the job (TaskRunner, rollout servers, reward actors), so this module
+imports only the standard library, never raises and only installs an import hook; the patch
+(:mod:`._patch`) is imported when a worker imports verl's engine worker module. The hand-written API
+(:func:`metrics_for_gather`, :func:`tell_micro_batches`, ...) is :mod:`._gather`'s, loaded on first use.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import sys
 import warnings
 
 TYPE_CHECKING = False  # not typing's: importing typing would double the hook's time
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Callable, Sequence  # noqa: I001
     from typing import Any
 
-    from rankmem.integrations.verl._gather import (
-        VERL_NAMES,
-        VerlDictGather,
-        allgather_dict_into_dict,
-        metrics_for_gather,
-        tell_micro_batch,
-        tell_micro_batches,
-        verl_reduction,
-    )
+    from rankmem.integrations.verl._gather import (VERL_NAMES, VerlDictGather,
+        allgather_dict_into_dict, metrics_for_gather, tell_micro_batches, verl_reduction)
 
-__all__ = ["VERL_NAMES", "VerlDictGather", "allgather_dict_into_dict", "metrics_for_gather", "setup",
-           "tell_micro_batch", "tell_micro_batches", "verl_reduction"]
+__all__ = ["VERL_NAMES", "VerlDictGather", "allgather_dict_into_dict", "metrics_for_gather",
+           "runtime_env_hook", "setup", "tell_micro_batches", "verl_reduction"]
 
-ENGINE_WORKERS = "verl.workers.engine_workers"
-"""The module whose import applies the patch: verl's ``TrainingWorker`` and ``ActorRolloutRefWorker``."""
+ENGINE_WORKERS = "verl.workers.engine_workers"  # its import applies the patch
 
 
 def setup() -> None:
@@ -55,26 +42,20 @@ def runtime_env_hook(runtime_env: dict[str, Any] | None) -> dict[str, Any]:
 
 def _install() -> None:
     module = sys.modules.get(ENGINE_WORKERS)
-    if module is not None:  # imported before the hook ran (a second call, a user's own setup)
-        _apply(module)
+    if module is not None:  # it has just run (the loader's call), or ran before the hook did
+        importlib.import_module(f"{__name__}._patch").apply(module)
     elif not any(isinstance(f, _Finder) for f in sys.meta_path):
         sys.meta_path.insert(0, _Finder())
 
 
 class _Finder:
-    """Finds nothing itself: for verl's engine worker module it wraps the loader the other finders give."""
+    """Finds verl's engine worker module where Python would, with a loader that patches it once run."""
 
     def find_spec(self, name: str, path: Sequence[str] | None, target: Any = None) -> Any:
-        if name != ENGINE_WORKERS:
-            return None
-        for finder in sys.meta_path:
-            find = getattr(finder, "find_spec", None)
-            spec = find(name, path, target) if finder is not self and find is not None else None
-            if spec is not None:
-                if hasattr(spec.loader, "exec_module"):
-                    spec.loader = _Loader(spec.loader)
-                return spec
-        return None
+        spec: Any = importlib.machinery.PathFinder.find_spec(name, path) if name == ENGINE_WORKERS else None
+        if spec is not None and hasattr(spec.loader, "exec_module"):  # in the package verl's finder found
+            spec.loader = _Loader(spec.loader)
+        return spec
 
 
 class _Loader:
@@ -83,19 +64,12 @@ class _Loader:
     def __init__(self, inner: Any) -> None:
         self._inner = inner
 
-    def __getattr__(self, name: str) -> Any:  # get_source, get_filename, ...: inspect and linecache ask
+    def __getattr__(self, name: str) -> Any:  # create_module, get_source (inspect, linecache), ...
         return getattr(self._inner, name)
-
-    def create_module(self, spec: Any) -> Any:
-        return self._inner.create_module(spec)
 
     def exec_module(self, module: Any) -> None:
         self._inner.exec_module(module)  # verl's own import errors propagate as without rankmem
-        _never_raise("patching verl's engine worker", _apply, module)
-
-
-def _apply(module: Any) -> None:
-    importlib.import_module(f"{__name__}._patch").apply(module)
+        _never_raise("patching verl's engine worker", _install)  # sys.modules holds it now
 
 
 def _never_raise(what: str, fn: Callable[..., None], *args: Any) -> None:
