@@ -44,10 +44,11 @@ bench: install
 	$(PY) bench/bench_overhead.py
 	$(PY) bench/bench_hf_overhead.py
 
-# verl 0.9.1's own TrainingWorker._postprocess_output with rankmem's change, on 2 ranks of verl's Ray worker
-# group (scripts/verl_check.py says what is verl's). verl's requirements (transformers < 5.11) conflict with
+# verl 0.9.1's own run_ppo and TrainingWorker on 2 ranks of its Ray worker group, with rankmem's setup hook
+# (the README's token) and with the hand-written diff: the driver must see the same figures
+# (scripts/verl_check.py says what is verl's). verl's requirements (transformers < 5.11) conflict with
 # the test extra, so it gets its own venv; not part of `make test`. ~80 s to build with a warm pip cache,
-# ~20 s to run on 2 cores. Skipped, saying so, when the package index cannot be reached.
+# a few minutes to run on 2 cores (three Ray sessions). Skipped, saying so, when the index is unreachable.
 VERL_VENV ?= .venv-verl
 VERL_STAMP := $(VERL_VENV)/.installed
 

@@ -187,7 +187,7 @@ def test_verls_own_split_reaches_the_run_log_as_work(tmp_path: Path) -> None:
 
     import rankmem
     from rankmem.core.catalogue import WORK_FIELDS, work_key
-    from rankmem.integrations.verl import tell_micro_batch, tell_micro_batches
+    from rankmem.integrations.verl import tell_micro_batches
     from rankmem.offline import read_run
 
     rearrange = load_verl_split()
@@ -204,7 +204,7 @@ def test_verls_own_split_reaches_the_run_log_as_work(tmp_path: Path) -> None:
         lambda: tell_micro_batches(monitor, micro_batches),
         lambda: tell_micro_batches(monitor, indices, seqlens=LENGTHS),
         lambda: tell_micro_batches(monitor, indices, seqlens=padded["attention_mask"]),
-        lambda: [tell_micro_batch(monitor, mb) for mb in nested_mbs],  # one call per micro-batch
+        lambda: [tell_micro_batches(monitor, [mb]) for mb in nested_mbs],  # one call per micro-batch
     ]
     for step, tell in enumerate(tells):
         with monitor.step(step):
@@ -228,17 +228,17 @@ def test_padding_rows_are_no_sequences_and_bad_input_is_one_clear_error() -> Non
     import rankmem
     from rankmem.core.catalogue import work_key
     from rankmem.errors import RankmemError
-    from rankmem.integrations.verl import tell_micro_batch, tell_micro_batches
+    from rankmem.integrations.verl import tell_micro_batches
 
     monitor = rankmem.Monitor(device="cpu", children=False, near_oom_watch=False)
     with monitor.step(0):
         with monitor.phase("update"):
             mask = torch.tensor([[1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 0, 0]])  # a row of padding only
-            tell_micro_batch(monitor, {"attention_mask": mask})
+            tell_micro_batches(monitor, [{"attention_mask": mask}])
             with pytest.raises(RankmemError, match="holding a 2-D 'attention_mask' or nested 'input_ids', got list"):
-                tell_micro_batch(monitor, [1, 2, 3])
+                tell_micro_batches(monitor, [[1, 2, 3]])
             with pytest.raises(RankmemError, match="must be 2-D .* got 3-D"):
-                tell_micro_batch(monitor, {"attention_mask": mask[None]})
+                tell_micro_batches(monitor, [{"attention_mask": mask[None]}])
             with pytest.raises(RankmemError, match="index list 1 holds 7, outside the 3 sequences of seqlens"):
                 tell_micro_batches(monitor, [[0], [7]], seqlens=[4, 5, 6])
             with pytest.raises(RankmemError, match="seqlens holds a negative length"):

@@ -1,37 +1,14 @@
-"""verl integration: memory figures that ride verl's own data-parallel gather and reduce correctly.
+"""verl by hand: memory figures that ride verl's own data-parallel gather and reduce correctly.
 
-verl's engine worker (``TrainingWorker._postprocess_output``, verl 0.9) all-gathers its metrics dict
-over the data-parallel group, then adds ``perf/max_memory_*_gb`` and ``perf/cpu_memory_used_gb``
-*after* the gather: rank-local lifetime peaks, and the node's system-wide used memory. The driver
-keeps one DP rank's output and reduces every list with ``reduce_metrics``, whose rule is by key
-name: a key containing ``max`` takes the max, else one containing ``min`` the min, else the mean.
-
-:func:`metrics_for_gather` is called *before* the gather instead. It returns this rank's window
-figures under names that rule reduces the way each figure means:
-
-- every per-rank key ``K`` becomes ``K/max``, ``K/min`` and ``K/mean`` (a peak taken by ``mean``
-  would hide the rank about to run out of memory, so the reduction is in the name). A name whose
-  base already contains ``max`` or ``min`` (a phase called ``minibatch``) would be reduced by that
-  word instead, so it is left out rather than emitted with a wrong value; ``K/max`` is always kept.
-- ``K/max_rank`` cannot come out of a per-key reduce; it is in rankmem's own run log and
-  :meth:`rankmem.Monitor.collect`.
-- verl's names, per rank, with the corrected meaning: ``perf/max_memory_allocated_gb`` and
-  ``perf/max_memory_reserved_gb`` are this window's peaks (the name says ``max``: max over ranks);
-  ``perf/cpu_memory_used_gb`` is the process RSS (not the node's), which verl's rule averages over
-  ranks because its name has no ``max``: the worst rank is ``mem/host/rss_gib/max``.
-
-Each value is a one-element list, like verl's per-micro-batch metrics: ``train_mini_batch`` flattens
-the gathered per-rank values with ``itertools.chain``, which needs lists, and ``reduce_metrics``
-reduces a list of lists over all of its elements.
-
-:func:`allgather_dict_into_dict` is a drop-in for verl's function of that name (same result: per key,
-each rank's value in rank order, lists kept whole) that sends numbers in one tensor collective
-instead of pickling, and falls back to a pickled gather only for values that are not numbers.
-
-:func:`tell_micro_batches` tells the monitor each micro-batch's work from verl's own split (the
-micro-batches ``rearrange_micro_batches`` / ``prepare_micro_batches`` return, or their index lists
-with the batch's sequence lengths): tokens are the sum of the attention mask, the unit verl's
-``max_token_len_per_gpu`` budget counts and the one ``rankmem advise`` answers in.
+verl's ``TrainingWorker._postprocess_output`` (verl 0.9) all-gathers its metrics over the data-parallel
+group, then adds ``perf/max_memory_*_gb`` (rank-local lifetime peaks) and ``perf/cpu_memory_used_gb``
+(the node's used memory) *after* it; the driver keeps one rank's output and ``reduce_metrics`` reduces
+each list by its key's name (``max``, else ``min``, else the mean). :func:`metrics_for_gather` gives this
+rank's figures *before* the gather, under names that rule reduces the way each means (``K/max``,
+``K/min``, ``K/mean``; verl's three keys with the corrected meaning), as one-element lists like verl's
+micro-batch metrics. :func:`allgather_dict_into_dict` is a drop-in for verl's gather (numbers in one
+tensor collective); :func:`tell_micro_batches` tells the monitor the work of verl's micro-batch split.
+docs/integrations.md says the rules in full; :mod:`rankmem.integrations.verl._patch` applies them.
 """
 
 from __future__ import annotations
@@ -44,7 +21,7 @@ from rankmem.errors import RankmemError
 from rankmem.exchange.dict_gather import VerlDictGather, allgather_dict_into_dict
 from rankmem.monitor import Monitor
 
-__all__ = ["VERL_NAMES", "VerlDictGather", "allgather_dict_into_dict", "metrics_for_gather", "tell_micro_batch",
+__all__ = ["VERL_NAMES", "VerlDictGather", "allgather_dict_into_dict", "metrics_for_gather",
            "tell_micro_batches", "verl_reduction"]
 
 # verl's key -> the per-rank rankmem key whose value it carries (GiB: verl divides by 1024**3 too).
@@ -96,23 +73,13 @@ _GATHER_NAMES_KEPT = 4096
 """A bound on the memo: a caller's per-step unique keys must not grow it for the life of the job."""
 
 
-def tell_micro_batch(monitor: Monitor, micro_batch: Any) -> None:
-    """Tell ``monitor`` one verl micro-batch's work: its tokens, sequences and sum of squared lengths.
-
-    ``micro_batch`` is what verl's split yields: a TensorDict (or a ``DataProto``, or a dict of
-    tensors) holding nested ``input_ids`` (verl's remove-padding layout; lengths are its offsets'
-    differences) or a 2-D ``attention_mask`` (lengths are its row sums). Rows of length 0 (verl's
-    padding micro-batches) are not sequences. Call it inside the phase that runs the micro-batch.
-    Reading a device tensor's lengths is one device-to-host copy, as in verl's own split.
-    """
-    _tell(monitor, _lengths(micro_batch))
-
-
 def tell_micro_batches(monitor: Monitor, micro_batches: Sequence[Any], *, seqlens: Any = None) -> None:
     """Tell ``monitor`` the work of every micro-batch of a split, in one call inside the phase.
 
-    Either verl's micro-batches (``micro_batches, indices = rearrange_micro_batches(...)``, see
-    :func:`tell_micro_batch`), or, with ``seqlens=``, its index lists: ``micro_batches`` is then
+    Either verl's micro-batches (``micro_batches, indices = rearrange_micro_batches(...)``: TensorDicts,
+    ``DataProto``s or dicts holding nested ``input_ids``, whose offsets give the lengths, or a 2-D
+    ``attention_mask``, whose row sums do; rows of length 0, verl's padding, are no sequences), or, with
+    ``seqlens=``, its index lists: ``micro_batches`` is then
     ``indices`` and ``seqlens`` this rank's per-sequence lengths in the batch's order (a list, or the
     batch's 2-D attention mask). verl's ``global_token_num`` lists every data-parallel rank's
     sequences after its gather, so pass this rank's own. Lengths from a list cost no device copy.
@@ -155,14 +122,14 @@ def _lengths(micro_batch: Any) -> list[int]:
         return _int_list(ids.offsets().diff().tolist(), "input_ids offsets")
     if mask is not None and _is_tensor(mask):
         return _mask_lengths(mask)
-    raise RankmemError(f"tell_micro_batch: expected a verl micro-batch holding a 2-D 'attention_mask' or nested "
-                       f"'input_ids', got {type(micro_batch).__name__}: pass the micro-batches verl's split "
-                       "returns, or its index lists with seqlens=")
+    raise RankmemError(f"tell_micro_batches: expected a verl micro-batch holding a 2-D 'attention_mask' or "
+                       f"nested 'input_ids', got {type(micro_batch).__name__}: pass the micro-batches verl's "
+                       "split returns, or its index lists with seqlens=")
 
 
 def _mask_lengths(mask: Any) -> list[int]:
     if mask.dim() != 2:
-        raise RankmemError(f"tell_micro_batch: the attention mask must be 2-D (sequences x positions), "
+        raise RankmemError(f"tell_micro_batches: the attention mask must be 2-D (sequences x positions), "
                            f"got {mask.dim()}-D: pass the per-sequence lengths with seqlens= instead")
     return _int_list(mask.sum(dim=-1).tolist(), "attention mask")
 
@@ -171,5 +138,5 @@ def _int_list(values: Any, what: str) -> list[int]:
     try:
         out = [int(v) for v in values]
     except (TypeError, ValueError):
-        raise RankmemError(f"tell_micro_batches: {what} must be a sequence of integers, got {values!r:.80}") from None
+        raise RankmemError(f"tell_micro_batches: {what} must be integers, got {values!r:.80}") from None
     return out
