@@ -32,13 +32,12 @@ _ROUND = 512
 _SEGMENT = 2 << 20
 
 
-def _rounded(nbytes: int) -> int:
-    return max(_ROUND, -(-nbytes // _ROUND) * _ROUND)
 
 
 class Recorder(TorchDispatchMode):
-    def __init__(self, max_entries: int = 1 << 30, limit: int | None = None) -> None:
+    def __init__(self, max_entries: int = 1 << 30, limit: int | None = None, granule: int = _ROUND) -> None:
         super().__init__()
+        self.granule = granule  # 1: bytes as MemTracker counts them off CUDA
         self.trace: collections.deque[dict[str, Any]] = collections.deque(maxlen=max_entries)
         self.blocks: dict[int, dict[str, Any]] = {}  # addr -> the live block
         self.by_storage: dict[int, int] = {}  # id(storage) -> addr
@@ -71,7 +70,7 @@ class Recorder(TorchDispatchMode):
         st = t.untyped_storage()
         if id(st) in self.by_storage:
             return
-        size = _rounded(st.nbytes())
+        size = max(self.granule, -(-st.nbytes() // self.granule) * self.granule)
         if record and self.limit is not None and self.allocated + size > self.limit:
             self._entry("oom", size=size, device_free=self.limit - self.allocated)
             raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {size} bytes")

@@ -113,8 +113,9 @@ def replay(snapshot: Mapping[str, Any], baseline: Any = None, addresses: Address
         wrapped = not marks
         first = marks[0] + 1 if marks else 0
     trace = trace[first:]
+    unseen = 0
     if baseline is None or wrapped:
-        start = _backwards(end, trace)
+        start, unseen = _backwards(end, trace)
     final, unmatched, peak_at, oom_at = _forward(start, trace, None)
     at = oom_at if oom_at is not None else peak_at
     live = _forward(start, trace, at)[0] if at >= 0 else dict(start)
@@ -141,21 +142,25 @@ def replay(snapshot: Mapping[str, Any], baseline: Any = None, addresses: Address
         "requested_bytes": int(mark.get("size", 0)) if oom_at is not None else None,
         "tag": str(mark.get("user_metadata") or "")[:120] or None, "categories": totals,
         "top": [[cat, label, b, n] for (cat, label), (b, n) in ranked],
-        "entries": len(trace), "unmatched_frees": unmatched, "wrapped": wrapped,
+        "entries": len(trace), "unmatched_frees": unmatched + unseen, "wrapped": wrapped,
     }
 
 
 def _backwards(end: dict[int, tuple[int, int, Mapping[str, Any]]],
-               trace: list[Mapping[str, Any]]) -> dict[int, tuple[int, int, Mapping[str, Any]]]:
-    """The live blocks before ``trace``'s first entry, undoing it from the end state."""
+               trace: list[Mapping[str, Any]]) -> tuple[dict[int, tuple[int, int, Mapping[str, Any]]], int]:
+    """The live blocks before ``trace``'s first entry, undoing it from the end state, and how many of
+    the frees it holds are of blocks whose allocation it does not hold (older than the ring)."""
     state = dict(end)
+    unseen: set[int] = set()
     for e in reversed(trace):
         action = e.get("action")
         if action == "alloc":
             state.pop(int(e["addr"]), None)
+            unseen.discard(int(e["addr"]))
         elif action == "free_requested":
             state[int(e["addr"])] = (int(e["size"]), -1, e)  # under context="alloc" its frames are the alloc's
-    return {a: (s, -1, b) for a, (s, _, b) in state.items()}
+            unseen.add(int(e["addr"]))
+    return {a: (s, -1, b) for a, (s, _, b) in state.items()}, len(unseen)
 
 
 def _forward(start: dict[int, tuple[int, int, Mapping[str, Any]]], trace: list[Mapping[str, Any]],
