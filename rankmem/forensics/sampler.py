@@ -97,7 +97,7 @@ class Anatomy:
         self._steps = 0
         self._armed = False
         self._pool: ThreadPoolExecutor | None = None
-        self._pending: Future[None] | None = None
+        self._pending: list[Future[None]] = []
         self._warn_once = WarnOnce()
 
     def track(self, model: Any, optimizer: Any = None) -> None:
@@ -122,12 +122,13 @@ class Anatomy:
         return _Sampled(self, window)
 
     def replay_async(self, snapshot: Mapping[str, Any], baseline: Any, where: Where, source: str) -> None:
-        """Replay on the replay thread, in turn (a sample due while another replays is skipped)."""
-        if source == "sample" and self._pending is not None and not self._pending.done():
+        """Replay on the replay thread, in turn; a sample is skipped while two wait (each holds a snapshot)."""
+        self._pending = [f for f in self._pending if not f.done()]
+        if source == "sample" and len(self._pending) >= 2:
             return
         owned = addresses(self.tracked)  # here, on the caller's thread: the tensors change under training
         self._pool = self._pool or ThreadPoolExecutor(1, thread_name_prefix="rankmem-replay")
-        self._pending = self._pool.submit(self._replay, snapshot, baseline, owned, where, source)
+        self._pending.append(self._pool.submit(self._replay, snapshot, baseline, owned, where, source))
 
     def _replay(self, snapshot: Mapping[str, Any], baseline: Any, owned: Addresses, where: Where,
                 source: str) -> None:
