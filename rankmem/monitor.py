@@ -102,7 +102,8 @@ class MonitorConfig:
     anatomy_every: int = 0
     """On CUDA, every N-th step window records the allocator's history (Python stacks, allocations tagged
     with phase and module) and is replayed off the training thread into an ``anatomy`` event: the top
-    holders at the step's peak (docs/anatomy-replay.md). 0 (default): only on :meth:`Monitor.request_anatomy`."""
+    holders at the step's peak (docs/anatomy-replay.md). 0 (default): only on
+    :meth:`Monitor.request_anatomy`."""
     anatomy_share: float | None = None
     """Also sample the step after one whose peak allocated reached this share of capacity; None: never."""
     anatomy_entries: int = 50_000
@@ -135,7 +136,8 @@ class MonitorConfig:
                 raise RankmemError(f"{name} must be a whole number >= 0, got {getattr(self, name)!r}")
         if self.anatomy_share is not None and not (isinstance(self.anatomy_share, numbers.Real)
                                                    and 0 < self.anatomy_share <= 1):
-            raise RankmemError(f"anatomy_share must be a share of capacity in (0, 1] or None, got {self.anatomy_share!r}")
+            raise RankmemError(f"anatomy_share must be a share of capacity in (0, 1] or None, "
+                               f"got {self.anatomy_share!r}")
         if not _whole(self.oom_history) or self.oom_history < 0:
             raise RankmemError(f"oom_history must be a whole number of entries >= 0, got {self.oom_history!r}")
         # numpy's numbers as Python's: the config goes into the run log header as JSON.

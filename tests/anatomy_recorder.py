@@ -93,7 +93,8 @@ class Recorder(TorchDispatchMode):
         block = self.blocks.pop(addr)
         self.allocated -= size
         self._entry("free_requested", addr=addr, size=size, frames=block["frames"], stream=stream)
-        done = {"action": "free_completed", "addr": addr, "size": size, "stream": stream, "frames": block["frames"]}
+        done = {"action": "free_completed", "addr": addr, "size": size, "stream": stream,
+                "frames": block["frames"]}
         if stream != 0:
             self.pending.append(done)  # the side stream's work is not done yet: the address stays unusable
         else:

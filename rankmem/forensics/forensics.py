@@ -191,7 +191,8 @@ class Forensics:
             event = replace(event, device={**(event.device or {}), "attribution": self._split()})
         if self._history and self._device is not None and self._events is not None:
             where = Where(event.step, event.phase)
-            event = replace(event, snapshot=attempt(self._write_snapshot, where, default=None))  # the event matters more
+            # The event matters more than its snapshot.
+            event = replace(event, snapshot=attempt(self._write_snapshot, where, default=None))
         if self._events is not None:
             self._events.write(event)
 

@@ -158,7 +158,7 @@ def _backwards(end: dict[int, tuple[int, int, Mapping[str, Any]]],
             state.pop(int(e["addr"]), None)
             unseen.discard(int(e["addr"]))
         elif action == "free_requested":
-            state[int(e["addr"])] = (int(e["size"]), -1, e)  # under context="alloc" its frames are the alloc's
+            state[int(e["addr"])] = (int(e["size"]), -1, e)  # context="alloc": the frames are the alloc's
             unseen.add(int(e["addr"]))
     return {a: (s, -1, b) for a, (s, _, b) in state.items()}, len(unseen)
 

@@ -74,7 +74,8 @@ class ModuleTags:
         import torch
 
         stage = "fwd" if torch.is_grad_enabled() else "infer"
-        self._stack.append(f"{self._phase() or ''}|{self.names.get(id(module), type(module).__name__)}|{stage}")
+        name = self.names.get(id(module), type(module).__name__)
+        self._stack.append(f"{self._phase() or ''}|{name}|{stage}")
         self._set(self._stack[-1])
 
     def _leave(self, module: Any, args: Any, out: Any) -> None:
@@ -122,7 +123,8 @@ class Anatomy:
         return _Sampled(self, window)
 
     def replay_async(self, snapshot: Mapping[str, Any], baseline: Any, where: Where, source: str) -> None:
-        """Replay on the replay thread, in turn; a sample is skipped while two wait (each holds a snapshot)."""
+        """Replay on the replay thread, in turn; a sample is skipped while two wait (each holds a
+        snapshot)."""
         self._pending = [f for f in self._pending if not f.done()]
         if source == "sample" and len(self._pending) >= 2:
             return
@@ -134,9 +136,11 @@ class Anatomy:
                 source: str) -> None:
         try:
             found = replay(snapshot, baseline, owned, top=self.top, device=self.device.last_index or 0)
-            self._write(Event(kind="anatomy", step=where.step, phase=where.phase, extra={"source": source, **found}))
+            extra = {"source": source, **found}
+            self._write(Event(kind="anatomy", step=where.step, phase=where.phase, extra=extra))
         except Exception as exc:  # noqa: BLE001  (a snapshot of another torch's schema: named, never raised)
-            self._warn_once("replay", f"rankmem: replaying the allocator history failed ({exc!r}); no anatomy event")
+            self._warn_once("replay", f"rankmem: replaying the allocator history failed ({exc!r}); "
+                            "no anatomy event")
 
     def close(self) -> None:
         if self._pool is not None:

@@ -57,15 +57,16 @@ def holder_lines(events: Sequence[Event]) -> list[str]:
     if len(heaviest) == 1:
         ((rank, (cats, holders, peak, e)),) = heaviest.items()
         shown = ", ".join(f"{c} {_size(b)}" for c, b in cats.items() if b)
-        lines.append(f"rank {rank} step {e.step}: peak {_size(peak)} = {shown}{_top_in(holders, holders[0][0])}"
-                     if holders else f"rank {rank} step {e.step}: peak {_size(peak)}")
+        top = _top_in(holders, holders[0][0]) if holders else ""
+        lines.append(f"rank {rank} step {e.step}: peak {_size(peak)} = {shown}{top}")
     elif heaviest:
         names = sorted({c for cats, _, _, _ in heaviest.values() for c in cats})
         median = {c: statistics.median(w[0].get(c, 0) for w in heaviest.values()) for c in names}
         rank, (cats, holders, peak, _) = max(heaviest.items(), key=lambda kv: (kv[1][2], -kv[0]))
         excess = max(names, key=lambda c: cats.get(c, 0) - median[c])
         over = cats.get(excess, 0) - median[excess]
-        lines.append(f"rank {rank}: {excess} {'+' if over >= 0 else '-'}{_size(abs(over))} over the median rank "
+        sign = "+" if over >= 0 else "-"
+        lines.append(f"rank {rank}: {excess} {sign}{_size(abs(over))} over the median rank "
                      f"(peak {_size(peak)} vs {_size(statistics.median(w[2] for w in heaviest.values()))})"
                      f"{_top_in(holders, excess)}")
     return lines

@@ -141,15 +141,17 @@ def test_a_ring_that_wrapped_past_the_window_start_still_gives_the_late_peak() -
         snap = rec.snapshot()
     found = replay(snap, baseline)
     assert found["wrapped"] and found["entries"] == 200
-    assert found["peak_bytes"] == rec.peak == found["categories"]["temporaries"] + found["categories"]["pre_window"]
+    cats = found["categories"]
+    assert found["peak_bytes"] == rec.peak == cats["temporaries"] + cats["pre_window"]
     assert found["unmatched_frees"] == 5 + 50  # counted, not a crash
-    assert found["top"][0][:3] == ["temporaries", found["top"][0][1], 4 << 20] and "test_a_ring" in found["top"][0][1]
+    assert found["top"][0][0::2] == ["temporaries", 4 << 20] and "test_a_ring" in found["top"][0][1]
     del big
 
 
 def test_a_free_of_a_block_never_seen_is_counted() -> None:
     trace = [{"action": "snapshot", "addr": 0, "size": 0}, {"action": "alloc", "addr": 4096, "size": 512},
-             {"action": "free_requested", "addr": 8192, "size": 512}, {"action": "free_completed", "addr": 8192}]
+             {"action": "free_requested", "addr": 8192, "size": 512},
+             {"action": "free_completed", "addr": 8192}]
     found = replay({"segments": [], "device_traces": [trace]}, baseline=[])
     assert (found["peak_bytes"], found["unmatched_frees"], found["wrapped"]) == (512, 1, False)
 
@@ -169,13 +171,14 @@ def test_blocks_from_before_the_window_and_a_second_stream() -> None:
         snap = rec.snapshot()
     found = replay(snap, baseline)
     trace = snap["device_traces"][0]
-    freed = [i for i, e in enumerate(trace) if e.get("addr") == trace[-4]["addr"] and e["action"].startswith("free")]
     assert found["peak_bytes"] == rec.peak == 4 * (256 + 512) * 1024  # allocated drops at free_requested
     assert [h[0] for h in found["top"]] == ["temporaries", "pre_window"]
     (pre,) = [h for h in found["top"] if h[0] == "pre_window"]
     assert pre[2] == 1 << 20 and pre[1].startswith("test_blocks_from_before_the_window_and_a_second_stream@")
     assert {e["stream"] for e in trace if e["action"] == "alloc"} == {0, 7}
-    assert len(freed) >= 0 and any(e["action"] == "free_completed" and e["stream"] == 7 for e in trace)
+    actions = [(e["action"], e["stream"]) for e in trace]
+    requested, completed = actions.index(("free_requested", 7)), actions.index(("free_completed", 7))
+    assert ("alloc", 0) in actions[requested:completed]  # 'after' came while the side block awaited its event
     del cache, after
 
 
@@ -209,7 +212,8 @@ class _Layer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t, d = x.shape[1], x.shape[2]
         q, k, v = (z.view(1, t, self.heads, -1).transpose(1, 2) for z in self.qkv(self.norm1(x)).split(d, -1))
-        x = x + self.o(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(1, t, d))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(y.transpose(1, 2).reshape(1, t, d))
         h = self.norm2(x)
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
 
@@ -256,7 +260,8 @@ def test_the_top_temporary_in_log_prob_of_an_8b_model_is_the_logits() -> None:
         rec.adopt(*model.parameters(), idx)
         with torch.no_grad():
             baseline, snap, _ = _window(rec, model, lambda: log_prob(model, idx))
-    found = replay(snap, baseline, addresses([(model, None)], lambda t: rec.by_storage[id(t.untyped_storage())]))
+    owned = addresses([(model, None)], lambda t: rec.by_storage[id(t.untyped_storage())])
+    found = replay(snap, baseline, owned)
     assert found["peak_bytes"] == rec.peak
     assert found["categories"]["parameters"] == sum(p.numel() * 2 for p in model.parameters())  # 8.0B params
     assert found["categories"]["activations"] == 0  # no_grad: nothing is kept for a backward

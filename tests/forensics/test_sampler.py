@@ -40,14 +40,15 @@ def test_every_second_step_is_replayed_into_an_event_with_its_exact_peak(tmp_pat
         assert cuda._snapshot()["device_traces"] == [[]]  # the history is off again between samples
     monitor.close()
     events = read_events(str(tmp_path)).events
-    assert [(e.kind, e.step, e.extra["source"]) for e in events] == [("anatomy", 1, "sample"), ("anatomy", 3, "sample")]
+    assert [(e.kind, e.step, e.extra["source"]) for e in events] == [("anatomy", 1, "sample"),
+                                                                      ("anatomy", 3, "sample")]
     for e in events:
         found = e.extra
         assert found["peak_bytes"] == peaks[e.step] == 100 * MIB + 64 * (e.step + 1) * MIB  # to the byte
         assert found["baseline_bytes"] == 100 * MIB and found["categories"]["pre_window"] == 100 * MIB
         half = 32 * (e.step + 1) * MIB
         assert found["categories"]["temporaries"] == 2 * half
-        temps = [h for h in found["top"] if h[0] == "temporaries"]  # by line: the two halves, not the freed MiB
+        temps = [h for h in found["top"] if h[0] == "temporaries"]  # by line: the halves, not the freed MiB
         assert [(h[1].split(":")[0], h[2], h[3]) for h in temps] == [("_work@test_sampler.py", half, 1)] * 2
     cuda.free(held)
 
@@ -81,7 +82,8 @@ def test_an_oom_in_a_sampled_step_is_the_replays_instant_and_the_run_goes_on(tmp
     oom, sample, after = read_events(str(tmp_path)).events
     assert oom.kind == "oom" and sample.kind == "anatomy" and after.step == 1
     assert (sample.step, sample.extra["instant"], sample.extra["requested_bytes"]) == (0, "oom", 600 * MIB)
-    assert sample.extra["top"][0][2] == 600 * MIB and "test_an_oom_in_a_sampled_step" in sample.extra["top"][0][1]
+    top = sample.extra["top"][0]
+    assert top[2] == 600 * MIB and "test_an_oom_in_a_sampled_step" in top[1]
 
 
 def test_bad_anatomy_options_are_one_clear_error() -> None:

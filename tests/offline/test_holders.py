@@ -45,8 +45,8 @@ def _replayed(tokens: int) -> dict[str, object]:
 def test_the_rank_with_twice_the_tokens_is_named_by_its_activation_excess(tmp_path: Path) -> None:
     found = {rank: _replayed(256 if rank == 2 else 128) for rank in range(4)}
     for rank, window in found.items():
-        EventWriter(str(tmp_path), rank).write(Event(kind="anatomy", rank=rank, step=10, extra={"source": "sample",
-                                                                                             **window}))
+        event = Event(kind="anatomy", rank=rank, step=10, extra={"source": "sample", **window})
+        EventWriter(str(tmp_path), rank).write(event)
     events = read_events(str(tmp_path)).events
     acts = {r: w["categories"]["activations"] for r, w in found.items()}  # type: ignore[index]
     over = (acts[2] - statistics.median(acts.values())) / 2**20
@@ -62,7 +62,8 @@ def test_an_oom_replay_is_named_and_a_damaged_event_is_dropped() -> None:
         "source": "oom", "instant": "oom", "peak_bytes": 3 << 30,
         "categories": {"activations": 2 << 30, "parameters": 1 << 30, "temporaries": 0},
         "top": [["activations", "lm_head", 1 << 30, 1], ["parameters", "parameters", 1 << 30, 9]]})
-    damaged = Event(kind="anatomy", rank=1, step=7, extra={"peak_bytes": "a lot", "categories": {}, "top": []})
+    damaged = Event(kind="anatomy", rank=1, step=7,
+                    extra={"peak_bytes": "a lot", "categories": {}, "top": []})
     assert holder_lines([oom, damaged]) == [
         "rank 3 OOM at step 7 (update): activations 2.0 GiB, parameters 1.0 GiB; "
         "top: lm_head (activations) 1.0 GiB, parameters (parameters) 1.0 GiB"]
@@ -78,8 +79,8 @@ def test_rankmem_report_shows_a_sampled_window_and_keeps_it_out_of_the_events(tm
             cuda.free(cuda.malloc(64 * MIB))
         monitor.collect()
     monitor.close()
-    done = subprocess.run([sys.executable, "-m", "rankmem", "report", str(tmp_path), "--json"], capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-m", "rankmem", "report", str(tmp_path), "--json"],
+                          capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert report["events"] == []  # a replay is no failure
