@@ -100,14 +100,10 @@ class MonitorConfig:
     max RSS at its edges (a floor), flagged in the header, ``rankmem doctor`` and the report. Both keep
     ``mem/host/lifetime_peak_rss_gib`` true. Default ``window``, or ``$RANKMEM_PEAK_SOURCE``."""
     anatomy_every: int = 0
-    """On CUDA, every N-th step window records the allocator's history (Python stacks, allocations tagged
-    with phase and module) and is replayed off the training thread into an ``anatomy`` event: the top
-    holders at the step's peak (docs/anatomy-replay.md). 0 (default): only on
-    :meth:`Monitor.request_anatomy`."""
+    """On CUDA, every N-th step records the allocator's history, replayed off the training thread into an
+    ``anatomy`` event: the top holders at its peak (docs/anatomy-replay.md). 0: on request only."""
     anatomy_share: float | None = None
     """Also sample the step after one whose peak allocated reached this share of capacity; None: never."""
-    anatomy_entries: int = 50_000
-    """Allocator events a sampled step keeps at most (several KB each, in host memory while it runs)."""
     sink_thread: bool = True
     """Write sinks and run the leak watch on a background thread (the caller's thread only hands the
     collect over); False does it inside :meth:`Monitor.collect`."""
@@ -131,13 +127,11 @@ class MonitorConfig:
         object.__setattr__(self, "sink_options", {k: dict(v) for k, v in self.sink_options.items()})
         if not _whole(self.log_rank) or self.log_rank < 0:
             raise RankmemError(f"log_rank must be a rank: a whole number >= 0, got {self.log_rank!r}")
-        for name in ("anatomy_every", "anatomy_entries"):
-            if not _whole(getattr(self, name)) or getattr(self, name) < 0:
-                raise RankmemError(f"{name} must be a whole number >= 0, got {getattr(self, name)!r}")
-        if self.anatomy_share is not None and not (isinstance(self.anatomy_share, numbers.Real)
-                                                   and 0 < self.anatomy_share <= 1):
-            raise RankmemError(f"anatomy_share must be a share of capacity in (0, 1] or None, "
-                               f"got {self.anatomy_share!r}")
+        if not _whole(self.anatomy_every) or self.anatomy_every < 0:
+            raise RankmemError(f"anatomy_every must be a whole number >= 0, got {self.anatomy_every!r}")
+        share = self.anatomy_share
+        if share is not None and not (isinstance(share, (int, float)) and 0 < share <= 1):
+            raise RankmemError(f"anatomy_share must be a share of capacity in (0, 1] or None, got {share!r}")
         if not _whole(self.oom_history) or self.oom_history < 0:
             raise RankmemError(f"oom_history must be a whole number of entries >= 0, got {self.oom_history!r}")
         # numpy's numbers as Python's: the config goes into the run log header as JSON.
@@ -279,7 +273,7 @@ class Monitor(_Readouts):
         # Sampled windows and OOM replays (forensics/sampler.py): on a device only.
         self._anatomy = None if device is None else Anatomy(
             device, self._forensics.write_event, lambda: self._windows.where, every=c.anatomy_every,
-            share=c.anatomy_share, entries=c.anatomy_entries, history=c.oom_history)
+            share=c.anatomy_share, history=c.oom_history)
         self._forensics.anatomy = self._anatomy
         self._closed = False
 
@@ -374,7 +368,7 @@ class Monitor(_Readouts):
         self._exchange.request_detail()
 
     def request_anatomy(self) -> None:
-        """Sample the next step window's allocator history (on CUDA; ``anatomy_every``). Local."""
+        """Sample the next step's allocator history (on CUDA; ``anatomy_every``). Local."""
         if self._anatomy is not None:
             self._anatomy.request()
 

@@ -90,8 +90,7 @@ class Forensics:
         self._snapshots = 0
         self._flush = flush
         self._watch: NearOomWatch | None = None
-        self.anatomy: Anatomy | None = None
-        """Replays each OOM snapshot into an ``anatomy`` event (set by the Monitor on a device)."""
+        self.anatomy: Anatomy | None = None  # replays each OOM snapshot (set by the Monitor on a device)
         if device is None and self._heartbeat is not None:
             # On the host alone an edge is its heartbeat (no observer, no history, no OOM to tag): the
             # windows call the heartbeat's own edge, a frame less on every edge of the training thread
@@ -229,8 +228,7 @@ class Forensics:
         return {"allocated_bytes": d.allocated, "reserved_bytes": d.reserved, "inactive_split_bytes": d.inactive_split,
                 "free_bytes": d.free, "total_bytes": d.total, "top_segments": self._device.segments(top=5)}
 
-    def write_event(self, event: Event) -> None:
-        """This rank's event (the anatomy replay's thread writes them: one ``os.write`` per line)."""
+    def write_event(self, event: Event) -> None:  # from the replay thread too: one os.write a line
         if self._events is not None:
             self._events.write(event)
 

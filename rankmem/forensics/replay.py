@@ -1,62 +1,39 @@
-"""What held the device at a window's peak: a replay of the allocator's history for that window.
-
-The input is what ``torch.cuda.memory._snapshot()`` returns (``segments``: the live blocks now;
-``device_traces``: the ring of allocator events, each with ``action``, ``addr``, ``size``, ``stream``,
-Python ``frames`` innermost first, ``user_metadata`` and ``time_us`` where the torch version records
-them) and, for a sampled window, ``baseline``: the segments at window open, taken by
-``memory_snapshot(include_traces=False)`` right after recording began. That call leaves a ``snapshot``
-entry whose size is the active bytes it saw: the replay starts after it. Without that mark (an OOM
-snapshot, or a ring that wrapped past the window's start) the state before the first entry kept is
-derived backwards from the end state, exact for the span the ring still holds.
-
-Allocated bytes change at ``alloc`` and ``free_requested`` (the allocator's ``allocated_bytes`` stat);
-``free_completed`` (a block freed on one stream waits for the others) and segment events move no
-allocated byte. The instant is the window's peak, or the last ``oom`` entry where one failed. Each
-block live then is classed:
-
-- ``parameters`` / ``gradients`` / ``optimizer``: a block still live at the end that holds one of the
-  addresses given (storage ``data_ptr``s; a flat buffer holding many counts once);
-- ``communication``: allocated under an ``nccl:`` annotation or from ``torch.distributed`` frames;
-- ``activations``: allocated in a module's forward with grad enabled (``phase|module|fwd`` metadata);
-- ``temporaries``: anything else allocated in the window, by first user frame (``fn@file:line``);
-- ``pre_window``: live since before the window (or before the ring's first entry).
-
-Pure Python, no torch: it runs on the sink's replay thread, or offline on a pickled snapshot.
+"""What held the device at a window's peak: a replay of ``torch.cuda.memory._snapshot()`` (segments and
+the ring of allocator events) from ``baseline``, the segments at window open, whose ``snapshot`` mark
+in the ring starts the replay; without it (an OOM, a ring wrapped past the window's start) the state
+before the ring is undone from the end state. Allocated bytes move at ``alloc`` and ``free_requested``
+only. The blocks live at the peak (or the last ``oom``) are classed: parameters / gradients /
+optimizer by address (the same allocation live at the end), communication (``nccl:`` annotations,
+``torch.distributed`` frames), activations (``phase|module|fwd`` metadata), temporaries (the rest of
+the window, by first user frame ``fn@file:line``), pre_window. Pure Python: off the training thread.
 """
 
 from __future__ import annotations
 
 import bisect
 import os
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries", "communication",
               "pre_window")
-_OWNED = CATEGORIES[:3]
 _TORCH = f"{os.sep}torch{os.sep}"
+_Live = dict[int, tuple[int, int, Mapping[str, Any]]]
+"""Block address -> (size, index of its ``alloc`` entry or -1 from before, that entry or block)."""
 
 
-@dataclass(frozen=True)
-class Addresses:
+class Addresses(NamedTuple):
     """Storage addresses (``untyped_storage().data_ptr()``) of what the job owns, by category."""
 
-    parameters: frozenset[int] = field(default_factory=frozenset)
-    gradients: frozenset[int] = field(default_factory=frozenset)
-    optimizer: frozenset[int] = field(default_factory=frozenset)
+    parameters: frozenset[int] = frozenset()
+    gradients: frozenset[int] = frozenset()
+    optimizer: frozenset[int] = frozenset()
 
 
-def _live(segments: Any, device: int) -> dict[int, tuple[int, int, Mapping[str, Any]]]:
-    """``addr -> (size, -1, block)`` of the blocks a snapshot's segments hold allocated."""
-    out: dict[int, tuple[int, int, Mapping[str, Any]]] = {}
-    for seg in segments or ():
-        if seg.get("device", device) != device:
-            continue
-        for block in seg.get("blocks", ()):
-            if block.get("state") == "active_allocated":
-                out[int(block["address"])] = (int(block["size"]), -1, block)
-    return out
+def _live(segments: Any, device: int) -> _Live:
+    return {int(b["address"]): (int(b["size"]), -1, b) for seg in segments or ()
+            if seg.get("device", device) == device
+            for b in seg.get("blocks", ()) if b.get("state") == "active_allocated"}
 
 
 def _user_frame(frames: Sequence[Mapping[str, Any]]) -> str:
@@ -67,29 +44,15 @@ def _user_frame(frames: Sequence[Mapping[str, Any]]) -> str:
     return "(no Python frame)"  # the autograd engine's thread, a kernel's workspace
 
 
-def _nccl_spans(snapshot: Mapping[str, Any]) -> list[tuple[int, int, str]]:
-    """``(start_us, end_us, name)`` of the ``nccl:*`` record_function ranges the snapshot annotates."""
-    spans, open_at = [], {}
-    for a in snapshot.get("external_annotations") or ():
-        name = str(a.get("name", ""))
-        if name.startswith("nccl:"):
-            if a.get("stage") == "START":
-                open_at[name] = int(a.get("time_us", 0))
-            elif name in open_at:
-                spans.append((open_at.pop(name), int(a.get("time_us", 0)), name))
-    return spans
-
-
 def _classify(entry: Mapping[str, Any], spans: list[tuple[int, int, str]]) -> tuple[str, str]:
-    frames = entry.get("frames") or ()
-    when = entry.get("time_us")
+    frames, when = entry.get("frames") or (), entry.get("time_us", -1)
     for start, end, name in spans:
-        if when is not None and start <= when <= end:
+        if start <= when <= end:
             return "communication", name
-    if any("distributed" in str(f.get("filename", "")) and "nccl" in str(f.get("name", "")).lower()
-           or "distributed_c10d" in str(f.get("filename", "")) for f in frames):
+    if any("distributed_c10d" in str(f.get("filename")) or "nccl" in str(f.get("name")).lower()
+           for f in frames):
         return "communication", _user_frame(frames)
-    phase, module, stage = (str(entry.get("user_metadata") or "").split("|") + ["", "", ""])[:3]
+    _, module, stage = (str(entry.get("user_metadata") or "").split("|") + ["", "", ""])[:3]
     if module and stage == "fwd":
         return "activations", module
     frame = _user_frame(frames)
@@ -104,23 +67,24 @@ def replay(snapshot: Mapping[str, Any], baseline: Any = None, addresses: Address
     ``entries`` replayed, ``unmatched_frees`` and ``wrapped`` (the ring lost the window's start)."""
     traces = snapshot.get("device_traces") or []
     trace: list[Mapping[str, Any]] = list(traces[device]) if device < len(traces) else []
-    end = _live(snapshot.get("segments"), device)
-    first, wrapped = 0, False
+    wrapped, unseen = False, 0
     if baseline is not None:
-        start = _live(baseline, device)
-        active = sum(int(b.get("active_size", 0)) for b in baseline if b.get("device", device) == device)
+        active = sum(int(s.get("active_size", 0)) for s in baseline if s.get("device", device) == device)
         marks = [i for i, e in enumerate(trace) if e.get("action") == "snapshot" and e.get("size") == active]
-        wrapped = not marks
-        first = marks[0] + 1 if marks else 0
-    trace = trace[first:]
-    unseen = 0
+        wrapped, trace, start = not marks, trace[marks[0] + 1 if marks else 0:], _live(baseline, device)
     if baseline is None or wrapped:
-        start, unseen = _backwards(end, trace)
+        start, unseen = _backwards(_live(snapshot.get("segments"), device), trace)
     final, unmatched, peak_at, oom_at = _forward(start, trace, None)
     at = oom_at if oom_at is not None else peak_at
     live = _forward(start, trace, at)[0] if at >= 0 else dict(start)
-    mark = trace[oom_at] if oom_at is not None else trace[peak_at] if peak_at >= 0 else {}
-    spans = _nccl_spans(snapshot)
+    mark = trace[at] if at >= 0 else {}
+    spans, began = [], {}  # nccl:* record_function ranges, where the snapshot has annotations
+    for a in snapshot.get("external_annotations") or ():
+        name, when = str(a.get("name", "")), int(a.get("time_us", 0))
+        if name.startswith("nccl:") and a.get("stage") == "START":
+            began[name] = when
+        elif name in began:
+            spans.append((began.pop(name), when, name))
     owned = _owned(live, final, addresses or Addresses())
     totals = dict.fromkeys(CATEGORIES, 0)
     holders: dict[tuple[str, str], list[int]] = {}
@@ -133,8 +97,7 @@ def replay(snapshot: Mapping[str, Any], baseline: Any = None, addresses: Address
             key = _classify(entry, spans)
         totals[key[0]] += size
         held = holders.setdefault(key, [0, 0])
-        held[0] += size
-        held[1] += 1
+        held[0], held[1] = held[0] + size, held[1] + 1
     ranked = sorted(holders.items(), key=lambda kv: -kv[1][0])[: max(top, 0)]
     return {
         "peak_bytes": sum(totals.values()), "baseline_bytes": sum(s for s, _, _ in start.values()),
@@ -146,27 +109,24 @@ def replay(snapshot: Mapping[str, Any], baseline: Any = None, addresses: Address
     }
 
 
-def _backwards(end: dict[int, tuple[int, int, Mapping[str, Any]]],
-               trace: list[Mapping[str, Any]]) -> tuple[dict[int, tuple[int, int, Mapping[str, Any]]], int]:
-    """The live blocks before ``trace``'s first entry, undoing it from the end state, and how many of
-    the frees it holds are of blocks whose allocation it does not hold (older than the ring)."""
-    state = dict(end)
-    unseen: set[int] = set()
+def _backwards(end: _Live, trace: list[Mapping[str, Any]]) -> tuple[_Live, int]:
+    """The live blocks before ``trace``'s first entry, undone from the end state, and how many of its
+    frees are of blocks whose allocation it does not hold (older than the ring)."""
+    state, unseen = dict(end), set()
     for e in reversed(trace):
-        action = e.get("action")
-        if action == "alloc":
+        if e.get("action") == "alloc":
             state.pop(int(e["addr"]), None)
             unseen.discard(int(e["addr"]))
-        elif action == "free_requested":
+        elif e.get("action") == "free_requested":
             state[int(e["addr"])] = (int(e["size"]), -1, e)  # context="alloc": the frames are the alloc's
             unseen.add(int(e["addr"]))
     return {a: (s, -1, b) for a, (s, _, b) in state.items()}, len(unseen)
 
 
-def _forward(start: dict[int, tuple[int, int, Mapping[str, Any]]], trace: list[Mapping[str, Any]],
-             stop: int | None) -> tuple[dict[int, tuple[int, int, Mapping[str, Any]]], int, int, int | None]:
+def _forward(start: _Live, trace: list[Mapping[str, Any]],
+             stop: int | None) -> tuple[_Live, int, int, int | None]:
     """Replay from ``start``: the live set after entry ``stop`` (after all when None), the frees of
-    blocks never seen, the entry that set the peak (-1: none rose above the start) and the last ``oom``."""
+    blocks never seen, the entry that set the peak (-1: none rose above the start), the last ``oom``."""
     live = dict(start)
     total = best = sum(s for s, _, _ in live.values())
     unmatched, peak_at, oom_at = 0, -1, None
@@ -174,35 +134,27 @@ def _forward(start: dict[int, tuple[int, int, Mapping[str, Any]]], trace: list[M
         action = e.get("action")
         if action == "alloc":
             addr, size = int(e["addr"]), int(e["size"])
-            old = live.get(addr)
-            total += size - (old[0] if old is not None else 0)
+            total += size - live.get(addr, (0,))[0]
             live[addr] = (size, i, e)
             if total > best:
                 best, peak_at = total, i
         elif action == "free_requested":
             old = live.pop(int(e["addr"]), None)
-            if old is None:
-                unmatched += 1  # allocated before the ring's first entry and not in the baseline
-            else:
-                total -= old[0]
+            unmatched += old is None  # allocated before the ring's first entry and not in the baseline
+            total -= old[0] if old is not None else 0
         elif action == "oom":
             oom_at = i  # the live set as the allocation failed: nothing changed at this entry
     return live, unmatched, peak_at, oom_at
 
 
-def _owned(live: Mapping[int, tuple[int, int, Any]], final: Mapping[int, tuple[int, int, Any]],
-           addresses: Addresses) -> dict[int, str]:
-    """Block address -> category for the peak's blocks that are still the same allocation at the end
-    and hold a given address (an address freed and reused before the end names another tensor)."""
-    kept = sorted(a for a, (s, serial, _) in live.items() if final.get(a, (0, -2))[1] == serial)
+def _owned(live: _Live, final: _Live, addresses: Addresses) -> dict[int, str]:
+    """Block address -> category for the instant's blocks that are the same allocation at the end and
+    hold a given address (one freed and reused before the end names another tensor)."""
+    kept = sorted(a for a, (_, serial, _) in live.items() if final.get(a, (0, -2, {}))[1] == serial)
     out: dict[int, str] = {}
-    for category in _OWNED:
-        for ptr in _iter(getattr(addresses, category)):
+    for category, ptrs in zip(CATEGORIES, addresses, strict=False):
+        for ptr in ptrs:
             i = bisect.bisect_right(kept, ptr) - 1
-            if i >= 0 and ptr < kept[i] + live[kept[i]][0]:
+            if ptr and i >= 0 and ptr < kept[i] + live[kept[i]][0]:
                 out.setdefault(kept[i], category)
     return out
-
-
-def _iter(values: Iterable[int]) -> Iterable[int]:
-    return (int(v) for v in values if v)
