@@ -132,7 +132,9 @@ class Forensics:
             self._hook_device()
         if self._history and self._device is not None and (where.step, where.phase) != self._tag:
             self._tag = (where.step, where.phase)
-            self._device.tag_history(f"step {where.step} / {where.phase or '-'}")
+            tag = self._device.set_metadata_hook()
+            if tag is not None:
+                attempt(tag, f"step {where.step} / {where.phase or '-'}", default=None)
         if self._observed is not None and not failing:
             # The allocator failed and the caller caught the error inside the window: still an event.
             observed, self._observed = self._observed, None

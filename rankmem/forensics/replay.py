@@ -3,8 +3,8 @@ the ring of allocator events) from ``baseline``, the segments at window open, wh
 in the ring starts the replay; without it (an OOM, a ring wrapped past the window's start) the state
 before the ring is undone from the end state. Allocated bytes move at ``alloc`` and ``free_requested``
 only. The blocks live at the peak (or the last ``oom``) are classed: parameters / gradients /
-optimizer by address (the same allocation live at the end), communication (``nccl:`` annotations,
-``torch.distributed`` frames), activations (``phase|module|fwd`` metadata), temporaries (the rest of
+optimizer by address (the same allocation live at the end), communication (``torch.distributed``
+frames: NCCL's buffers are allocated under its Python calls), activations (``phase|module|fwd`` metadata), temporaries (the rest of
 the window, by first user frame ``fn@file:line``), pre_window. Pure Python: off the training thread.
 """
 
@@ -44,11 +44,8 @@ def _user_frame(frames: Sequence[Mapping[str, Any]]) -> str:
     return "(no Python frame)"  # the autograd engine's thread, a kernel's workspace
 
 
-def _classify(entry: Mapping[str, Any], spans: list[tuple[int, int, str]]) -> tuple[str, str]:
-    frames, when = entry.get("frames") or (), entry.get("time_us", -1)
-    for start, end, name in spans:
-        if start <= when <= end:
-            return "communication", name
+def _classify(entry: Mapping[str, Any]) -> tuple[str, str]:
+    frames = entry.get("frames") or ()
     if any("distributed_c10d" in str(f.get("filename")) or "nccl" in str(f.get("name")).lower()
            for f in frames):
         return "communication", _user_frame(frames)
@@ -78,13 +75,6 @@ def replay(snapshot: Mapping[str, Any], baseline: Any = None, addresses: Address
     at = oom_at if oom_at is not None else peak_at
     live = _forward(start, trace, at)[0] if at >= 0 else dict(start)
     mark = trace[at] if at >= 0 else {}
-    spans, began = [], {}  # nccl:* record_function ranges, where the snapshot has annotations
-    for a in snapshot.get("external_annotations") or ():
-        name, when = str(a.get("name", "")), int(a.get("time_us", 0))
-        if name.startswith("nccl:") and a.get("stage") == "START":
-            began[name] = when
-        elif name in began:
-            spans.append((began.pop(name), when, name))
     owned = _owned(live, final, addresses or Addresses())
     totals = dict.fromkeys(CATEGORIES, 0)
     holders: dict[tuple[str, str], list[int]] = {}
@@ -94,7 +84,7 @@ def replay(snapshot: Mapping[str, Any], baseline: Any = None, addresses: Address
         elif serial < 0:
             key = ("pre_window", _user_frame(entry.get("frames") or ()))
         else:
-            key = _classify(entry, spans)
+            key = _classify(entry)
         totals[key[0]] += size
         held = holders.setdefault(key, [0, 0])
         held[0], held[1] = held[0] + size, held[1] + 1

@@ -54,7 +54,6 @@ class ModuleTags:
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
-        self._handles = []
         self._set("")
 
     def _enter(self, module: Any, args: Any) -> None:

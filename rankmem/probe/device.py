@@ -267,11 +267,6 @@ class DeviceBackend:
         """``_set_memory_metadata`` (tags the history entries that follow), where this torch has it."""
         return self._hooks.set_metadata
 
-    def tag_history(self, tag: str) -> None:
-        """Tag the allocator history entries that follow (``step 12 / update``), where supported."""
-        if self._hooks.set_metadata is not None:
-            attempt(self._hooks.set_metadata, tag, default=None)
-
     def snapshot(self) -> dict[str, Any] | None:
         """The allocator's state (``{"segments": [...], "device_traces": [[...], ...]}``, torch's
         ``_snapshot()`` format, which pytorch.org/memory_viz reads), or ``None``."""
