@@ -4,8 +4,9 @@ in the ring starts the replay; without it (an OOM, a ring wrapped past the windo
 before the ring is undone from the end state. Allocated bytes move at ``alloc`` and ``free_requested``
 only. The blocks live at the peak (or the last ``oom``) are classed: parameters / gradients /
 optimizer by address (the same allocation live at the end), communication (``torch.distributed``
-frames: NCCL's buffers are allocated under its Python calls), activations (``phase|module|fwd`` metadata), temporaries (the rest of
-the window, by first user frame ``fn@file:line``), pre_window. Pure Python: off the training thread.
+frames: NCCL's buffers are allocated under its Python calls), activations (``phase|module|fwd``
+metadata), temporaries (the rest of the window, by first user frame ``fn@file:line``), pre_window.
+Pure Python: off the training thread.
 """
 
 from __future__ import annotations
