@@ -201,8 +201,6 @@ class Forensics:
         snapshot = self._device.snapshot() if self._device is not None else None
         if snapshot is None or self._events is None:
             return None
-        if self.anatomy is not None:  # the top holders as the allocation failed, named off this thread
-            self.anatomy.replay_async(snapshot, None, where, "oom")
         self._snapshots += 1
         directory = os.path.dirname(self._events.path)
         os.makedirs(directory, exist_ok=True)
@@ -210,6 +208,8 @@ class Forensics:
         fd = open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         with os.fdopen(fd, "wb") as f:  # torch's _dump_snapshot format: pytorch.org/memory_viz reads it
             pickle.dump(snapshot, f)
+        if self.anatomy is not None:  # the top holders as the allocation failed, named off this thread
+            self.anatomy.replay_async(snapshot, None, where, "oom")
         return path
 
     def _host_figures(self, window: WindowBytes) -> dict[str, Any]:
