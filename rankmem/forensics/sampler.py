@@ -13,6 +13,7 @@ from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 from rankmem.core.eventrecords import Event
+from rankmem.core.guard import attempt
 from rankmem.core.warnings import WarnOnce
 from rankmem.forensics.replay import Addresses, replay
 from rankmem.probe.device import DeviceBackend
@@ -47,8 +48,8 @@ class ModuleTags:
         from torch.nn.modules import module as hooks
 
         self._stack = []
-        self._handles = [hooks.register_module_forward_pre_hook(self._enter),
-                         hooks.register_module_forward_hook(self._leave, always_call=True)]
+        leave = hooks.register_module_forward_hook(self._leave, always_call=True)  # first: it may fail
+        self._handles = [leave, hooks.register_module_forward_pre_hook(self._enter)]
         self._set(f"{self._phase() or ''}||")
 
     def remove(self) -> None:
@@ -111,7 +112,7 @@ class Anatomy:
         recording = self.device.record_history(self.entries, clear=True)
         baseline = self.device.live_segments() if recording else None
         if baseline is not None and self.tags is not None:
-            self.tags.install()
+            attempt(self.tags.install, default=None)  # a torch without always_call: no module tags
         try:
             with window:
                 yield

@@ -257,8 +257,9 @@ class DeviceBackend:
         if record is None or not self.initialised():
             return False
         if max_entries > 0:
+            clearing = {"clear_history": True} if clear else {}  # a torch without the option still records
             done = attempt(record, enabled="all", context="alloc", stacks="python", max_entries=int(max_entries),
-                           clear_history=clear, default=False)
+                           default=False, **clearing)
         else:
             done = attempt(record, enabled=None, default=False)
         return done is not False
