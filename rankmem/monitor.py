@@ -44,6 +44,7 @@ from rankmem.exchange.exchange import Exchange
 from rankmem.forensics.attribution import OFF as ATTRIBUTION_OFF
 from rankmem.forensics.attribution import device_attribution
 from rankmem.forensics.forensics import Forensics
+from rankmem.forensics.sampler import Anatomy
 from rankmem.probe.device import select_backend
 from rankmem.probe.host import PEAK_SOURCES, HostProbe, LinuxHostProbe, make_host_probe, peak_source_default
 from rankmem.probe.nvmlwatch import DeviceAttribution
@@ -99,6 +100,11 @@ class MonitorConfig:
     ``edges``: never reset; a window's peak is exact where it set a new lifetime high and otherwise the
     max RSS at its edges (a floor), flagged in the header, ``rankmem doctor`` and the report. Both keep
     ``mem/host/lifetime_peak_rss_gib`` true. Default ``window``, or ``$RANKMEM_PEAK_SOURCE``."""
+    anatomy_every: int = 0
+    """On CUDA, every N-th step records the allocator's history, replayed off the training thread into an
+    ``anatomy`` event: the top holders at its peak (docs/anatomy-replay.md). 0: on request only."""
+    anatomy_share: float | None = None
+    """Also sample the step after one whose peak allocated reached this share of capacity; None: never."""
     sink_thread: bool = True
     """Write sinks and run the leak watch on a background thread (the caller's thread only hands the
     collect over); False does it inside :meth:`Monitor.collect`."""
@@ -123,6 +129,11 @@ class MonitorConfig:
         object.__setattr__(self, "sink_options", {k: dict(v) for k, v in self.sink_options.items()})
         if not _whole(self.log_rank) or self.log_rank < 0:
             raise RankmemError(f"log_rank must be a rank: a whole number >= 0, got {self.log_rank!r}")
+        if not _whole(self.anatomy_every) or self.anatomy_every < 0:
+            raise RankmemError(f"anatomy_every must be a whole number >= 0, got {self.anatomy_every!r}")
+        share = self.anatomy_share
+        if share is not None and not (isinstance(share, (int, float)) and 0 < share <= 1):
+            raise RankmemError(f"anatomy_share must be a share of capacity in (0, 1] or None, got {share!r}")
         if not _whole(self.oom_history) or self.oom_history < 0:
             raise RankmemError(f"oom_history must be a whole number of entries >= 0, got {self.oom_history!r}")
         # numpy's numbers as Python's: the config goes into the run log header as JSON.
@@ -268,6 +279,11 @@ class Monitor(_Readouts):
                                 node_refresh_s=c.node_refresh_s if isinstance(host, LinuxHostProbe) else None)
         self._exchange = Exchange(group, device.name if device else None, device.module if device else None,
                                   detail_rank=c.log_rank)
+        # Sampled windows and OOM replays (forensics/sampler.py): on a device only.
+        self._anatomy = None if device is None else Anatomy(
+            device, self._forensics.write_event, lambda: self._windows.where, every=c.anatomy_every,
+            share=c.anatomy_share, history=c.oom_history)
+        self._forensics.anatomy = self._anatomy
         self._closed = False
 
     def step(self, n: int | None = None) -> AbstractContextManager[None]:
@@ -276,7 +292,8 @@ class Monitor(_Readouts):
         the step the next collect logs (unknown where collects are numbered with ``step=``)."""
         if self._closed:  # _open_windows' check, inline: every step's entry is on the training thread
             self._open_windows()
-        return self._windows.step(n)
+        window = self._windows.step(n)
+        return window if self._anatomy is None else self._anatomy.step(window)
 
     def set_step(self, n: int) -> None:
         """Name the step in progress for heartbeats, events and the next :meth:`collect` (unless given
@@ -334,6 +351,8 @@ class Monitor(_Readouts):
         self._open_windows()
         with self._exchange.turn:  # misuse that would corrupt the group raises here, before any communication
             local = self._measure(metrics)
+            if self._anatomy is not None:
+                self._anatomy.after_collect(local)
             step, stated = self._windows.next_step(step)
             self._publisher.settle()  # the previous collect's record on disk before this one returns
             self._forensics.collect_edge()  # entered: a rank that never gets here is behind the ones waiting below
@@ -373,6 +392,11 @@ class Monitor(_Readouts):
         self._forensics.record(exc, self._windows.where)
         self._exchange.request_detail()
 
+    def request_anatomy(self) -> None:
+        """Sample the next step's allocator history (on CUDA; ``anatomy_every``). Local."""
+        if self._anatomy is not None:
+            self._anatomy.request()
+
     def request_detail(self) -> None:
         """Make the next collect carry every rank's values to the logging rank, whatever the cadence
         (past ``RANKMEM_REDUCE_ABOVE`` ranks the per-rank detail is logged every ``detail_every``
@@ -390,6 +414,8 @@ class Monitor(_Readouts):
         if self._windows.anatomy is not None:
             self._windows.anatomy.tracker.close()
         self._publisher.close()
+        if self._anatomy is not None:
+            self._anatomy.close()  # its last replay written before the event file closes
         # Closed while an exception propagates (a finally block): the heartbeat says the exit was not clean.
         self._forensics.close(clean=sys.exc_info()[0] is None)
         if self._attribution is not None:

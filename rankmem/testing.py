@@ -465,6 +465,9 @@ class FakeCuda:
             return {"segments": [], "device_traces": []}
         segments = [_segment_dict(index, segment) for index, dev in enumerate(self._devices)
                     for segment in sorted(dev.segments.values(), key=lambda s: s.address)]
+        for dev in self._devices:  # as torch marks, in the history, every snapshot taken while recording
+            active = sum(s.used for s in dev.segments.values())
+            dev.trace(9, {"action": "snapshot", "addr": 0, "size": active})
         return {"segments": segments, "device_traces": [list(dev.history) for dev in self._devices]}
 
 

@@ -4,7 +4,7 @@
 #     bash scripts/gpu_check.sh --dry-run  # anywhere: compile and import every Python part, run the CPU parts
 # Needs no network and installs nothing: it uses PYTHON (default python3), which must import a CUDA
 # torch and psutil, numpy, rich, pytest and nvidia-ml-py (pynvml); rankmem runs from this tree through PYTHONPATH.
-# Every step runs, whatever failed before it, under its own timeout (together 575 s); the summary at
+# Every step runs, whatever failed before it, under its own timeout (together 665 s); the summary at
 # the end lists each step's exit status (124: timed out). With OUT set, everything is also written to
 # $OUT/gpu_check.log. Exits 0 when every step passed, 1 otherwise; without a CUDA GPU, 0 at once.
 cd "$(dirname "$0")/.." || exit 2
@@ -42,8 +42,9 @@ step() {  # step NAME TIMEOUT_S COMMAND...
 
 if [ "$DRY" = 1 ]; then
   step compile 60 "$PY" -m py_compile tests/test_gpu.py tests/dist_scripts/gpu_fresh_process.py bench/bench_probe.py \
-    tests/dist_scripts/gpu_nvml_check.py scripts/gpu_advise_check.py
+    tests/dist_scripts/gpu_nvml_check.py scripts/gpu_advise_check.py scripts/gpu_anatomy_check.py
   step advise-check-args 30 "$PY" scripts/gpu_advise_check.py --dry-run
+  step anatomy-check-args 30 "$PY" scripts/gpu_anatomy_check.py --dry-run
   step collect 60 "${PYTEST[@]}" --collect-only tests/test_gpu.py
   step fresh-process 60 "$PY" tests/dist_scripts/gpu_fresh_process.py
   step probe-bench 120 "$PY" bench/bench_probe.py --quick
@@ -58,6 +59,8 @@ else
   step probe-bench 90 "$PY" bench/bench_probe.py
   # The reference GPT probed at 2k-16k tokens; rankmem advise's peaks at 24k and 32k against the device.
   step advise-vs-device 180 "$PY" scripts/gpu_advise_check.py ${OUT:+--out "$OUT/advise_check"}
+  # A sampled window's replay: exact against max_memory_allocated, the logits named, its cost, an OOM.
+  step anatomy 90 "$PY" scripts/gpu_anatomy_check.py
 fi
 
 echo

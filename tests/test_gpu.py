@@ -158,12 +158,18 @@ def test_a_real_oom_in_a_phase_is_an_event_with_a_snapshot(tmp_path: Any) -> Non
         with monitor.step(3), monitor.phase("update"):
             torch.empty(2 * total, dtype=torch.uint8, device="cuda")
     monitor.close()
-    (line,) = (tmp_path / "events" / "rank0.jsonl").read_text().splitlines()
-    event = json.loads(line)
+    lines = (tmp_path / "events" / "rank0.jsonl").read_text().splitlines()
+    event, anatomy = (json.loads(line) for line in lines)
     assert (event["kind"], event["step"], event["phase"], event["where"]) == ("oom", 3, "update", "device")
     assert event["requested_bytes"] >= 2 * total * 0.99 and event["device"]["total_bytes"] == total
     assert event["device"]["top_segments"][0]["allocated_size"] >= 256 * MIB
     assert os.path.getsize(event["snapshot"]) > 0
+    # The snapshot replayed: the live set as the allocation failed, 'kept' (from before the ring) on top.
+    assert (anatomy["kind"], anatomy["source"], anatomy["instant"]) == ("anatomy", "oom", "oom")
+    assert anatomy["step"] == 3
+    assert anatomy["requested_bytes"] >= 2 * total * 0.99
+    assert anatomy["top"][0][0] == "pre_window" and anatomy["top"][0][2] == 256 * MIB
+    assert anatomy["peak_bytes"] == event["device"]["allocated_bytes"]
     del kept
 
 

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from rankmem.core.eventrecords import NearOomEvent, OomEvent
+from rankmem.core.eventrecords import Event, NearOomEvent, OomEvent
 from rankmem.core.guard import Guard, attempt
 from rankmem.core.records import WindowBytes
 from rankmem.core.rundir import RunDir, open_regular
@@ -33,6 +33,7 @@ from rankmem.core.warnings import warn
 from rankmem.forensics.events import EventWriter, oom_event, oom_where
 from rankmem.forensics.heartbeat import Heartbeat, heartbeat_dir, heartbeat_run_id
 from rankmem.forensics.nearoom import NearOomWatch
+from rankmem.forensics.sampler import Anatomy
 from rankmem.probe.device import DeviceBackend
 from rankmem.probe.host import HostProbe
 from rankmem.probe.nvmlwatch import DeviceAttribution
@@ -89,6 +90,7 @@ class Forensics:
         self._snapshots = 0
         self._flush = flush
         self._watch: NearOomWatch | None = None
+        self.anatomy: Anatomy | None = None  # replays each OOM snapshot (set by the Monitor on a device)
         if device is None and self._heartbeat is not None:
             # On the host alone an edge is its heartbeat (no observer, no history, no OOM to tag): the
             # windows call the heartbeat's own edge, a frame less on every edge of the training thread
@@ -130,7 +132,9 @@ class Forensics:
             self._hook_device()
         if self._history and self._device is not None and (where.step, where.phase) != self._tag:
             self._tag = (where.step, where.phase)
-            self._device.tag_history(f"step {where.step} / {where.phase or '-'}")
+            tag = self._device.set_metadata_hook()
+            if tag is not None:
+                attempt(tag, f"step {where.step} / {where.phase or '-'}", default=None)
         if self._observed is not None and not failing:
             # The allocator failed and the caller caught the error inside the window: still an event.
             observed, self._observed = self._observed, None
@@ -187,11 +191,13 @@ class Forensics:
             # The observer's event (an OOM caught inside the window) has no device figures of its own.
             event = replace(event, device={**(event.device or {}), "attribution": self._split()})
         if self._history and self._device is not None and self._events is not None:
-            event = replace(event, snapshot=attempt(self._write_snapshot, default=None))  # the event matters more
+            where = Where(event.step, event.phase)
+            # The event matters more than its snapshot.
+            event = replace(event, snapshot=attempt(self._write_snapshot, where, default=None))
         if self._events is not None:
             self._events.write(event)
 
-    def _write_snapshot(self) -> str | None:
+    def _write_snapshot(self, where: Where) -> str | None:
         snapshot = self._device.snapshot() if self._device is not None else None
         if snapshot is None or self._events is None:
             return None
@@ -202,6 +208,8 @@ class Forensics:
         fd = open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         with os.fdopen(fd, "wb") as f:  # torch's _dump_snapshot format: pytorch.org/memory_viz reads it
             pickle.dump(snapshot, f)
+        if self.anatomy is not None:  # the top holders as the allocation failed, named off this thread
+            self.anatomy.replay_async(snapshot, None, where, "oom")
         return path
 
     def _host_figures(self, window: WindowBytes) -> dict[str, Any]:
@@ -221,6 +229,10 @@ class Forensics:
         d = self._device.read()
         return {"allocated_bytes": d.allocated, "reserved_bytes": d.reserved, "inactive_split_bytes": d.inactive_split,
                 "free_bytes": d.free, "total_bytes": d.total, "top_segments": self._device.segments(top=5)}
+
+    def write_event(self, event: Event) -> None:  # from the replay thread too: one os.write a line
+        if self._events is not None:
+            self._events.write(event)
 
     # ---- near-OOM ----------------------------------------------------------------------------------
     def _split(self) -> dict[str, Any] | None:

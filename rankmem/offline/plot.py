@@ -134,7 +134,7 @@ def draw_run(run: Run, chosen: Sequence[str], size: tuple[int, int] | None = Non
     fig, axes = plt.subplots(len(chosen), 1, figsize=(width / _DPI, height / _DPI), dpi=_DPI, sharex=True, squeeze=False)
     phases = run.phases()
     # An event without a step (or with one no int64 holds: read as none) cannot be drawn at any x.
-    events = [e for e in read_events(run.path).events if e.step is not None]
+    events = [e for e in read_events(run.path).events if e.step is not None and e.kind != "anatomy"]
     caps = capacities(run)
     for ax, key in zip(axes[:, 0], chosen, strict=True):
         _draw_key(ax, run, key, phases, events, for_key(caps, key), plt)

@@ -38,6 +38,7 @@ from rankmem.offline import Run
 from rankmem.offline.anatomy import PhaseAnatomy, anatomy_lines, anatomy_rows
 from rankmem.offline.capacity import capacities
 from rankmem.offline.events import read_events
+from rankmem.offline.holders import ANATOMY, holder_lines
 from rankmem.offline.imbalance import (
     ImbalanceConfig,
     OverBudget,
@@ -136,6 +137,8 @@ class Report:
     gaps: list[str] = field(default_factory=list)
     """Collects the run log says it dropped, one line each."""
     """Why per-rank values are missing beyond that (a damaged or missing side file)."""
+    holders: list[str] = field(default_factory=list)
+    """What held the peak, from the replays of sampled windows and OOMs (:mod:`rankmem.offline.holders`)."""
     limits: list[Limit] = field(default_factory=list)
     """Device total, node total, cgroup limit, where measured, with the least headroom under each."""
     peak_rss_scope: str | None = None
@@ -285,7 +288,8 @@ def _tables(run: Run, imb: ImbalanceConfig) -> Report:
         last_step=int(steps[-1]) if steps.size else None,
         corrupt=run.corrupt,
         truncated=run.truncated,
-        events=events.events,
+        events=[e for e in events.events if e.kind != ANATOMY],  # replays, not failures: in holders
+        holders=holder_lines(events.events),
         corrupt_events=events.corrupt,
         foreign_events=events.foreign,
         events_skipped=events.skipped,
@@ -425,7 +429,7 @@ def event_lines(report: Report) -> list[str]:
         lines.append(f"events: {report.foreign_events} event(s) of another run (its run id differs from this "
                      "log's) not shown")
     lines += [f"events: {why}" for why in report.events_skipped]
-    return lines
+    return lines + [f"held: {line}" for line in report.holders]
 
 
 def _mapping(value: Any) -> Mapping[str, Any]:

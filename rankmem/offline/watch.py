@@ -257,7 +257,8 @@ class Watcher:
             stamp = ()
         if stamp != self._events_stamp:  # a new or grown events file: read them again (they are small)
             read = read_events(self.run_dir, run_id)
-            self._events_stamp, self._events, self.events_skipped = stamp, read.events, read.skipped
+            kept = [e for e in read.events if e.kind != "anatomy"]  # window replays, not failures
+            self._events_stamp, self._events, self.events_skipped = stamp, kept, read.skipped
         return self._events
 
     def frame(self, now: float | None = None) -> Frame:

@@ -249,23 +249,24 @@ class DeviceBackend:
             return False
         return attempt(attach, fn, default=False) is not False
 
-    def record_history(self, max_entries: int) -> bool:
+    def record_history(self, max_entries: int, clear: bool = False) -> bool:
         """Keep the last ``max_entries`` allocator events with Python stacks of the allocations, for
-        :meth:`snapshot`; ``0`` stops recording. False where unsupported or not initialised yet."""
+        :meth:`snapshot` (``clear``: the ring emptied first); ``0`` stops recording. False where
+        unsupported or not initialised yet."""
         record = self._hooks.record_history
         if record is None or not self.initialised():
             return False
         if max_entries > 0:
+            clearing = {"clear_history": True} if clear else {}  # a torch without the option still records
             done = attempt(record, enabled="all", context="alloc", stacks="python", max_entries=int(max_entries),
-                           default=False)
+                           default=False, **clearing)
         else:
             done = attempt(record, enabled=None, default=False)
         return done is not False
 
-    def tag_history(self, tag: str) -> None:
-        """Tag the allocator history entries that follow (``step 12 / update``), where supported."""
-        if self._hooks.set_metadata is not None:
-            attempt(self._hooks.set_metadata, tag, default=None)
+    def set_metadata_hook(self) -> Callable[[str], Any] | None:
+        """``_set_memory_metadata`` (tags the history entries that follow), where this torch has it."""
+        return self._hooks.set_metadata
 
     def snapshot(self) -> dict[str, Any] | None:
         """The allocator's state (``{"segments": [...], "device_traces": [[...], ...]}``, torch's
@@ -280,14 +281,8 @@ class DeviceBackend:
         """The ``top`` live segments of the current device holding the most allocated bytes, largest
         first, each summarised small enough for an event line. ``[]`` where none can be read."""
         index = self.current_index()
-        if index is None:
-            return []
-        take = getattr(self.module, "memory_snapshot", None)
-        if take is not None:
-            raw = attempt(_segments_only, take, default=None)
-        else:
-            raw = (self.snapshot() or _EMPTY).get("segments")
-        if not isinstance(raw, list):
+        raw = self.live_segments() if index is not None else None
+        if raw is None:
             return []
         live = [
             s for s in raw
@@ -295,6 +290,16 @@ class DeviceBackend:
         ]
         live.sort(key=lambda s: (int(s.get("allocated_size", 0)), int(s.get("total_size", 0))), reverse=True)
         return [_segment_summary(s) for s in live[: max(top, 0)]]
+
+    def live_segments(self) -> list[Any] | None:
+        """The allocator's segments and their blocks, without the history (which, recording, gets a
+        ``snapshot`` entry that marks this moment); None where they cannot be read."""
+        take = getattr(self.module, "memory_snapshot", None)
+        if take is not None:
+            raw = attempt(_segments_only, take, default=None)
+        else:
+            raw = (self.snapshot() or _EMPTY).get("segments")
+        return raw if isinstance(raw, list) else None
 
 
 def _segments_only(memory_snapshot: Callable[..., Any]) -> Any:

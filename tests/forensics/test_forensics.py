@@ -37,8 +37,15 @@ def test_device_oom_in_a_phase_is_an_event_with_the_allocator_figures(tmp_path: 
                             raise
         monitor.collect()
     monitor.close()
-    (event,) = read_events(str(tmp_path)).events
+    event, anatomy = read_events(str(tmp_path)).events
     assert (event.kind, event.rank, event.step, event.phase, event.where) == ("oom", 0, 3, "update", "device")
+    # The snapshot replayed off the training thread: the blocks live as the allocation failed, largest first.
+    assert (anatomy.kind, anatomy.step, anatomy.phase) == ("anatomy", 3, "update")
+    assert anatomy.extra["source"] == "oom" and anatomy.extra["instant"] == "oom"
+    assert anatomy.extra["requested_bytes"] == 6 * GIB and anatomy.extra["peak_bytes"] == 4 * GIB
+    # Both held from before the history began, where no stack was kept: one holder of two blocks.
+    assert anatomy.extra["top"] == [["pre_window", "(no Python frame)", 4 * GIB, 2]]
+    assert anatomy.extra["categories"]["pre_window"] == 4 * GIB
     assert raised is not None and event.error.startswith("FakeOutOfMemoryError: CUDA out of memory. Tried to allocate")
     assert abs(event.requested_bytes - 6 * GIB) <= 0.01 * 6 * GIB  # parsed from the error text
     assert event.observer["alloc_bytes"] == 6 * GIB  # what the allocator's observer was told
@@ -51,7 +58,7 @@ def test_device_oom_in_a_phase_is_an_event_with_the_allocator_figures(tmp_path: 
     assert event.host["rss_bytes"] > 0
     with open(event.snapshot, "rb") as f:
         snapshot = pickle.load(f)
-    traces = snapshot["device_traces"][0]
+    traces = [e for e in snapshot["device_traces"][0] if e["action"] != "snapshot"]  # each snapshot's mark
     assert traces[-1]["action"] == "oom" and traces[-1]["user_metadata"] == "step 3 / update"
     assert len(held) == 2
 
