@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from rankmem.exchange.dict_gather import allgather_dict_into_dict
     from rankmem.monitor import Monitor, MonitorConfig
     from rankmem.probe.sample import MemorySample, sample
+del TYPE_CHECKING
 
 # Loaded on first use: rankmem.integrations.verl.setup, in every Ray worker of a verl job, imports this.
 _HOME = {name: f"rankmem.{module}" for module, names in (

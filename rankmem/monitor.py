@@ -44,7 +44,7 @@ from rankmem.exchange.exchange import Exchange
 from rankmem.forensics.attribution import OFF as ATTRIBUTION_OFF
 from rankmem.forensics.attribution import device_attribution
 from rankmem.forensics.forensics import Forensics
-from rankmem.forensics.sampler import Anatomy
+from rankmem.forensics.sampler import HistorySampler
 from rankmem.probe.device import select_backend
 from rankmem.probe.host import PEAK_SOURCES, HostProbe, LinuxHostProbe, make_host_probe, peak_source_default
 from rankmem.probe.nvmlwatch import DeviceAttribution
@@ -280,10 +280,10 @@ class Monitor(_Readouts):
         self._exchange = Exchange(group, device.name if device else None, device.module if device else None,
                                   detail_rank=c.log_rank)
         # Sampled windows and OOM replays (forensics/sampler.py): on a device only.
-        self._anatomy = None if device is None else Anatomy(
+        self._sampler = None if device is None else HistorySampler(
             device, self._forensics.write_event, lambda: self._windows.where, every=c.anatomy_every,
             share=c.anatomy_share, history=c.oom_history)
-        self._forensics.anatomy = self._anatomy
+        self._forensics.sampler = self._sampler
         self._closed = False
 
     def step(self, n: int | None = None) -> AbstractContextManager[None]:
@@ -293,7 +293,7 @@ class Monitor(_Readouts):
         if self._closed:  # _open_windows' check, inline: every step's entry is on the training thread
             self._open_windows()
         window = self._windows.step(n)
-        return window if self._anatomy is None else self._anatomy.step(window)
+        return window if self._sampler is None else self._sampler.step(window)
 
     def set_step(self, n: int) -> None:
         """Name the step in progress for heartbeats, events and the next :meth:`collect` (unless given
@@ -335,6 +335,8 @@ class Monitor(_Readouts):
             tracker.boundary = windows.boundary
             windows.anatomy = Anatomy(tracker, device is not None)
         windows.anatomy.tracker.add(model, optimizer)
+        if self._sampler is not None:  # its replay names parameter, gradient and optimizer blocks
+            self._sampler.track(model, optimizer)
 
     def local_metrics(self, metrics: Mapping[str, Any] | None = None) -> dict[str, float]:
         """This rank's per-rank keys for the window that just closed, plus the caller's scalars.
@@ -351,8 +353,8 @@ class Monitor(_Readouts):
         self._open_windows()
         with self._exchange.turn:  # misuse that would corrupt the group raises here, before any communication
             local = self._measure(metrics)
-            if self._anatomy is not None:
-                self._anatomy.after_collect(local)
+            if self._sampler is not None:
+                self._sampler.after_collect(local)
             step, stated = self._windows.next_step(step)
             self._publisher.settle()  # the previous collect's record on disk before this one returns
             self._forensics.collect_edge()  # entered: a rank that never gets here is behind the ones waiting below
@@ -394,8 +396,8 @@ class Monitor(_Readouts):
 
     def request_anatomy(self) -> None:
         """Sample the next step's allocator history (on CUDA; ``anatomy_every``). Local."""
-        if self._anatomy is not None:
-            self._anatomy.request()
+        if self._sampler is not None:
+            self._sampler.request()
 
     def request_detail(self) -> None:
         """Make the next collect carry every rank's values to the logging rank, whatever the cadence
@@ -414,8 +416,8 @@ class Monitor(_Readouts):
         if self._windows.anatomy is not None:
             self._windows.anatomy.tracker.close()
         self._publisher.close()
-        if self._anatomy is not None:
-            self._anatomy.close()  # its last replay written before the event file closes
+        if self._sampler is not None:
+            self._sampler.close()  # its last replay written before the event file closes
         # Closed while an exception propagates (a finally block): the heartbeat says the exit was not clean.
         self._forensics.close(clean=sys.exc_info()[0] is None)
         if self._attribution is not None:

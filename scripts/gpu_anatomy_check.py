@@ -99,7 +99,7 @@ def main(argv: list[str]) -> int:
     import torch
 
     import rankmem
-    from rankmem.forensics.sampler import Anatomy
+    from rankmem.forensics.sampler import HistorySampler
     from rankmem.offline.events import read_events
     from rankmem.probe.device import select_backend
     from rankmem.windows import Where
@@ -118,7 +118,7 @@ def main(argv: list[str]) -> int:
     assert backend is not None
     events: list[Any] = []
     phase = ["update"]
-    anatomy = Anatomy(backend, events.append, lambda: Where(0, phase[0]), entries=100_000)
+    anatomy = HistorySampler(backend, events.append, lambda: Where(0, phase[0]), entries=100_000)
     anatomy.track(model, opt)
     fails: list[str] = []
 

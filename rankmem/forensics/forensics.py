@@ -33,7 +33,7 @@ from rankmem.core.warnings import warn
 from rankmem.forensics.events import EventWriter, oom_event, oom_where
 from rankmem.forensics.heartbeat import Heartbeat, heartbeat_dir, heartbeat_run_id
 from rankmem.forensics.nearoom import NearOomWatch
-from rankmem.forensics.sampler import Anatomy
+from rankmem.forensics.sampler import HistorySampler
 from rankmem.probe.device import DeviceBackend
 from rankmem.probe.host import HostProbe
 from rankmem.probe.nvmlwatch import DeviceAttribution
@@ -90,7 +90,7 @@ class Forensics:
         self._snapshots = 0
         self._flush = flush
         self._watch: NearOomWatch | None = None
-        self.anatomy: Anatomy | None = None  # replays each OOM snapshot (set by the Monitor on a device)
+        self.sampler: HistorySampler | None = None  # replays each OOM snapshot (set by the Monitor on a device)
         if device is None and self._heartbeat is not None:
             # On the host alone an edge is its heartbeat (no observer, no history, no OOM to tag): the
             # windows call the heartbeat's own edge, a frame less on every edge of the training thread
@@ -208,8 +208,8 @@ class Forensics:
         fd = open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         with os.fdopen(fd, "wb") as f:  # torch's _dump_snapshot format: pytorch.org/memory_viz reads it
             pickle.dump(snapshot, f)
-        if self.anatomy is not None:  # the top holders as the allocation failed, named off this thread
-            self.anatomy.replay_async(snapshot, None, where, "oom")
+        if self.sampler is not None:  # the top holders as the allocation failed, named off this thread
+            self.sampler.replay_async(snapshot, None, where, "oom")
         return path
 
     def _host_figures(self, window: WindowBytes) -> dict[str, Any]:

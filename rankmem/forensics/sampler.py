@@ -1,5 +1,5 @@
 """Sampled step windows on a CUDA device (every ``every``-th, the one after a step that reached
-``share`` of capacity, the one after :meth:`Anatomy.request`): the allocator's history from a baseline
+``share`` of capacity, the one after :meth:`HistorySampler.request`): the allocator's history from a baseline
 of the live blocks, Python stacks only (C++ ones take minutes to symbolise, torchtitan#3628), each
 allocation tagged ``phase|module|fwd`` by forward hooks; at close ``_snapshot()``, the history back
 to ``oom_history``'s, and the replay on a thread of its own into an ``anatomy`` event. OOM snapshots too.
@@ -71,7 +71,7 @@ class ModuleTags:
         self._set(self._stack[-1] if self._stack else f"{self._phase() or ''}||")
 
 
-class Anatomy:
+class HistorySampler:
     """This rank's sampled windows and OOM replays; ``write`` takes the ``anatomy`` events."""
 
     def __init__(self, device: DeviceBackend, write: Callable[[Event], object], where: Callable[[], Where], *,
