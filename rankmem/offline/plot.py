@@ -130,7 +130,7 @@ def draw_run(run: Run, chosen: Sequence[str], size: tuple[int, int] | None = Non
     phases = run.phases()
     # An event without a step (or with one no int64 holds: read as none) cannot be drawn at any x.
     events = [e for e in read_events(run.path).events if e.step is not None]
-    caps = capacities(run)
+    caps = capacities(run.series, run.steps)
     for ax, key in zip(axes[:, 0], chosen, strict=True):
         _draw_key(ax, run, key, phases, events, for_key(caps, key), plt)
     axes[-1, 0].set_xlabel("step")
