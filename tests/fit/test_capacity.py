@@ -1,0 +1,60 @@
+"""One capacity and one verdict: ``rankmem advise``, ``report`` (text and ``--json``), the HTML page,
+``watch --once --json`` and the online warning of one real run (2 gloo ranks under torchrun, each
+phase touching 64 KiB per token told) give the same capacity per rank and the same verdict."""
+
+from __future__ import annotations
+
+import html
+import json
+from pathlib import Path
+
+import pytest
+
+from rankmem.cli import main
+from tests.conftest import REPO, torchrun
+from tests.dist_scripts.one_owner_worker import STEPS, tokens
+
+WARMUP = 2  # advise's default, the report's and the online watch's
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("one_owner")
+    proc = torchrun(REPO / "tests/dist_scripts/one_owner_worker.py", 2, [str(out)], timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def _out(capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    assert main(list(args)) == 0
+    return capsys.readouterr().out
+
+
+def test_advise_report_html_watch_and_the_online_warning_agree(run: Path, capsys, tmp_path: Path) -> None:
+    online = json.loads((run / "online.json").read_text())
+    limit, verdict = online["limit"], online["verdicts"]["update"]
+    # Ground truth the worker made: the verdict's heaviest micro-batch is the most its rank told after warm-up.
+    assert verdict["tokens"] == max(tokens(verdict["rank"], s) for s in range(WARMUP, STEPS))
+    assert verdict["fits"] is True and verdict["high_gib"] < limit["usable"]  # ~0.1 GiB on a node of GiBs
+    capacity = (f"capacity {limit['capacity']:.3f} GiB per rank ({limit['source']}), headroom "
+                f"{limit['headroom']:.3f} GiB: usable {limit['usable']:.3f} GiB")
+    said = (f"update: fits: fitted peak at its heaviest micro-batch seen ({verdict['tokens']:.0f} tokens, rank "
+            f"{verdict['rank']}) {verdict['high_gib']:.3f} GiB of usable {limit['usable']:.3f}")
+
+    advise = _out(capsys, "advise", str(run)).splitlines()
+    assert advise[0].startswith(capacity + " against ") and f"  {said}" in advise
+    rows = json.loads(_out(capsys, "advise", str(run), "--json"))
+    assert {r["fits"] for r in rows} == {True}
+
+    report = _out(capsys, "report", str(run)).splitlines()
+    assert capacity in report and f"  {said}" in report
+    assert json.loads(_out(capsys, "report", str(run), "--json"))["advice"] == online | {"reason": None} | {
+        "verdicts": [verdict]}
+
+    page = tmp_path / "page.html"
+    _out(capsys, "report", str(run), "--html", str(page))
+    text = html.unescape(page.read_text())
+    assert capacity in text and said in text
+
+    frame = json.loads(_out(capsys, "watch", str(run), "--once", "--json"))
+    assert frame["advice"] == online | {"reason": None} | {"verdicts": [verdict]}
