@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from rankmem.core.catalogue import PHASE_PREFIX, PHASE_SUFFIX, PLOT_KEYS, peak_phase, worse
-from rankmem.core.eventrecords import Event
+from rankmem.core.events import Event
 from rankmem.core.guard import load_optional
 from rankmem.core.text import printable
 from rankmem.errors import MissingExtraError, RankmemError

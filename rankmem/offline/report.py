@@ -31,7 +31,7 @@ from rankmem.core.catalogue import (
     peak_phase,
     worst_stat,
 )
-from rankmem.core.eventrecords import Event, KilledEvent, NearOomEvent, OomEvent, StalledEvent
+from rankmem.core.events import Event, KilledEvent, NearOomEvent, OomEvent, StalledEvent
 from rankmem.core.scalars import json_safe, to_float
 from rankmem.core.text import printable
 from rankmem.offline import Run
@@ -414,7 +414,7 @@ def _gib(value: Any) -> str | None:
 
 def describe_event(e: Event) -> str:
     """One line for an event. The record's fields are typed; a field that was not of its type shows what
-    the line held (:meth:`~rankmem.core.eventrecords.Event.shown`), bounded by :func:`event_field`, and
+    the line held (:meth:`~rankmem.core.events.Event.shown`), bounded by :func:`event_field`, and
     the nested tables are checked entry by entry (another process wrote them)."""
     where = (f"{event_field(e.kind)} rank {event_field(e.shown('rank'))} step {event_field(e.shown('step'))} "
              f"phase {event_field(e.shown('phase') or '-')}")

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from rankmem.core.catalogue import key_of, worse
-from rankmem.core.eventrecords import KILLED, Event
+from rankmem.core.events import KILLED, Event
 from rankmem.core.records import RunHeader
 from rankmem.core.rundir import RunDir
 from rankmem.core.scalars import to_float

@@ -17,7 +17,7 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from rankmem.core.eventrecords import KILLED, OOM
+from rankmem.core.events import KILLED, OOM
 from rankmem.core.scalars import to_float
 from rankmem.core.text import printable
 from rankmem.offline.report import describe_event
