@@ -1,30 +1,97 @@
-"""What one rank may use, and whether a phase's fitted peak fits under it: the one owner of both.
+"""What a run's memory can grow into, what one rank may use, and whether a phase's fitted peak fits.
 
-``rankmem advise``, ``report``, ``watch``, the HTML page and the online warning all call it, over a
-mapping of key -> (steps x ranks) GiB: the run log's arrays offline, the watch's history online.
-Device: the device total, the smallest over ranks and steps. Host: the tightest of the cgroup limit and
-the node's total memory, each less the most the node's other processes held under it (its use minus its
-ranks' RSS: the launcher, torchrun's agent, dataloader workers, anything else), shared by the node's
-ranks; the tightest node binds.
+The one owner of capacity for ``rankmem advise``, ``report``, ``plot``, ``watch``, the HTML page and the
+online warning, over a mapping of key -> (steps x ranks) GiB: the run log's arrays, the watch's history.
+:func:`capacities`: the device total, node total and cgroup limit, each bounding the usage keys of its
+families. :func:`limit`: what one rank may use. On the device the device total; on the host the
+tightest of the cgroup limit and the node's total, each less the most the node's other processes held
+under it (its use minus its ranks' RSS: the launcher, torchrun's agent, dataloader workers), shared by
+the node's ranks; the tightest node binds.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 
-from rankmem.core.catalogue import key_of
+from rankmem.core.catalogue import CATALOGUE, PHASE_PREFIX, key_of, phase_names, work_key, worse
 from rankmem.errors import RankmemError
 from rankmem.fit.model import Fit, NoFit
-from rankmem.fit.series import PhaseFit
+from rankmem.fit.series import PhaseFit, fit_ranks, memory_kind
 
 HEADROOM_FRACTION = 0.05
 """The headroom kept under the capacity where none is asked for."""
 
 Series = Mapping[str, np.ndarray]
+
+
+def _family(key: str) -> str:
+    """``mem/device``, ``mem/host`` or ``mem/node``: the part of a catalogue key before its name."""
+    return key.rsplit("/", 1)[0]
+
+
+DEVICE, NODE, HOST = _family(key_of("total")), _family(key_of("node_available")), _family(key_of("rss"))
+CAPACITY_KEYS = (key_of("total"), key_of("cgroup_limit"))
+
+
+@dataclass
+class Capacity:
+    label: str
+    families: tuple[str, ...]
+    """The key families (:func:`_family`) whose usage keys it bounds."""
+    matrix: np.ndarray
+    """Per logged step and rank (nan where a rank did not report it)."""
+    steps: np.ndarray
+    room: np.ndarray | None = None
+    """Per step and rank, what was left under it (device headroom, node available, cgroup limit - used)."""
+
+    @property
+    def per_step(self) -> np.ndarray:
+        """Per logged step, the smallest over ranks: the one that binds first (nan where none reported)."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # a step no rank reported: nan
+            return np.asarray(np.nanmin(self.matrix, axis=1))
+
+    @property
+    def value(self) -> float:
+        """The tightest over the run."""
+        return float(np.nanmin(self.per_step))
+
+    def bounds(self, key: str) -> bool:
+        """Whether ``key`` is a usage figure this capacity caps (not headroom, not a capacity itself)."""
+        spec = next((s for s in CATALOGUE if s.key == key), None)
+        return (spec is not None and spec.unit == "GiB" and worse(key) == "high"
+                and _family(key) in self.families and key not in CAPACITY_KEYS)
+
+    def least_room(self) -> tuple[float, int, int] | None:
+        """(GiB, step, rank) of the least room left under it over the run; None where not measured."""
+        if self.room is None or not np.isfinite(self.room).any():
+            return None
+        row, rank = divmod(int(np.where(np.isfinite(self.room), self.room, np.inf).argmin()), self.room.shape[1])
+        return float(self.room[row, rank]), int(self.steps[row]), rank
+
+    def to_json(self) -> dict[str, Any]:
+        headroom, step, rank = self.least_room() or (None, None, None)
+        return {"label": self.label, "capacity": self.value, "headroom": headroom, "step": step, "rank": rank}
+
+
+def capacities(series: Series, steps: np.ndarray) -> list[Capacity]:
+    """The capacities measured: device total, node total (used + available), cgroup limit."""
+    total, used, available = (series.get(key_of(k)) for k in ("total", "node_used", "node_available"))
+    cgroup, cgroup_used = series.get(key_of("cgroup_limit")), series.get(key_of("cgroup_used"))
+    found = [("device total", (DEVICE,), total, series.get(key_of("headroom"))),
+             ("node total", (HOST, NODE), None if used is None or available is None else used + available, available),
+             ("cgroup limit", (HOST, NODE), cgroup, None if cgroup is None or cgroup_used is None else cgroup - cgroup_used)]
+    return [Capacity(label, families, m, steps, room) for label, families, m, room in found
+            if m is not None and np.isfinite(m).any()]
+
+
+def for_key(caps: list[Capacity], key: str) -> list[Capacity]:
+    return [c for c in caps if c.bounds(key)]
 
 
 @dataclass(frozen=True)
@@ -42,65 +109,47 @@ class Limit:
 
 def limit(series: Series, hosts: Sequence[str], kind: str, capacity: float | None = None,
           headroom: float | None = None) -> Limit:
-    """The limit of a run's ranks (``capacity`` given: that one, from ``--capacity``); RankmemError
-    where the run measured no capacity or the headroom leaves nothing."""
-    cap, source = (capacity, "--capacity") if capacity is not None else rank_capacity(series, hosts, kind)
+    """The limit per rank (``capacity`` given: that one, from ``--capacity``), as the module docstring
+    says; RankmemError where the run measured no capacity or the headroom leaves nothing."""
+    if capacity is not None:
+        cap, source = capacity, "--capacity"
+    elif kind == "device":
+        if (total := _finite(series.get(key_of("total")))) is None:
+            raise RankmemError("the run has no device total: pass --capacity GIB")
+        cap, source = float(total.min()), "device total"
+    else:
+        rss, found = series.get(key_of("rss")), []
+        used, available = series.get(key_of("node_used")), series.get(key_of("node_available"))
+        node = None if used is None or available is None else used + available
+        for label, total, held in (("cgroup limit", series.get(key_of("cgroup_limit")), _cgroup_used(series)),
+                                   ("node total", node, used)):
+            if (finite := _finite(total)) is not None:
+                found.append(_tightest_node(label, float(finite.min()), held, rss, hosts))
+        if not found:
+            raise RankmemError("the run has neither a cgroup limit nor the node's memory: pass --capacity GIB")
+        cap, source = min(found)
     kept = headroom if headroom is not None else HEADROOM_FRACTION * cap
     if kept >= cap:
         raise RankmemError(f"--headroom {kept:g} GiB leaves nothing of the capacity {cap:.3f} GiB: lower it")
     return Limit(cap, source, kept)
 
 
-def rank_capacity(series: Series, hosts: Sequence[str], kind: str) -> tuple[float, str]:
-    """(GiB per rank, where it comes from) as the module docstring says; RankmemError without one."""
-    if kind == "device":
-        total = _finite(series.get(key_of("total")))
-        if total is None:
-            raise RankmemError("the run has no device total: pass --capacity GIB")
-        return float(np.min(total)), "device total"
-    found = []
-    for label, cap, used in (("cgroup limit", _finite(series.get(key_of("cgroup_limit"))), _cgroup_used(series)),
-                             ("node total", _node_total(series), series.get(key_of("node_used")))):
-        if cap is not None:
-            found.append(_tightest_node(label, float(np.min(cap)), used, series.get(key_of("rss")), hosts))
-    if not found:
-        raise RankmemError("the run has neither a cgroup limit nor the node's memory: pass --capacity GIB")
-    return min(found)
-
-
 def _finite(matrix: np.ndarray | None) -> np.ndarray | None:
-    if matrix is None:
-        return None
-    values = np.asarray(matrix, dtype=np.float64)
-    values = values[np.isfinite(values)]
-    return values if values.size else None
-
-
-def _node_total(series: Series) -> np.ndarray | None:
-    used, available = series.get(key_of("node_used")), series.get(key_of("node_available"))
-    return None if used is None or available is None else _finite(np.asarray(used) + np.asarray(available))
+    values = None if matrix is None else np.asarray(matrix, dtype=np.float64)
+    return None if values is None or not np.isfinite(values).any() else values[np.isfinite(values)]
 
 
 def _cgroup_used(series: Series) -> np.ndarray | None:
     """The cgroup's working set (what its OOM killer weighs), else its usage."""
-    for name in ("cgroup_working_set", "cgroup_used"):
-        matrix = series.get(key_of(name))
-        if _finite(matrix) is not None:
-            return matrix
-    return None
+    return next((m for k in ("cgroup_working_set", "cgroup_used")
+                 if _finite(m := series.get(key_of(k))) is not None), None)
 
 
 def _tightest_node(label: str, cap: float, used: np.ndarray | None, rss: np.ndarray | None,
                    hosts: Sequence[str]) -> tuple[float, str]:
-    best: tuple[float, float, int] | None = None
-    for host in sorted(set(hosts)):
-        ranks = [k for k, h in enumerate(hosts) if h == host]
-        other = _others(used, rss, ranks)
-        per_rank = (cap - other) / len(ranks)
-        if best is None or per_rank < best[0]:
-            best = (per_rank, other, len(ranks))
-    assert best is not None, "a run has at least one rank"
-    per_rank, other, share = best
+    nodes = [[k for k, h in enumerate(hosts) if h == host] for host in sorted(set(hosts))]
+    per_rank, other, share = min(((cap - (o := _others(used, rss, ranks))) / len(ranks), o, len(ranks))
+                                 for ranks in nodes)
     said = label + (f" less {other:.3f} GiB of other processes" if other > 0 else "")
     return per_rank, said + (f" / {share} ranks" if share > 1 else "")
 
@@ -120,15 +169,14 @@ def _others(used: np.ndarray | None, rss: np.ndarray | None, ranks: list[int]) -
 
 @dataclass(frozen=True)
 class Verdict:
-    """Whether one phase's fitted peak at its heaviest micro-batch seen fits the limit."""
+    """Whether one phase's fitted peak at its heaviest micro-batch seen fits the limit: the rank whose
+    fitted peak (the interval's high end) comes closest, at its heaviest ``tokens``."""
 
     phase: str
     fits: bool | None
     """None: no rank has a model (``reason`` says why)."""
     rank: int | None = None
-    """The rank whose fitted peak (the interval's high end) comes closest to the limit."""
     tokens: float | None = None
-    """That rank's heaviest micro-batch seen."""
     high_gib: float | None = None
     reason: str | None = None
 
@@ -140,17 +188,55 @@ class Verdict:
 
 
 def verdict(fits: Sequence[PhaseFit], limit: Limit) -> Verdict:
-    """One phase's verdict from its ranks' fits: the high end of each rank's predicted peak at the
-    heaviest micro-batch it saw, against capacity minus headroom."""
-    worst: tuple[float, PhaseFit, float] | None = None
-    for pf in fits:
-        if pf.tokens_seen.size and isinstance(pf.model, Fit):
-            heaviest = float(pf.tokens_seen.max())
-            high = pf.peak(heaviest)[2]
-            if worst is None or high > worst[0]:
-                worst = (high, pf, heaviest)
-    if worst is None:
+    """One phase's verdict from its ranks' fits."""
+    judged = [(pf.peak(t := float(pf.tokens_seen.max()))[2], pf.rank, t) for pf in fits
+              if pf.tokens_seen.size and isinstance(pf.model, Fit)]
+    if not judged:
         reasons = [pf.model.reason for pf in fits if isinstance(pf.model, NoFit)]
-        return Verdict(fits[0].phase if fits else "?", None, reason=reasons[0] if reasons else "no windows")
-    high, pf, heaviest = worst
-    return Verdict(pf.phase, bool(high <= limit.usable), pf.rank, heaviest, float(high))
+        return Verdict(fits[0].phase, None, reason=reasons[0] if reasons else "no windows")
+    high, rank, tokens = max(judged)
+    return Verdict(fits[0].phase, bool(high <= limit.usable), rank, tokens, float(high))
+
+
+@dataclass(frozen=True)
+class Assessment:
+    """The limit per rank and, per phase told its micro-batches, the verdict against it."""
+
+    limit: Limit | None
+    verdicts: list[Verdict]
+    reason: str | None = None
+    """Why there is no limit (the run measured no capacity)."""
+
+    def lines(self) -> list[str]:
+        if self.limit is None:
+            return [f"capacity: none per rank ({self.reason})"] if self.reason else []
+        lim = self.limit
+        return [f"capacity {lim.capacity:.3f} GiB per rank ({lim.source}), headroom {lim.headroom:.3f} GiB: "
+                f"usable {lim.usable:.3f} GiB", *(f"  {v.describe(lim)}" for v in self.verdicts)]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"limit": None if self.limit is None else {**asdict(self.limit), "usable": self.limit.usable},
+                "verdicts": [asdict(v) for v in self.verdicts], "reason": self.reason}
+
+
+_READ = {key_of(n) for n in ("total", "cgroup_limit", "cgroup_working_set", "cgroup_used", "node_used",
+                              "node_available", "rss", "allocated", "other")}
+_READ_PER_PHASE = tuple(work_key("", f).rsplit("/", 1)[1] for f in ("mb_tokens", "mb_sq_tokens")) + (
+    "peak_allocated_gib", "peak_rss_gib", "peak_reserved_gib", "peak_reserved_rise_gib")
+
+
+def read_by_assess(key: str) -> bool:
+    """Whether :func:`assess` reads ``key``: the online watch keeps only those."""
+    return key in _READ or (key.startswith(PHASE_PREFIX) and key.rsplit("/", 1)[1] in _READ_PER_PHASE)
+
+
+def assess(series: Series, steps: np.ndarray, hosts: Sequence[str], warmup: int) -> Assessment:
+    """The limit and every phase's verdict, as ``rankmem report``, ``watch``, the HTML page and the
+    online warning give them (``advise`` too): the first phase told its micro-batches says the kind."""
+    phases = [p for p in phase_names(series) if work_key(p, "mb_tokens") in series]
+    kind = memory_kind(series, phases[0]) if phases else "device" if key_of("total") in series else "host"
+    try:
+        lim = limit(series, hosts, kind)
+    except RankmemError as exc:
+        return Assessment(None, [], str(exc))
+    return Assessment(lim, [verdict(fit_ranks(series, steps, p, warmup), lim) for p in phases])

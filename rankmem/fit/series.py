@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -77,24 +77,14 @@ def fit_ranks(series: Series, steps: np.ndarray, phase: str, warmup: int, config
     world = series[work_key(phase, "mb_tokens")].shape[1]
     rows = slice(min(warmup, steps.size), None)
     found = [_phase_series(series, steps, phase, rank, rows, kind) for rank in range(world)]
-    models = fit_phase([(s.tokens, s.rise, s.sq) for s in found], config)
-    return [_phase_fit(phase, rank, s, m) for rank, (s, m) in enumerate(zip(found, models, strict=True))]
+    models = fit_phase([(t, rise, q) for _, t, rise, q in found], config)
+    return [replace(pf, model=m) for (pf, *_), m in zip(found, models, strict=True)]
 
 
-@dataclass(frozen=True)
-class _Series:
-    """One rank's windows of one phase after warm-up, as the fit takes them."""
-
-    tokens: np.ndarray
-    rise: np.ndarray
-    sq: np.ndarray | None
-    baseline: float
-    extra: float
-    baseline_step: float
-    ratio: float = 1.0
-
-
-def _phase_series(series: Series, steps: np.ndarray, phase: str, rank: int, rows: slice, kind: str) -> _Series:
+def _phase_series(series: Series, steps: np.ndarray, phase: str, rank: int, rows: slice, kind: str
+                  ) -> tuple[PhaseFit, np.ndarray, np.ndarray, np.ndarray | None]:
+    """One rank's windows after warm-up as the fit takes them (T, rise, Q), with what turns a fitted
+    rise into a peak (the model is filled in once every rank's is fitted)."""
     col = _col(series, work_key(phase, "mb_tokens"), rank, rows)
     q_key = work_key(phase, "mb_sq_tokens")
     q = _col(series, q_key, rank, rows) if q_key in series else None
@@ -107,13 +97,17 @@ def _phase_series(series: Series, steps: np.ndarray, phase: str, rank: int, rows
         baseline = float(np.median(finite[-BASELINE_STEPS:])) if finite.size else math.nan
         seen = steps[rows][np.isfinite(base)]
         at = float(np.median(seen[-BASELINE_STEPS:])) if seen.size else math.nan
-        return _Series(col, peak - base, q, baseline, _nanmax(other), at, ratio)
-    peak = _col(series, phase_key(phase, "peak_rss_gib"), rank, rows)
-    base = _col(series, key_of("rss"), rank, rows)
-    baseline = float(np.nanmin(base)) if np.isfinite(base).any() else math.nan
-    fitted = steps[rows][np.isfinite(col) & np.isfinite(peak)]
-    at = float(np.mean(fitted)) if fitted.size else math.nan
-    return _Series(col, peak - baseline, q, baseline, 0.0, at)
+        rise, extra = peak - base, _nanmax(other)
+    else:
+        peak = _col(series, phase_key(phase, "peak_rss_gib"), rank, rows)
+        base = _col(series, key_of("rss"), rank, rows)
+        baseline = float(np.nanmin(base)) if np.isfinite(base).any() else math.nan
+        fitted = steps[rows][np.isfinite(col) & np.isfinite(peak)]
+        at = float(np.mean(fitted)) if fitted.size else math.nan
+        rise, extra, ratio = peak - baseline, 0.0, 1.0
+    sq_max = float(np.nanmax(q)) if q is not None and np.isfinite(q).any() else 0.0
+    pf = PhaseFit(phase, rank, NoFit("", "not fitted"), baseline, extra, sq_max, col[np.isfinite(col)], at, ratio)
+    return pf, col, rise, q
 
 
 def _allocator_ratio(series: Series, phase: str, rank: int, rows: slice, peak: np.ndarray) -> float:
@@ -131,12 +125,6 @@ def _allocator_ratio(series: Series, phase: str, rank: int, rows: slice, peak: n
         ahead = reserved_all[: rows.start or 0]
         grew = grew_pool(reserved, peak, None, float(np.nanmax(ahead)) if np.isfinite(ahead).any() else -np.inf)
     return overhead_ratio(peak, reserved, grew)
-
-
-def _phase_fit(phase: str, rank: int, s: _Series, model: Fit | NoFit) -> PhaseFit:
-    sq_max = float(np.nanmax(s.sq)) if s.sq is not None and np.isfinite(s.sq).any() else 0.0
-    return PhaseFit(phase, rank, model, s.baseline, s.extra, sq_max, s.tokens[np.isfinite(s.tokens)], s.baseline_step,
-                    s.ratio)
 
 
 def _col(series: Series, key: str, rank: int, rows: slice) -> np.ndarray:

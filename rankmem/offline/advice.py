@@ -10,15 +10,13 @@ Offline code: numpy, no torch.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
 
 from rankmem.core.catalogue import key_of, work_key
 from rankmem.errors import RankmemError
-from rankmem.fit import FitConfig, NoFit
+from rankmem.fit import FitConfig, NoFit, capacity
 from rankmem.fit import series as fitseries
-from rankmem.fit.capacity import Limit, Verdict, verdict
-from rankmem.fit.capacity import limit as rank_limit
+from rankmem.fit.capacity import Assessment, Limit
 from rankmem.fit.series import PhaseFit
 from rankmem.offline import Run
 from rankmem.trend.trend import LeakConfig, Trend, regression_axis, trend
@@ -43,45 +41,21 @@ def fit_ranks(run: Run, phase: str, warmup: int, config: FitConfig | None = None
     return fitseries.fit_ranks(run.series, run.steps, phase, warmup, config, kind)
 
 
-def run_limit(run: Run, kind: str, capacity: float | None = None, headroom: float | None = None) -> Limit:
+def run_limit(run: Run, kind: str, cap: float | None = None, headroom: float | None = None) -> Limit:
     """The run's limit per rank (:func:`rankmem.fit.capacity.limit`), its errors naming the run."""
     try:
-        return rank_limit(run.series, [r.host or "?" for r in run.header.ranks], kind, capacity, headroom)
+        return capacity.limit(run.series, _hosts(run), kind, cap, headroom)
     except RankmemError as exc:
         raise RankmemError(str(exc).replace("the run", run.path, 1)) from None
 
 
-@dataclass(frozen=True)
-class Assessment:
-    """The run's limit per rank and, per phase told its micro-batches, the verdict against it."""
-
-    limit: Limit | None
-    verdicts: list[Verdict]
-    reason: str | None = None
-    """Why there is no limit (the run measured no capacity)."""
-
-    def lines(self) -> list[str]:
-        if self.limit is None:
-            return [f"capacity: none per rank ({self.reason})"] if self.reason else []
-        lim = self.limit
-        return [f"capacity {lim.capacity:.3f} GiB per rank ({lim.source}), headroom {lim.headroom:.3f} GiB: "
-                f"usable {lim.usable:.3f} GiB", *(f"  {v.describe(lim)}" for v in self.verdicts)]
-
-    def to_json(self) -> dict[str, Any]:
-        return {"limit": None if self.limit is None else {**asdict(self.limit), "usable": self.limit.usable},
-                "verdicts": [asdict(v) for v in self.verdicts], "reason": self.reason}
-
-
 def assess(run: Run, warmup: int = 2) -> Assessment:
-    """The capacity and verdicts ``rankmem report``, ``watch`` and the HTML page print, as ``advise``
-    and the online warning reach them: the run's first phase told its micro-batches says the kind."""
-    phases = work_phases(run)
-    kind = memory_kind(run, phases[0]) if phases else "device" if key_of("total") in run.series else "host"
-    try:
-        lim = run_limit(run, kind)
-    except RankmemError as exc:
-        return Assessment(None, [], str(exc))
-    return Assessment(lim, [verdict(fit_ranks(run, p, warmup), lim) for p in phases])
+    """The run's limit and verdicts (:func:`rankmem.fit.capacity.assess`), as report, watch and the page say."""
+    return capacity.assess(run.series, run.steps, _hosts(run), warmup)
+
+
+def _hosts(run: Run) -> list[str]:
+    return [r.host or "?" for r in run.header.ranks]
 
 
 def baseline_growth(run: Run, rank: int, warmup: int, kind: str, capacity_gib: float | None = None) -> Trend | None:

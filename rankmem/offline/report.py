@@ -5,7 +5,7 @@ of :mod:`rankmem.offline.leaks`, then the worst rank of each headline key. Then,
 the run (the peak, or the minimum for keys where low is bad, such as device headroom), the step and
 rank that hold it, the phase that set it (when the run has phases), and the imbalance across ranks
 (max over mean of the per-rank peaks); per phase (:mod:`rankmem.offline.phases`): its peak, what it leaves
-behind, the worst rank and the per-step mean; capacity (:mod:`rankmem.offline.capacity`) and the headroom
+behind, the worst rank and the per-step mean; capacity (:mod:`rankmem.fit.capacity`) and the headroom
 left under each; host RSS growth. Everything is computed on the arrays of
 :func:`rankmem.offline.read_run`, so a 100k-step log costs little more than reading it.
 :mod:`rankmem.offline.html` writes the same as one self-contained page.
@@ -34,9 +34,9 @@ from rankmem.core.catalogue import (
 from rankmem.core.events import Event, KilledEvent, NearOomEvent, OomEvent, StalledEvent
 from rankmem.core.scalars import json_safe, to_float
 from rankmem.core.text import printable
+from rankmem.fit.capacity import Assessment, Capacity, capacities
 from rankmem.offline import Run
-from rankmem.offline.advice import Assessment, assess
-from rankmem.offline.capacity import Capacity, capacities
+from rankmem.offline.advice import assess
 from rankmem.offline.events import read_events
 from rankmem.offline.imbalance import (
     ImbalanceConfig,

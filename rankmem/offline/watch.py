@@ -31,9 +31,9 @@ from rankmem.core.events import KILLED, Event
 from rankmem.core.records import RunHeader
 from rankmem.core.rundir import RunDir
 from rankmem.core.scalars import to_float
+from rankmem.fit.capacity import Assessment, Capacity, capacities, for_key
 from rankmem.forensics.heartbeat import HeartbeatRecord, read_heartbeats
-from rankmem.offline.advice import Assessment, assess
-from rankmem.offline.capacity import Capacity, binding, capacities
+from rankmem.offline.advice import assess
 from rankmem.offline.columnar import DetailFollower
 from rankmem.offline.events import read_events
 from rankmem.offline.tail import Tail, TailFollower, read_header_line
@@ -92,13 +92,13 @@ class Frame:
     worst: dict[str, int]
     """Column key -> the worst rank (only with more than one rank reporting it)."""
     capacity: list[tuple[str, float]]
-    """(label, GiB) of what bounds the ranks (:func:`rankmem.offline.capacity.capacities`), the least over ranks."""
+    """(label, GiB) of what bounds the ranks (:func:`rankmem.fit.capacity.capacities`), the least over ranks."""
     events: list[Event]
     """The newest events, oldest first (at most :data:`EVENTS_SHOWN`)."""
     event_count: int
     limits: dict[str, list[float | None]] = field(default_factory=dict)
     """Column key -> per rank, the binding limit of that usage (GiB): the device total for device keys, the
-    least of node total and cgroup limit for host keys (:mod:`rankmem.offline.capacity`'s families)."""
+    least of node total and cgroup limit for host keys (:mod:`rankmem.fit.capacity`'s families)."""
     detail_step: int | None = None
     """The step of the per-rank values shown, when they come from the side file (its last batch may be
     up to a second behind the newest line; past the crossover, the last collect that carried them)."""
@@ -221,9 +221,9 @@ def _limits(caps: list[Capacity], columns: list[tuple[str, str]]) -> dict[str, l
     """Per usage column, each rank's tightest capacity (headroom is already a distance to its limit)."""
     out: dict[str, list[float | None]] = {}
     for _, key in columns:
-        bound = binding(caps, key)
-        if bound is not None:
-            out[key] = [float(v) if math.isfinite(v) else None for v in bound[-1]]
+        bound = [c.matrix[-1] for c in for_key(caps, key)]
+        if bound:
+            out[key] = [float(v) if math.isfinite(v) else None for v in np.fmin.reduce(bound)]
     return out
 
 

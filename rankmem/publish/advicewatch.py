@@ -16,11 +16,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from rankmem.core.catalogue import phase_names, work_key
 from rankmem.core.warnings import warn
-from rankmem.errors import RankmemError
-from rankmem.fit.capacity import Limit, Verdict, limit, verdict
-from rankmem.fit.series import fit_ranks, memory_kind
+from rankmem.fit.capacity import Assessment, assess, read_by_assess
 
 WARMUP = 2
 HISTORY = 256
@@ -35,14 +32,14 @@ class AdviceWatch:
         self.fed = 0
         self.warned: set[str] = set()
         self.history: deque[tuple[int, dict[str, np.ndarray]]] = deque(maxlen=HISTORY)
-        self.limit: Limit | None = None
-        self.verdicts: dict[str, Verdict] = {}
-        """The latest verdict of each phase (for tests and a reader of the watch)."""
+        self.assessment: Assessment | None = None
+        """The latest limit and verdicts (as ``rankmem report`` gives them)."""
 
     def feed_matrix(self, step: int, keys: Sequence[str], matrix: np.ndarray) -> list[str]:
         """Take one collect; every ``every`` collects, judge. Returns the warnings given (for tests)."""
         self.fed += 1
-        self.history.append((step, {k: np.array(matrix[:, i], dtype=np.float64) for i, k in enumerate(keys)}))
+        self.history.append((step, {k: np.array(matrix[:, i], dtype=np.float64) for i, k in enumerate(keys)
+                                    if read_by_assess(k)}))
         if self.fed <= WARMUP or self.fed % self.every:
             return []
         return self.judge()
@@ -58,24 +55,17 @@ class AdviceWatch:
     def judge(self) -> list[str]:
         """Fit every phase told its micro-batches on the history; warn for a phase newly over."""
         steps, series = self.series()
-        phases = [p for p in phase_names(list(series)) if work_key(p, "mb_tokens") in series]
-        if not phases:
-            return []
-        warmup = WARMUP if self.fed <= HISTORY else 0  # the warm-up collects have left the history
         world = next(iter(series.values())).shape[1]
         hosts = self.hosts if len(self.hosts) == world else ["?"] * world  # unknown: all share one node
-        try:
-            self.limit = limit(series, hosts, memory_kind(series, phases[0]))
-        except RankmemError:  # no capacity measured: nothing to judge against
-            return []
+        warmup = WARMUP if self.fed <= HISTORY else 0  # the warm-up collects have left the history
+        self.assessment = found = assess(series, steps, hosts, warmup)
         given = []
-        for phase in phases:
-            found = self.verdicts[phase] = verdict(fit_ranks(series, steps, phase, warmup), self.limit)
-            if found.fits is False and phase not in self.warned:
-                self.warned.add(phase)
-                lim = self.limit
-                message = (f"rankmem: phase {phase}: the fitted peak at its heaviest micro-batch seen ({found.tokens:.0f} "
-                           f"tokens, rank {found.rank}) is {found.high_gib:.3f} GiB, over capacity minus headroom "
+        for v in found.verdicts:
+            if v.fits is False and v.phase not in self.warned and found.limit is not None:
+                self.warned.add(v.phase)
+                lim = found.limit
+                message = (f"rankmem: phase {v.phase}: the fitted peak at its heaviest micro-batch seen ({v.tokens:.0f} "
+                           f"tokens, rank {v.rank}) is {v.high_gib:.3f} GiB, over capacity minus headroom "
                            f"({lim.usable:.3f} of {lim.capacity:.3f} GiB, {lim.source}): lower its token budget "
                            f"(rankmem advise RUN says how far)")
                 warn(message, stacklevel=2)

@@ -7,7 +7,6 @@ rank 0 writes what the online advice watch concluded to OUT/online.json.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import json
 import os
@@ -39,11 +38,8 @@ def main(out: str) -> None:
         monitor.collect()
     monitor.close()
     if rank == 0:
-        watch = monitor._publisher._advice_watch
-        online = {"limit": {**dataclasses.asdict(watch.limit), "usable": watch.limit.usable},
-                  "verdicts": {p: dataclasses.asdict(v) for p, v in watch.verdicts.items()}}
         with open(os.path.join(out, "online.json"), "w") as f:
-            json.dump(online, f)
+            json.dump(monitor._publisher._advice_watch.assessment.to_json(), f)
     dist.destroy_process_group()
 
 
