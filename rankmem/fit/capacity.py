@@ -239,4 +239,11 @@ def assess(series: Series, steps: np.ndarray, hosts: Sequence[str], warmup: int)
         lim = limit(series, hosts, kind)
     except RankmemError as exc:
         return Assessment(None, [], str(exc))
-    return Assessment(lim, [verdict(fit_ranks(series, steps, p, warmup), lim) for p in phases])
+    return Assessment(lim, [_verdict(series, steps, p, warmup, lim) for p in phases])
+
+
+def _verdict(series: Series, steps: np.ndarray, phase: str, warmup: int, lim: Limit) -> Verdict:
+    try:
+        return verdict(fit_ranks(series, steps, phase, warmup), lim)
+    except RankmemError as exc:  # a phase told its tokens whose peaks the run did not measure
+        return Verdict(phase, None, reason=str(exc))

@@ -57,3 +57,24 @@ def test_advise_report_html_watch_and_the_online_warning_agree(run: Path, capsys
 
     frame = json.loads(_out(capsys, "watch", str(run), "--once", "--json"))
     assert frame["advice"] == online
+
+
+def test_the_host_limit_is_the_tightest_of_cgroup_and_node_less_their_other_processes() -> None:
+    """Two ranks on one node: RSS 1 GiB each. The cgroup (8 GiB) holds 0.5 GiB besides them: 3.75 GiB a
+    rank. The node (16 GiB) holds 9 GiB of others (another job): 3.5 GiB a rank, the tighter."""
+    import numpy as np
+
+    from rankmem.core.catalogue import key_of, work_key
+    from rankmem.fit.capacity import assess
+
+    ones = np.ones((6, 2))
+    series = {key_of("rss"): ones, key_of("cgroup_limit"): 8 * ones, key_of("cgroup_working_set"): 2.5 * ones,
+              key_of("node_used"): 11 * ones, key_of("node_available"): 5 * ones,
+              work_key("update", "mb_tokens"): 100 * ones}  # told its tokens, its peaks not measured
+    found = assess(series, np.arange(6), ["n", "n"], WARMUP)
+    assert found.limit is not None and found.limit.capacity == pytest.approx(3.5)
+    assert found.limit.source == "node total less 9.000 GiB of other processes / 2 ranks"
+    assert found.lines()[1] == "  update: no verdict: the run has no mem/phase/update/peak_rss_gib: it did not measure it"
+    series[key_of("node_used")], series[key_of("node_available")] = 3 * ones, 13 * ones  # 1 GiB of others:
+    # 7.5 GiB a rank on the node; the cgroup's 3.75 binds
+    assert assess(series, np.arange(6), ["n", "n"], WARMUP).limit.capacity == pytest.approx(3.75)  # type: ignore[union-attr]
