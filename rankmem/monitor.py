@@ -266,7 +266,8 @@ class Monitor(_Readouts):
                                 attribution=self._attribution,
                                 node_refresh_s=c.node_refresh_s if isinstance(host, LinuxHostProbe) else None)
         self._exchange = Exchange(group, device.name if device else None, device.module if device else None,
-                                  reduce_above=c.reduce_above, detail_every=c.detail_every, detail_rank=c.log_rank)
+                                  reduce_above=c.reduce_above, detail_every=c.detail_every,
+                                  detail_rank=c.log_rank)
         self._closed = False
 
     def step(self, n: int | None = None) -> AbstractContextManager[None]:

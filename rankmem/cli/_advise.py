@@ -168,7 +168,7 @@ def _advise(run: Run, fits: dict[str, list[PhaseFit]], args: argparse.Namespace)
     lines += _growth_lines(run, growth, args)
     for phase, per_rank in fits.items():
         results = [advise_rank(pf, _kept(limit, pf, growth.get(pf.rank), args.steps)) for pf in per_rank]
-        judged = verdict(per_rank, limit)  # the heaviest micro-batch seen, as report, watch and the run judge it
+        judged = verdict(per_rank, limit)  # as report, watch and the online warning judge it
         failed = [(pf.rank, r) for pf, r in zip(per_rank, results, strict=True) if isinstance(r, str)]
         advised = [r for r in results if isinstance(r, Advice)]
         for rank, reason in failed:

@@ -71,7 +71,8 @@ class Capacity:
         """(GiB, step, rank) of the least room left under it over the run; None where not measured."""
         if self.room is None or not np.isfinite(self.room).any():
             return None
-        row, rank = divmod(int(np.where(np.isfinite(self.room), self.room, np.inf).argmin()), self.room.shape[1])
+        flat = int(np.where(np.isfinite(self.room), self.room, np.inf).argmin())
+        row, rank = divmod(flat, self.room.shape[1])
         return float(self.room[row, rank]), int(self.steps[row]), rank
 
     def to_json(self) -> dict[str, Any]:
@@ -83,9 +84,11 @@ def capacities(series: Series, steps: np.ndarray) -> list[Capacity]:
     """The capacities measured: device total, node total (used + available), cgroup limit."""
     total, used, available = (series.get(key_of(k)) for k in ("total", "node_used", "node_available"))
     cgroup, cgroup_used = series.get(key_of("cgroup_limit")), series.get(key_of("cgroup_used"))
+    node = None if used is None or available is None else used + available
+    cgroup_room = None if cgroup is None or cgroup_used is None else cgroup - cgroup_used
     found = [("device total", (DEVICE,), total, series.get(key_of("headroom"))),
-             ("node total", (HOST, NODE), None if used is None or available is None else used + available, available),
-             ("cgroup limit", (HOST, NODE), cgroup, None if cgroup is None or cgroup_used is None else cgroup - cgroup_used)]
+             ("node total", (HOST, NODE), node, available),
+             ("cgroup limit", (HOST, NODE), cgroup, cgroup_room)]
     return [Capacity(label, families, m, steps, room) for label, families, m, room in found
             if m is not None and np.isfinite(m).any()]
 
@@ -126,7 +129,8 @@ def limit(series: Series, hosts: Sequence[str], kind: str, capacity: float | Non
             if (finite := _finite(total)) is not None:
                 found.append(_tightest_node(label, float(finite.min()), held, rss, hosts))
         if not found:
-            raise RankmemError("the run has neither a cgroup limit nor the node's memory: pass --capacity GIB")
+            raise RankmemError("the run has neither a cgroup limit nor the node's memory: "
+                               "pass --capacity GIB")
         cap, source = min(found)
     kept = headroom if headroom is not None else HEADROOM_FRACTION * cap
     if kept >= cap:
@@ -183,8 +187,9 @@ class Verdict:
     def describe(self, limit: Limit) -> str:
         if self.fits is None:
             return f"{self.phase}: no verdict: {self.reason}"
-        return (f"{self.phase}: {'fits' if self.fits else 'OVER'}: fitted peak at its heaviest micro-batch seen "
-                f"({self.tokens:.0f} tokens, rank {self.rank}) {self.high_gib:.3f} GiB of usable {limit.usable:.3f}")
+        return (f"{self.phase}: {'fits' if self.fits else 'OVER'}: fitted peak at its heaviest micro-batch "
+                f"seen ({self.tokens:.0f} tokens, rank {self.rank}) {self.high_gib:.3f} GiB of usable "
+                f"{limit.usable:.3f}")
 
 
 def verdict(fits: Sequence[PhaseFit], limit: Limit) -> Verdict:

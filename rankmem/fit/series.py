@@ -49,8 +49,8 @@ class PhaseFit:
     rises are over the run's lowest RSS, so a growing baseline's average is in the fit). Device: the
     median step of the last steps whose allocated is the baseline."""
     overhead_ratio: float = 1.0
-    """Device: the allocator's reserved over allocated at the phase's peak (:func:`rankmem.fit.overhead_ratio`);
-    the predicted allocation is scaled by it. Host: 1."""
+    """Device: the allocator's reserved over allocated at the phase's peak
+    (:func:`rankmem.fit.overhead_ratio`); the predicted allocation is scaled by it. Host: 1."""
 
     def peak(self, tokens: float, sq_tokens: float | None = None) -> tuple[float, float, float]:
         """(peak, low, high) in GiB, as set against capacity: (baseline + rise) x the allocator's ratio
@@ -92,7 +92,7 @@ def _phase_series(series: Series, steps: np.ndarray, phase: str, rank: int, rows
         peak = _col(series, phase_key(phase, "peak_allocated_gib"), rank, rows)
         base = _col(series, key_of("allocated"), rank, rows)
         ratio = _allocator_ratio(series, phase, rank, rows, peak)
-        other = _col(series, key_of("other"), rank, rows) if key_of("other") in series else np.zeros_like(peak)
+        other = _col(series, key_of("other"), rank, rows) if key_of("other") in series else np.zeros(0)
         finite = base[np.isfinite(base)]
         baseline = float(np.median(finite[-BASELINE_STEPS:])) if finite.size else math.nan
         seen = steps[rows][np.isfinite(base)]
@@ -106,7 +106,8 @@ def _phase_series(series: Series, steps: np.ndarray, phase: str, rank: int, rows
         at = float(np.mean(fitted)) if fitted.size else math.nan
         rise, extra, ratio = peak - baseline, 0.0, 1.0
     sq_max = float(np.nanmax(q)) if q is not None and np.isfinite(q).any() else 0.0
-    pf = PhaseFit(phase, rank, NoFit("", "not fitted"), baseline, extra, sq_max, col[np.isfinite(col)], at, ratio)
+    pf = PhaseFit(phase, rank, NoFit("", "not fitted"), baseline, extra, sq_max, col[np.isfinite(col)], at,
+                  ratio)
     return pf, col, rise, q
 
 
@@ -123,7 +124,8 @@ def _allocator_ratio(series: Series, phase: str, rank: int, rows: slice, peak: n
         grew = grew_pool(reserved, peak, np.asarray(rise[rows, rank], dtype=np.float64))
     else:  # an older log: the pool at a window's start is the largest reserved peak before it
         ahead = reserved_all[: rows.start or 0]
-        grew = grew_pool(reserved, peak, None, float(np.nanmax(ahead)) if np.isfinite(ahead).any() else -np.inf)
+        before = float(np.nanmax(ahead)) if np.isfinite(ahead).any() else -np.inf
+        grew = grew_pool(reserved, peak, None, before)
     return overhead_ratio(peak, reserved, grew)
 
 

@@ -50,7 +50,7 @@ def run_limit(run: Run, kind: str, cap: float | None = None, headroom: float | N
 
 
 def assess(run: Run, warmup: int = 2) -> Assessment:
-    """The run's limit and verdicts (:func:`rankmem.fit.capacity.assess`), as report, watch and the page say."""
+    """The run's limit and verdicts (:func:`rankmem.fit.capacity.assess`) for report, watch and the page."""
     return capacity.assess(run.series, run.steps, _hosts(run), warmup)
 
 

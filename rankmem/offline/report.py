@@ -124,7 +124,7 @@ class Report:
     limits: list[Capacity] = field(default_factory=list)
     """Device total, node total, cgroup limit, where measured, with the least room left under each."""
     advice: Assessment | None = None
-    """The limit per rank and each phase's verdict, as ``rankmem advise`` and the online warning reach them."""
+    """The limit per rank and each phase's verdict, as ``advise`` and the online warning reach them."""
     peak_rss_scope: str | None = None
     """How the ranks' per-window host peaks were taken (the header's ``peak_rss_scope``): ``window``
     (reset per window), ``edges`` (``peak_source="edges"``: never reset), ``lifetime``, ``sampled``;

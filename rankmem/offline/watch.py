@@ -92,7 +92,7 @@ class Frame:
     worst: dict[str, int]
     """Column key -> the worst rank (only with more than one rank reporting it)."""
     capacity: list[tuple[str, float]]
-    """(label, GiB) of what bounds the ranks (:func:`rankmem.fit.capacity.capacities`), the least over ranks."""
+    """(label, GiB) of what bounds the ranks (:func:`rankmem.fit.capacity.capacities`), least over ranks."""
     events: list[Event]
     """The newest events, oldest first (at most :data:`EVENTS_SHOWN`)."""
     event_count: int

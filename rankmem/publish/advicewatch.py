@@ -64,10 +64,10 @@ class AdviceWatch:
             if v.fits is False and v.phase not in self.warned and found.limit is not None:
                 self.warned.add(v.phase)
                 lim = found.limit
-                message = (f"rankmem: phase {v.phase}: the fitted peak at its heaviest micro-batch seen ({v.tokens:.0f} "
-                           f"tokens, rank {v.rank}) is {v.high_gib:.3f} GiB, over capacity minus headroom "
-                           f"({lim.usable:.3f} of {lim.capacity:.3f} GiB, {lim.source}): lower its token budget "
-                           f"(rankmem advise RUN says how far)")
+                message = (f"rankmem: phase {v.phase}: the fitted peak at its heaviest micro-batch "
+                           f"seen ({v.tokens:.0f} tokens, rank {v.rank}) is {v.high_gib:.3f} GiB, over "
+                           f"capacity minus headroom ({lim.usable:.3f} of {lim.capacity:.3f} GiB, "
+                           f"{lim.source}): lower its token budget (rankmem advise RUN says how far)")
                 warn(message, stacklevel=2)
                 given.append(message)
         return given

@@ -142,7 +142,8 @@ class Publisher(Handoff):
             if self._advice_watch is None:
                 from rankmem.publish.advicewatch import AdviceWatch
 
-                self._advice_watch = AdviceWatch([r.host or "?" for r in self.header.ranks] if self.header else ())
+                hosts = [r.host or "?" for r in self.header.ranks] if self.header else []
+                self._advice_watch = AdviceWatch(hosts)
             self._advice_watch.feed_matrix(step, gathered.keys, gathered.matrix)
             return
         self._advice_watch = False

@@ -126,7 +126,8 @@ def test_a_collect_without_detail_builds_an_aggregates_only_record() -> None:
     assert publisher._leak_check
 
 
-def test_the_crossover_knobs_are_config_fields_the_environment_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_crossover_knobs_are_config_fields_the_environment_overrides(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     from rankmem import Monitor, MonitorConfig
     from rankmem.errors import RankmemError
     from rankmem.exchange.exchange import DETAIL_EVERY, REDUCE_ABOVE, Exchange
@@ -140,7 +141,8 @@ def test_the_crossover_knobs_are_config_fields_the_environment_overrides(monkeyp
     assert (MonitorConfig().reduce_above, MonitorConfig().detail_every) == (2, 5)
     assert Exchange(reduce_above=7).reduce_above == 7
     monitor = Monitor(device="cpu", reduce_above=7, detail_every=3, leak_check=False, near_oom_watch=False)
-    assert (monitor._exchange.reduce_above, monitor._exchange.detail_every) == (7, 3)  # the field over the env
+    # The field over the environment.
+    assert (monitor._exchange.reduce_above, monitor._exchange.detail_every) == (7, 3)
     assert monitor.config.to_header()["reduce_above"] == 7
     monitor.close()
     with pytest.raises(RankmemError, match=r"^detail_every must be a whole number >= 1, got 0$"):

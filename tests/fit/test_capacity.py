@@ -33,13 +33,14 @@ def _out(capsys: pytest.CaptureFixture[str], *args: str) -> str:
 def test_advise_report_html_watch_and_the_online_warning_agree(run: Path, capsys, tmp_path: Path) -> None:
     online = json.loads((run / "online.json").read_text())
     limit, (verdict,) = online["limit"], online["verdicts"]
-    # Ground truth the worker made: the verdict's heaviest micro-batch is the most its rank told after warm-up.
+    # Ground truth the worker made: the verdict's heaviest micro-batch is the most its rank told after
+    # warm-up.
     assert verdict["tokens"] == max(tokens(verdict["rank"], s) for s in range(WARMUP, STEPS))
     assert verdict["fits"] is True and verdict["high_gib"] < limit["usable"]  # ~0.1 GiB on a node of GiBs
     capacity = (f"capacity {limit['capacity']:.3f} GiB per rank ({limit['source']}), headroom "
                 f"{limit['headroom']:.3f} GiB: usable {limit['usable']:.3f} GiB")
-    said = (f"update: fits: fitted peak at its heaviest micro-batch seen ({verdict['tokens']:.0f} tokens, rank "
-            f"{verdict['rank']}) {verdict['high_gib']:.3f} GiB of usable {limit['usable']:.3f}")
+    said = (f"update: fits: fitted peak at its heaviest micro-batch seen ({verdict['tokens']:.0f} tokens, "
+            f"rank {verdict['rank']}) {verdict['high_gib']:.3f} GiB of usable {limit['usable']:.3f}")
 
     advise = _out(capsys, "advise", str(run)).splitlines()
     assert advise[0].startswith(capacity + " against ") and f"  {said}" in advise
@@ -74,7 +75,9 @@ def test_the_host_limit_is_the_tightest_of_cgroup_and_node_less_their_other_proc
     found = assess(series, np.arange(6), ["n", "n"], WARMUP)
     assert found.limit is not None and found.limit.capacity == pytest.approx(3.5)
     assert found.limit.source == "node total less 9.000 GiB of other processes / 2 ranks"
-    assert found.lines()[1] == "  update: no verdict: the run has no mem/phase/update/peak_rss_gib: it did not measure it"
+    assert found.lines()[1] == ("  update: no verdict: the run has no mem/phase/update/peak_rss_gib: "
+                                "it did not measure it")
     series[key_of("node_used")], series[key_of("node_available")] = 3 * ones, 13 * ones  # 1 GiB of others:
     # 7.5 GiB a rank on the node; the cgroup's 3.75 binds
-    assert assess(series, np.arange(6), ["n", "n"], WARMUP).limit.capacity == pytest.approx(3.75)  # type: ignore[union-attr]
+    tighter = assess(series, np.arange(6), ["n", "n"], WARMUP).limit
+    assert tighter is not None and tighter.capacity == pytest.approx(3.75)
