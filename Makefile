@@ -4,7 +4,7 @@ TORCH_INDEX ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint typecheck demo bench clean verl-check
+.PHONY: install test test-slow lint typecheck demo bench clean verl-check
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -28,6 +28,12 @@ typecheck: install
 
 test: lint typecheck
 	$(VENV)/bin/pytest -q
+
+# The cases `make test` leaves out: further launches of the reference worker and the launcher, soak and
+# long cases (each capability keeps one representative in `make test`). Run it when you change the
+# launcher, the reference worker or the forensics of a dying rank.
+test-slow: install
+	$(VENV)/bin/pytest -q -m slow
 
 # The main job: 2-rank GRPO on the reference worker, about two minutes on 2 CPU cores.
 demo: install

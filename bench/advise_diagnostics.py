@@ -38,8 +38,10 @@ from bench_advise import evaluate  # type: ignore[import-not-found]  # noqa: E40
 
 from rankmem.core.catalogue import phase_key, work_key  # noqa: E402
 from rankmem.fit import Fit, FitConfig  # noqa: E402
+from rankmem.fit.capacity import Limit  # noqa: E402
+from rankmem.fit.series import PhaseFit  # noqa: E402
 from rankmem.offline import Run, read_run  # noqa: E402
-from rankmem.offline.advice import EXTRAPOLATION, Advice, Limit, PhaseFit, advise_rank, fit_ranks  # noqa: E402
+from rankmem.offline.advice import EXTRAPOLATION, Advice, advise_rank, fit_ranks  # noqa: E402
 
 WARMUP = 2  # bench_advise's warm-up steps at the start of the probe
 

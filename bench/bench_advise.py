@@ -184,8 +184,9 @@ def evaluate(out: str, config: Any = None) -> dict[str, Any]:
 
     from rankmem.core.catalogue import phase_key, work_key
     from rankmem.fit import Fit
+    from rankmem.fit.capacity import Limit
     from rankmem.offline import read_run
-    from rankmem.offline.advice import EXTRAPOLATION, Limit, advise_rank, fit_ranks
+    from rankmem.offline.advice import EXTRAPOLATION, advise_rank, fit_ranks
 
     with open(os.path.join(out, "bench.json")) as f:
         truth = json.load(f)

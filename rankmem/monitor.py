@@ -40,10 +40,8 @@ from rankmem.core.rundir import current_run_id
 from rankmem.core.scalars import plain_config, scalar_items, work_numbers
 from rankmem.errors import RankmemError
 from rankmem.exchange.dist import global_rank, rank_and_world, require_group_if_launched
-from rankmem.exchange.exchange import Exchange
-from rankmem.forensics.attribution import OFF as ATTRIBUTION_OFF
-from rankmem.forensics.attribution import device_attribution
-from rankmem.forensics.forensics import Forensics
+from rankmem.exchange.exchange import Exchange, detail_every_default, reduce_above_default
+from rankmem.forensics.forensics import ATTRIBUTION_OFF, Forensics, device_attribution
 from rankmem.forensics.sampler import HistorySampler
 from rankmem.probe.device import select_backend
 from rankmem.probe.host import PEAK_SOURCES, HostProbe, LinuxHostProbe, make_host_probe, peak_source_default
@@ -108,6 +106,13 @@ class MonitorConfig:
     sink_thread: bool = True
     """Write sinks and run the leak watch on a background thread (the caller's thread only hands the
     collect over); False does it inside :meth:`Monitor.collect`."""
+    reduce_above: int = field(default_factory=reduce_above_default)
+    """Past this many ranks the aggregates travel by all-reduce and the per-rank detail only every
+    ``detail_every`` collects (docs/how-it-works.md). Default 128, or ``$RANKMEM_REDUCE_ABOVE``. The
+    same on every rank."""
+    detail_every: int = field(default_factory=detail_every_default)
+    """Past ``reduce_above`` ranks, collects between per-rank details. Default 100, or
+    ``$RANKMEM_DETAIL_EVERY``. The same on every rank."""
 
     def __post_init__(self) -> None:
         # Types first: options read from YAML or a command line arrive as strings, and a comparison of a
@@ -136,9 +141,12 @@ class MonitorConfig:
             raise RankmemError(f"anatomy_share must be a share of capacity in (0, 1] or None, got {share!r}")
         if not _whole(self.oom_history) or self.oom_history < 0:
             raise RankmemError(f"oom_history must be a whole number of entries >= 0, got {self.oom_history!r}")
+        for name in ("reduce_above", "detail_every"):
+            if not _whole(getattr(self, name)) or getattr(self, name) < 1:
+                raise RankmemError(f"{name} must be a whole number >= 1, got {getattr(self, name)!r}")
         # numpy's numbers as Python's: the config goes into the run log header as JSON.
-        object.__setattr__(self, "log_rank", operator.index(self.log_rank))
-        object.__setattr__(self, "oom_history", operator.index(self.oom_history))
+        for name in ("log_rank", "oom_history", "reduce_above", "detail_every"):
+            object.__setattr__(self, name, operator.index(getattr(self, name)))
         if self.peak_source not in PEAK_SOURCES:
             raise RankmemError(f"peak_source must be one of {list(PEAK_SOURCES)} (docs/peak-source.md), "
                                f"got {self.peak_source!r}")
@@ -278,6 +286,7 @@ class Monitor(_Readouts):
                                 attribution=self._attribution,
                                 node_refresh_s=c.node_refresh_s if isinstance(host, LinuxHostProbe) else None)
         self._exchange = Exchange(group, device.name if device else None, device.module if device else None,
+                                  reduce_above=c.reduce_above, detail_every=c.detail_every,
                                   detail_rank=c.log_rank)
         # Sampled windows and OOM replays (forensics/sampler.py): on a device only.
         self._sampler = None if device is None else HistorySampler(
@@ -401,7 +410,7 @@ class Monitor(_Readouts):
 
     def request_detail(self) -> None:
         """Make the next collect carry every rank's values to the logging rank, whatever the cadence
-        (past ``RANKMEM_REDUCE_ABOVE`` ranks the per-rank detail is logged every ``detail_every``
+        (past ``reduce_above`` ranks the per-rank detail is logged every ``detail_every``
         collects only). Local: one rank asking is enough; smaller worlds log the detail every collect."""
         self._exchange.request_detail()
 

@@ -19,14 +19,15 @@ from typing import TYPE_CHECKING, Any
 
 from rankmem.cli._common import add_run_argument, note_damage, require_steps
 from rankmem.errors import RankmemError
+from rankmem.fit.capacity import HEADROOM_FRACTION
 
 if TYPE_CHECKING:
+    from rankmem.fit.capacity import Limit
+    from rankmem.fit.series import PhaseFit
     from rankmem.offline import Run
-    from rankmem.offline.advice import Limit, PhaseFit
     from rankmem.trend.trend import Trend
 
 NO_VERDICT = 3
-HEADROOM_FRACTION = 0.05
 EPILOG = ("exit status: 0 every phase has advice, 3 some phase has none (each says why), 2 bad input. "
           f"Headroom default: {HEADROOM_FRACTION:.0%} of the capacity.")
 
@@ -154,25 +155,12 @@ def _no_prediction(pf: PhaseFit, t: float, seq_len: float | None) -> str | None:
     return None
 
 
-def _limit(run: Run, fits: dict[str, list[PhaseFit]], args: argparse.Namespace) -> Limit:
-    from rankmem.offline.advice import Limit, memory_kind, run_capacity
-
-    kind = args.memory if args.memory != "auto" else memory_kind(run, next(iter(fits)))
-    if args.capacity is not None:
-        capacity, source = float(args.capacity), "--capacity"
-    else:
-        capacity, source = run_capacity(run, kind)
-    headroom = args.headroom if args.headroom is not None else HEADROOM_FRACTION * capacity
-    if headroom >= capacity:
-        raise RankmemError(f"--headroom {headroom:g} GiB leaves nothing of the capacity {capacity:.3f} GiB: lower it")
-    return Limit(capacity, source, headroom)
-
-
 def _advise(run: Run, fits: dict[str, list[PhaseFit]], args: argparse.Namespace) -> int:
-    from rankmem.offline.advice import Advice, advise_rank, memory_kind
+    from rankmem.fit.capacity import verdict
+    from rankmem.offline.advice import Advice, advise_rank, memory_kind, run_limit
 
-    limit = _limit(run, fits, args)
     kind = args.memory if args.memory != "auto" else memory_kind(run, next(iter(fits)))
+    limit = run_limit(run, kind, args.capacity, args.headroom)
     what = "the device's peak allocated + allocator overhead + memory outside torch" if kind == "device" else "peak RSS"
     lines = [f"capacity {limit.capacity:.3f} GiB per rank ({limit.source}), headroom {limit.headroom:.3f} GiB: "
              f"usable {limit.usable:.3f} GiB against {what}"]
@@ -182,6 +170,7 @@ def _advise(run: Run, fits: dict[str, list[PhaseFit]], args: argparse.Namespace)
     lines += _growth_lines(run, growth, args)
     for phase, per_rank in fits.items():
         results = [advise_rank(pf, _kept(limit, pf, growth.get(pf.rank), args.steps)) for pf in per_rank]
+        judged = verdict(per_rank, limit)  # as report, watch and the online warning judge it
         failed = [(pf.rank, r) for pf, r in zip(per_rank, results, strict=True) if isinstance(r, str)]
         advised = [r for r in results if isinstance(r, Advice)]
         for rank, reason in failed:
@@ -196,8 +185,8 @@ def _advise(run: Run, fits: dict[str, list[PhaseFit]], args: argparse.Namespace)
         phase_rows, phase_lines = _phase_advice(run, phase, per_rank, advised, binding, args)
         for row in phase_rows:  # the growth between steps found on its rank (0: none), MiB per step
             row["growth_mib_per_step"] = growth[row["rank"]].slope_mib if row["rank"] in growth else 0.0
-        rows += phase_rows
-        lines += phase_lines
+        rows += [{**row, "fits": judged.fits} for row in phase_rows]
+        lines += [*phase_lines, f"  {judged.describe(limit)}"]
     print(json.dumps(rows, indent=1) if args.json else "\n".join(lines))
     return status
 
@@ -211,7 +200,8 @@ def _growth(run: Run, args: argparse.Namespace, kind: str, limit: Limit) -> dict
 
 def _kept(limit: Limit, pf: PhaseFit, growth: Trend | None, steps: int | None) -> Limit:
     """The limit less the growth still to come by step ``steps`` (none asked or none found: unchanged)."""
-    from rankmem.offline.advice import Limit, growth_ahead_gib
+    from rankmem.fit.capacity import Limit
+    from rankmem.offline.advice import growth_ahead_gib
 
     if growth is None or steps is None:
         return limit

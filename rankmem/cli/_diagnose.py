@@ -19,7 +19,7 @@ import re
 import signal
 from dataclasses import dataclass
 
-from rankmem.core.eventrecords import KilledEvent, StalledEvent
+from rankmem.core.events import KilledEvent, StalledEvent
 from rankmem.core.units import GIB
 from rankmem.forensics.heartbeat import HeartbeatRecord
 from rankmem.probe import procfs as _procfs

@@ -33,11 +33,15 @@ The boundaries (``file: function``: where it stands, why):
   (:class:`~rankmem.sinks.SafeSink`).
 - ``core/warnings.py: warn``: the warning channel itself (``-W error``, a logging hook that raises):
   below the Guard, which warns through it.
+- ``forensics/sampler.py: HistorySampler._sampled``: a sampled step's allocator history: one warning.
+- ``forensics/sampler.py: HistorySampler._replay``: its replay off the training thread (a torch whose
+  snapshot schema differs): one warning per topic, no ``anatomy`` event, training goes on.
 - ``integrations/verl/__init__.py: _never_raise``: Ray's worker-process setup hook and the patch it
   applies when verl's engine worker is imported: one warning, and the worker starts without rankmem.
 
 Not boundaries: a handler that cleans up and re-raises (``except BaseException: ...; raise``, as in
-``windows.py``, ``integrations/hf.py`` and ``ray/cluster.py``) lets everything through.
+``windows.py``, ``core/rundir.py``, ``integrations/hf.py`` and ``ray/cluster.py``) lets everything
+through.
 """
 
 from __future__ import annotations

@@ -51,6 +51,16 @@ DETAIL_EVERY = 100
 """Default cadence of the per-rank detail on the all-reduce path, in collects."""
 
 
+def reduce_above_default() -> int:
+    """:data:`REDUCE_ABOVE`, or ``$RANKMEM_REDUCE_ABOVE`` (``MonitorConfig.reduce_above``'s default)."""
+    return _env_int("RANKMEM_REDUCE_ABOVE", REDUCE_ABOVE)
+
+
+def detail_every_default() -> int:
+    """:data:`DETAIL_EVERY`, or ``$RANKMEM_DETAIL_EVERY`` (``MonitorConfig.detail_every``'s default)."""
+    return _env_int("RANKMEM_DETAIL_EVERY", DETAIL_EVERY)
+
+
 class Exchange:
     """The one collective of a collect: pack, gather, detect mixed keys, fall back, aggregate.
 
@@ -86,9 +96,8 @@ class Exchange:
         # The gather's device is resolved at the first collect, from the backend's current device.
         self.packed = PackedGather(group, device_type, device_module=device_module)
         self.reduce = PackedReduce(self.packed, detail_rank, quantile_bins)
-        self.reduce_above = reduce_above if reduce_above is not None else _env_int("RANKMEM_REDUCE_ABOVE", REDUCE_ABOVE)
-        self.detail_every = max(1, detail_every if detail_every is not None
-                                else _env_int("RANKMEM_DETAIL_EVERY", DETAIL_EVERY))
+        self.reduce_above = reduce_above if reduce_above is not None else reduce_above_default()
+        self.detail_every = max(1, detail_every if detail_every is not None else detail_every_default())
         self._collects = 0
         self._layout: tuple[str, ...] = ()
         self._layout_set: frozenset[str] = frozenset()

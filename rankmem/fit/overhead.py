@@ -1,19 +1,10 @@
 """The caching allocator's overhead at a phase's peak: reserved over allocated, as a ratio.
 
 A device window's peak reserved holds the phase's peak allocation plus what the allocator keeps beside
-it (block rounding, segments cut for other sizes). Two things make the raw difference a poor model:
-
-- a window served from segments that earlier, larger windows left in the pool shows their slack, not
-  its own: on an H200 the second pass of a rising probe showed 1.0 GiB reserved over 0.18 allocated at
-  2,048 tokens, where the pool had last grown by 0.45 GiB over its allocation. Only the windows that
-  grew the pool (their reserved rose in the window) show what a window of their size needs;
-- what it needs grows with the allocation: the reference GPT's windows after ``empty_cache`` kept a
-  steady ratio (1.21-1.32 SDPA, 1.04-1.11 materialised) while the difference grew twentyfold, and at
-  1.5x and 2x the largest T seen the ratio held (1.22 and 1.20 SDPA, 1.12 and 1.13 materialised). A
-  difference carried to a larger T under-predicted the device by 6-9% there; the ratio by under 1.5%
-  (bench/RESULTS.md, the GPU check).
-
-Pure numpy, shared by ``rankmem advise`` and the online watch.
+it (block rounding, segments cut for other sizes). Only the windows that grew the pool show what a
+window of their size needs (one served from segments earlier, larger windows left shows their slack),
+and what it needs grows with the allocation: a ratio carries to a larger T where a difference does not
+(bench/RESULTS.md, the GPU check). Pure numpy, shared by ``rankmem advise`` and the online watch.
 """
 
 from __future__ import annotations

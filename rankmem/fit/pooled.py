@@ -2,12 +2,9 @@
 
 ``b`` and ``c`` are the model's bytes per token and per squared length, the same on every rank that runs
 the same model on its own data (data parallel, FSDP); ``a`` is not (an engine, a driver duty, a leak on
-one rank moves only its intercept). A rank's dozen windows pin its own ``b`` and ``c`` loosely: where T
-and Q rise together in a probe, the two trade off against each other, and the fit is off where it
-extrapolates (materialised attention in bench/bench_advise.py: a rank's mean held-out error ran from
--7.9 to +4.5 MiB, 5th to 95th percentile over 100 rank fits, and the lowest advice came from the rank
-over-predicted most). Fitted on every rank's windows at once, the shared coefficients rest on all of
-them.
+one rank moves only its intercept). A rank's dozen windows pin its own ``b`` and ``c`` loosely (where T
+and Q rise together, the two trade off); fitted on every rank's windows at once, the shared
+coefficients rest on all of them.
 
 - **Pooled only where the ranks agree**: each rank's own ``(b, c)`` with its covariance, a Wald test that
   they are one (its statistic matched to a scaled chi-square, each rank's covariance being estimated:
@@ -15,9 +12,8 @@ them.
   that run different layers (pipeline stages) or different work differ in their slopes and keep their
   own fits, as does a rank with no fit of its own (too few windows, flat, noisy).
 - **The fit**: Huber's M-estimator by reweighted least squares as :func:`rankmem.fit.fit_memory`, each
-  rank's windows weighted by its own residual scale (a quiet rank's are not swamped by a noisy one's:
-  one rank at 1.2 MiB of noise beside three at 60 MiB was off by 21.6 MiB at 1.5x the largest T, 1.3
-  weighted), with one intercept per rank taken out by weighted centring within the rank (Frisch-Waugh-Lovell: the same
+  rank's windows weighted by its own residual scale (a quiet rank's are not swamped by a noisy one's),
+  with one intercept per rank taken out by weighted centring within the rank (Frisch-Waugh-Lovell: the same
   solution as a column per rank, without a (ranks x windows, ranks) matrix on the logging rank).
 - **Each rank's interval** is the usual one in its own ``[1, T, Q]``: the shared coefficients' covariance
   and the intercept's (``1/W_k`` about the rank's weighted means), each rank's own residual scale (a

@@ -6,7 +6,7 @@ about to die, and a line in the kernel's page cache outlives the process (no ``f
 machine crash loses it, and then the run is lost anyway). No collective and no device
 synchronisation happen here; the other ranks may be inside one.
 
-An event is a typed record (:mod:`rankmem.core.eventrecords`, which the reader parses lines back
+An event is a typed record (:mod:`rankmem.core.events`, which the reader parses lines back
 into): ``kind`` (``oom``, ``near_oom``, ``killed``, ``stalled``), ``rank``, ``step``, ``phase``,
 ``time`` (Unix seconds) and ``run_id`` (the run it belongs to: readers name another run's events
 instead of reading them), then its kind's fields. Byte figures are integer bytes under keys ending in
@@ -23,7 +23,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from rankmem.core.eventrecords import KINDS, Event, OomEvent
+from rankmem.core.events import KINDS, Event, OomEvent
 from rankmem.core.rundir import EVENTS_DIR, RunDir, open_regular, unlinked
 from rankmem.core.scalars import json_safe, to_float
 from rankmem.core.warnings import WarnOnce

@@ -25,13 +25,14 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from rankmem.core.eventrecords import Event, NearOomEvent, OomEvent
+from rankmem.core.events import Event, NearOomEvent, OomEvent
 from rankmem.core.guard import Guard, attempt
 from rankmem.core.records import WindowBytes
 from rankmem.core.rundir import RunDir, open_regular
 from rankmem.core.warnings import warn
+from rankmem.exchange.dist import global_rank
 from rankmem.forensics.events import EventWriter, oom_event, oom_where
-from rankmem.forensics.heartbeat import Heartbeat, heartbeat_dir, heartbeat_run_id
+from rankmem.forensics.heartbeat import Heartbeat, heartbeat_dir, heartbeat_run_id, node_siblings
 from rankmem.forensics.nearoom import NearOomWatch
 from rankmem.forensics.sampler import HistorySampler
 from rankmem.probe.device import DeviceBackend
@@ -259,3 +260,28 @@ class Forensics:
                 self._heartbeat.close(clean)
             if self._events is not None:
                 self._events.close()
+
+
+ATTRIBUTION_OFF = "off (needs CUDA and nvml_refresh_s; a fake torch.cuda needs a fake NVML)"
+"""What ``rankmem doctor`` shows where no attribution was built."""
+
+
+def device_attribution(device: DeviceBackend | None, refresh_s: float | None, out_dir: str | None,
+                       nvml_module: Any, where_now: Callable[[], Where]) -> DeviceAttribution | None:
+    """The device used split by owner as a Monitor builds it, on CUDA: NVML's process list (the real
+    ``torch.cuda`` with pynvml, or a fake pair) joined with this node's other ranks, which their
+    heartbeats name (the probe may not import them); None elsewhere, or with ``refresh_s`` None."""
+    real = device is not None and getattr(device.module, "__name__", None) == "torch.cuda"
+    if device is None or device.name != "cuda" or refresh_s is None or (nvml_module is None and not real):
+        return None  # a fake torch.cuda without a fake NVML: the real driver knows nothing of it
+    beats, rank = heartbeat_dir(out_dir), global_rank()
+
+    def where() -> tuple[int | None, str | None]:
+        try:  # read from the attribution thread while the training thread opens and closes phases
+            w = where_now()
+        except IndexError:  # the phase stack emptied between its test and its read
+            return None, None
+        return w.step, w.phase
+
+    return DeviceAttribution(device, refresh_s, nvml_module=nvml_module, where=where,
+                             siblings=lambda translated: node_siblings(beats, rank, translated))

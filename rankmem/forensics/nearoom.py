@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rankmem.core.eventrecords import NearOomEvent
+from rankmem.core.events import NearOomEvent
 from rankmem.core.guard import Guard
 from rankmem.errors import RankmemError
 from rankmem.forensics.heartbeat import HeartbeatRecord, read_heartbeats
@@ -93,7 +93,7 @@ class _Reading:
 class NearOomWatch:
     """Polls memory headroom and pressure on a daemon thread; calls ``on_near_oom(info)`` once per episode.
 
-    ``info`` is the :class:`~rankmem.core.eventrecords.NearOomEvent` to write: ``step``/``phase`` of this process
+    ``info`` is the :class:`~rankmem.core.events.NearOomEvent` to write: ``step``/``phase`` of this process
     (from its heartbeat), ``reasons``, ``cgroup``/``node``/``pressure`` figures (bytes, percent) and
     ``processes``, the per-node table (see :func:`process_table`). The callback runs on the watch
     thread; an exception in it warns once and the watch goes on. ``proc`` and ``cgroup_root`` point the

@@ -12,7 +12,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
-from rankmem.core.eventrecords import Event
+from rankmem.core.events import Event
 from rankmem.core.guard import attempt
 from rankmem.core.warnings import WarnOnce
 from rankmem.forensics.replay import Addresses, replay

@@ -1,6 +1,6 @@
 """Reading every rank's event file of a run directory: merged, ordered, damaged lines counted.
 
-Each line is parsed into its typed record (:mod:`rankmem.core.eventrecords`): a line that is not JSON,
+Each line is parsed into its typed record (:mod:`rankmem.core.events`): a line that is not JSON,
 not an object with a ``kind`` string, or nested past :data:`MAX_DEPTH` is counted as corrupt; an event
 whose fields are of the wrong type keeps its place with those fields at their defaults (their values
 kept in ``Event.unread``), and the fields a newer writer adds are kept in ``Event.extra``.
@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from rankmem.core.eventrecords import Event, parse_event
+from rankmem.core.events import Event, parse_event
 from rankmem.core.rundir import NotRegularFile, RunDir, open_binary
 
 MAX_EVENTS_BYTES = 64 << 20

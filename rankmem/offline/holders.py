@@ -10,7 +10,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Mapping, Sequence
 
-from rankmem.core.eventrecords import Event
+from rankmem.core.events import Event
 from rankmem.core.text import printable
 
 ANATOMY = "anatomy"

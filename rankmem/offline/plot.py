@@ -7,7 +7,7 @@
   :data:`MARKS_PER_RANK` highest steps only, no two closer than :data:`MARK_GAP_PX` pixels, so a run of
   400+ steps shows which phase made its spikes instead of a solid bar of markers.
 - **Legends outside the data**: to the right of each panel, so no rank's line is covered.
-- **How close to OOM**: the capacity that bounds the key (:mod:`rankmem.offline.capacity`: device total,
+- **How close to OOM**: the capacity that bounds the key (:mod:`rankmem.fit.capacity`: device total,
   node total, cgroup limit) is a dashed line. Within :data:`NEAR` times the data the panel runs from
   0 to just above it; further away it would flatten the data into the floor, so it stays off the
   panel and its legend entry says so.
@@ -32,13 +32,13 @@ from typing import Any
 import numpy as np
 
 from rankmem.core.catalogue import PHASE_PREFIX, PHASE_SUFFIX, PLOT_KEYS, peak_phase, worse
-from rankmem.core.eventrecords import Event
+from rankmem.core.events import Event
 from rankmem.core.guard import load_optional
 from rankmem.core.rundir import replace_file
 from rankmem.core.text import printable
 from rankmem.errors import MissingExtraError, RankmemError
+from rankmem.fit.capacity import Capacity, capacities, for_key
 from rankmem.offline import Run
-from rankmem.offline.capacity import Capacity, capacities, for_key
 from rankmem.offline.events import read_events
 from rankmem.offline.report import event_field
 
@@ -135,7 +135,7 @@ def draw_run(run: Run, chosen: Sequence[str], size: tuple[int, int] | None = Non
     phases = run.phases()
     # An event without a step (or with one no int64 holds: read as none) cannot be drawn at any x.
     events = [e for e in read_events(run.path).events if e.step is not None and e.kind != "anatomy"]
-    caps = capacities(run)
+    caps = capacities(run.series, run.steps)
     for ax, key in zip(axes[:, 0], chosen, strict=True):
         _draw_key(ax, run, key, phases, events, for_key(caps, key), plt)
     axes[-1, 0].set_xlabel("step")

@@ -5,7 +5,7 @@ of :mod:`rankmem.offline.leaks`, then the worst rank of each headline key. Then,
 the run (the peak, or the minimum for keys where low is bad, such as device headroom), the step and
 rank that hold it, the phase that set it (when the run has phases), and the imbalance across ranks
 (max over mean of the per-rank peaks); per phase (:mod:`rankmem.offline.phases`): its peak, what it leaves
-behind, the worst rank and the per-step mean; capacity (:mod:`rankmem.offline.capacity`) and the headroom
+behind, the worst rank and the per-step mean; capacity (:mod:`rankmem.fit.capacity`) and the headroom
 left under each; host RSS growth. Everything is computed on the arrays of
 :func:`rankmem.offline.read_run`, so a 100k-step log costs little more than reading it.
 :mod:`rankmem.offline.html` writes the same as one self-contained page.
@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -31,12 +31,13 @@ from rankmem.core.catalogue import (
     peak_phase,
     worst_stat,
 )
-from rankmem.core.eventrecords import Event, KilledEvent, NearOomEvent, OomEvent, StalledEvent
+from rankmem.core.events import Event, KilledEvent, NearOomEvent, OomEvent, StalledEvent
 from rankmem.core.scalars import json_safe, to_float
 from rankmem.core.text import printable
+from rankmem.fit.capacity import Assessment, Capacity, capacities
 from rankmem.offline import Run
+from rankmem.offline.advice import assess
 from rankmem.offline.anatomy import PhaseAnatomy, anatomy_lines, anatomy_rows
-from rankmem.offline.capacity import capacities
 from rankmem.offline.events import read_events
 from rankmem.offline.holders import ANATOMY, holder_lines
 from rankmem.offline.imbalance import (
@@ -95,19 +96,6 @@ class Growth:
 
 
 @dataclass
-class Limit:
-    """A capacity and the least room left under it over the run."""
-
-    label: str
-    capacity: float
-    """GiB; the smallest over ranks and steps."""
-    headroom: float | None = None
-    """GiB; the least left, at ``step`` on ``rank`` (None where it is not measured)."""
-    step: int | None = None
-    rank: int | None = None
-
-
-@dataclass
 class Report:
     path: str
     world_size: int
@@ -134,13 +122,15 @@ class Report:
     """Logged steps that carry per-rank values, when not all do (past the all-reduce crossover, or the
     last second before a crash); per-key worst values then come from every step's aggregates."""
     detail_note: str | None = None
+    """Why per-rank values are missing beyond that (a damaged or missing side file)."""
     gaps: list[str] = field(default_factory=list)
     """Collects the run log says it dropped, one line each."""
-    """Why per-rank values are missing beyond that (a damaged or missing side file)."""
     holders: list[str] = field(default_factory=list)
     """What held the peak, from the replays of sampled windows and OOMs (:mod:`rankmem.offline.holders`)."""
-    limits: list[Limit] = field(default_factory=list)
-    """Device total, node total, cgroup limit, where measured, with the least headroom under each."""
+    limits: list[Capacity] = field(default_factory=list)
+    """Device total, node total, cgroup limit, where measured, with the least room left under each."""
+    advice: Assessment | None = None
+    """The limit per rank and each phase's verdict, as ``advise`` and the online warning reach them."""
     peak_rss_scope: str | None = None
     """How the ranks' per-window host peaks were taken (the header's ``peak_rss_scope``): ``window``
     (reset per window), ``edges`` (``peak_source="edges"``: never reset), ``lifetime``, ``sampled``;
@@ -165,12 +155,14 @@ class Report:
         return worst_first(self.trends)
 
     def to_json(self) -> dict[str, Any]:
-        out = asdict(self)
+        out = asdict(replace(self, limits=[], advice=None))  # neither copies a run's arrays: said below
         out["events"] = [e.to_json() for e in self.events]  # each as its line holds it
         out["leaks"] = [asdict(t) for t in self.leaks]
         out["worst"] = [{"label": label, **asdict(k)} for label, k in self.worst()]
         if self.host_growth is not None:
             out["host_growth"]["growth"] = self.host_growth.growth
+        out["limits"] = [c.to_json() for c in self.limits]
+        out["advice"] = self.advice.to_json() if self.advice is not None else None
         cleaned: dict[str, Any] = json_safe(out)
         return cleaned
 
@@ -307,40 +299,12 @@ def _tables(run: Run, imb: ImbalanceConfig) -> Report:
     report.host_growth = growth(run, key_of("rss"))
     report.phases = phase_rows(run)
     report.anatomy = anatomy_rows(run)
-    report.limits = limits(run, report)
+    report.limits = capacities(run.series, run.steps)
+    report.advice = assess(run)
     if run.logged is None:  # the split needs every step's per-rank values
         report.imbalance = rank_excess(run, floor_gib=imb.floor_gib, fraction=imb.fraction)
         report.overruns = budget_overruns(run)
     return report
-
-
-def _least(run: Run, matrix: np.ndarray) -> tuple[float, int, int] | None:
-    """(value, step, rank) of the smallest finite value of a steps x ranks matrix."""
-    if not np.isfinite(matrix).any():
-        return None
-    row, rank = divmod(int(np.where(np.isfinite(matrix), matrix, np.inf).argmin()), matrix.shape[1])
-    return float(matrix[row, rank]), int(run.steps[row]), rank
-
-
-def limits(run: Run, report: Report) -> list[Limit]:
-    """Each measured capacity with the least headroom under it: the device's own headroom key, the
-    node's available memory, the cgroup limit minus its usage."""
-    under = {
-        "device total": run.series.get(key_of("headroom")),
-        "node total": run.series.get(key_of("node_available")),
-    }
-    used, limit = run.series.get(key_of("cgroup_used")), run.series.get(key_of("cgroup_limit"))
-    if used is not None and limit is not None:
-        under["cgroup limit"] = limit - used
-    out = []
-    for cap in capacities(run):
-        item = Limit(cap.label, cap.value)
-        matrix = under.get(cap.label)
-        least = _least(run, matrix) if matrix is not None else None
-        if least is not None:
-            item.headroom, item.step, item.rank = least
-        out.append(item)
-    return out
 
 
 def _fmt(value: float, key: str) -> str:
@@ -461,7 +425,7 @@ def _gib(value: Any) -> str | None:
 
 def describe_event(e: Event) -> str:
     """One line for an event. The record's fields are typed; a field that was not of its type shows what
-    the line held (:meth:`~rankmem.core.eventrecords.Event.shown`), bounded by :func:`event_field`, and
+    the line held (:meth:`~rankmem.core.events.Event.shown`), bounded by :func:`event_field`, and
     the nested tables are checked entry by entry (another process wrote them)."""
     where = (f"{event_field(e.kind)} rank {event_field(e.shown('rank'))} step {event_field(e.shown('step'))} "
              f"phase {event_field(e.shown('phase') or '-')}")
@@ -529,8 +493,8 @@ def worst_lines(report: Report) -> list[str]:
 def limit_lines(report: Report) -> list[str]:
     lines = []
     if report.limits:
-        lines.append("capacity: " + ", ".join(f"{lim.label} {lim.capacity:.3f} GiB" for lim in report.limits))
-    return lines
+        lines.append("capacity: " + ", ".join(f"{lim.label} {lim.value:.3f} GiB" for lim in report.limits))
+    return lines + (report.advice.lines() if report.advice is not None else [])
 
 
 def summary_lines(report: Report) -> list[str]:
@@ -574,9 +538,10 @@ def verdict_lines(report: Report) -> list[str]:
         h = report.headroom
         lines.append(f"device headroom: min {h.value:.3f} GiB at step {h.step} on rank {h.rank}")
     for lim in report.limits:
-        if lim.label in HEADROOM_LABELS and lim.headroom is not None:
-            lines.append(f"{HEADROOM_LABELS[lim.label]}: min {lim.headroom:.3f} GiB at step {lim.step} on rank "
-                         f"{lim.rank} (of {lim.capacity:.3f} GiB)")
+        least = lim.least_room()
+        if lim.label in HEADROOM_LABELS and least is not None:
+            lines.append(f"{HEADROOM_LABELS[lim.label]}: min {least[0]:.3f} GiB at step {least[1]} on rank "
+                         f"{least[2]} (of {lim.value:.3f} GiB)")
     if report.host_growth is not None:
         g = report.host_growth
         lines.append(

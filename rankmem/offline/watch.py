@@ -24,14 +24,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from rankmem.core.catalogue import key_of, worse
-from rankmem.core.eventrecords import KILLED, Event
+from rankmem.core.events import KILLED, Event
 from rankmem.core.records import RunHeader
 from rankmem.core.rundir import RunDir
 from rankmem.core.scalars import to_float
+from rankmem.fit.capacity import Assessment, Capacity, capacities, for_key
 from rankmem.forensics.heartbeat import HeartbeatRecord, read_heartbeats
+from rankmem.offline.advice import assess
 from rankmem.offline.anatomy import compact_lines
-from rankmem.offline.capacity import DEVICE, HOST, NODE
 from rankmem.offline.events import read_events
 from rankmem.offline.follow import Follower, Tail
 
@@ -46,8 +49,6 @@ COLUMNS = (
     ("dev children", "device_descendants"),  # device memory by owner (docs/device-attribution.md)
     ("dev foreign", "device_foreign"),
 )
-# What bounds the ranks, for the title: (label, field); the least over ranks binds first.
-CAPACITY = (("device total", "total"), ("node available", "node_available"), ("cgroup limit", "cgroup_limit"))
 EVENTS_SHOWN = 5
 
 
@@ -90,13 +91,13 @@ class Frame:
     worst: dict[str, int]
     """Column key -> the worst rank (only with more than one rank reporting it)."""
     capacity: list[tuple[str, float]]
-    """(label, GiB) of what bounds the ranks (:data:`CAPACITY`), the least over ranks."""
+    """(label, GiB) of what bounds the ranks (:func:`rankmem.fit.capacity.capacities`), least over ranks."""
     events: list[Event]
     """The newest events, oldest first (at most :data:`EVENTS_SHOWN`)."""
     event_count: int
     limits: dict[str, list[float | None]] = field(default_factory=dict)
     """Column key -> per rank, the binding limit of that usage (GiB): the device total for device keys, the
-    least of node total and cgroup limit for host keys (:mod:`rankmem.offline.capacity`'s families)."""
+    least of node total and cgroup limit for host keys (:mod:`rankmem.fit.capacity`'s families)."""
     detail_step: int | None = None
     """The step of the per-rank values shown, when they come from the side file (past the crossover,
     the last collect that carried them)."""
@@ -105,6 +106,8 @@ class Frame:
     log's gaps, or None."""
     anatomy: list[str] = field(default_factory=list)
     """Per phase with ``Monitor.track``: what fills the highest rank's peak, one line each."""
+    advice: Assessment | None = None
+    """The limit per rank and each phase's verdict over the run so far, as ``rankmem advise`` says them."""
 
 
 def _vector(step: dict[str, Any], key: str, world: int) -> list[float | None]:
@@ -172,18 +175,13 @@ def build_frame(run_dir: str, tail: Tail, beats: dict[int, HeartbeatRecord], eve
         rows.append(row)
     _mark_dead(rows, beats, events, hosts_of(header))
     worst = {key: r for key, vec in vectors.items() if (r := worst_rank(key, vec)) is not None}
-    capacity = []
-    if last is not None:
-        for label, name in CAPACITY:
-            present = [v for v in _vector(last, key_of(name), world) if v is not None]
-            if present:
-                capacity.append((label, min(present)))
+    caps = capacities(_last_series(last, world), np.array([last["step"]])) if last is not None else []
     return Frame(
         run_dir=run_dir, now=now, world_size=world, hosts=hosts,
         step=int(last["step"]) if last is not None else None,
         logged_at=float(last["time"]) if last is not None and isinstance(last.get("time"), (int, float)) else None,
-        step_time_s=step_time, columns=columns, rows=rows, worst=worst, capacity=capacity, detail_step=detail_step,
-        limits=_limits(last, columns, world) if last is not None else {},
+        step_time_s=step_time, columns=columns, rows=rows, worst=worst, detail_step=detail_step,
+        capacity=[(c.label, c.value) for c in caps], limits=_limits(caps, columns),
         events=events[-EVENTS_SHOWN:], event_count=len(events),
         anatomy=compact_lines({k: _vector(last, k, world) for k in last["ranks"] if "/anatomy/" in k})
         if last is not None and isinstance(last.get("ranks"), dict) else [],
@@ -217,30 +215,30 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _limits(last: dict[str, Any], columns: list[tuple[str, str]], world: int) -> dict[str, list[float | None]]:
-    device = _vector(last, key_of("total"), world)
-    node = [None if u is None or a is None else u + a
-            for u, a in zip(_vector(last, key_of("node_used"), world), _vector(last, key_of("node_available"), world),
-                            strict=True)]
-    host = [min((v for v in pair if v is not None), default=None)
-            for pair in zip(node, _vector(last, key_of("cgroup_limit"), world), strict=True)]
+def _last_series(last: dict[str, Any], world: int) -> dict[str, np.ndarray]:
+    """The newest step's per-rank values as a key -> (1 x world) mapping (nan where a rank has none)."""
+    return {key: np.array([[math.nan if v is None else v for v in _vector(last, key, world)]])
+            for key in last.get("ranks", {})}
+
+
+def _limits(caps: list[Capacity], columns: list[tuple[str, str]]) -> dict[str, list[float | None]]:
+    """Per usage column, each rank's tightest capacity (headroom is already a distance to its limit)."""
     out: dict[str, list[float | None]] = {}
     for _, key in columns:
-        family = key.rsplit("/", 1)[0]
-        if worse(key) != "high":
-            continue  # headroom: already a distance to the limit
-        if family == DEVICE:
-            out[key] = device
-        elif family in (HOST, NODE):
-            out[key] = host
+        bound = [c.matrix[-1] for c in for_key(caps, key)]
+        if bound:
+            out[key] = [float(v) if math.isfinite(v) else None for v in np.fmin.reduce(bound)]
     return out
 
 
 class Watcher:
     """Follows one run directory: each :meth:`frame` call reads what changed since the last one."""
 
-    def __init__(self, run: str) -> None:
+    def __init__(self, run: str, assess_every_s: float = 30.0) -> None:
         self.run_dir = run_dir_of(run)
+        self.assess_every_s = assess_every_s
+        """The verdict reads the whole run log: at the first frame, then at most this often."""
+        self._assessed: tuple[float, Assessment | None] | None = None
         log = run if run.endswith(".jsonl") else RunDir(self.run_dir).log
         self.log_path = log
         self.follower = Follower(log, count=2)
@@ -261,6 +259,18 @@ class Watcher:
             self._events_stamp, self._events, self.events_skipped = stamp, kept, read.skipped
         return self._events
 
+    def _assess(self, now: float) -> Assessment | None:
+        from rankmem.errors import RankmemError
+        from rankmem.offline import read_run
+
+        if self._assessed is None or now - self._assessed[0] >= self.assess_every_s:
+            try:
+                found: Assessment | None = assess(read_run(self.log_path))
+            except (RankmemError, OSError):  # no log yet, or no steps: no verdict in this frame
+                found = None
+            self._assessed = (now, found)
+        return self._assessed[1]
+
     def frame(self, now: float | None = None) -> Frame:
         tail = self.follower.poll()
         # This run's heartbeats and events only: an earlier run's (not moved aside) are not its ranks.
@@ -271,6 +281,7 @@ class Watcher:
             frame.detail_note = f"{self.log_path}: its first line is not a rankmem header (damaged): world size unknown"
         else:
             frame.detail_note = "; ".join(([tail.note] if tail.note else []) + [f"gap: {g}" for g in tail.gaps]) or None
+        frame.advice = self._assess(frame.now)
         if self.events_skipped:
             skipped = "; ".join(self.events_skipped)
             frame.detail_note = f"{frame.detail_note}; {skipped}" if frame.detail_note else skipped

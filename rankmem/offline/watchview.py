@@ -17,7 +17,7 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from rankmem.core.eventrecords import KILLED, OOM
+from rankmem.core.events import KILLED, OOM
 from rankmem.core.scalars import to_float
 from rankmem.core.text import printable
 from rankmem.offline.report import describe_event
@@ -75,6 +75,7 @@ def frame_json(frame: Frame, stale_s: float = 30.0) -> dict[str, Any]:
         out["state"] = state(row, stale_s)
         out["shares"] = {key: share(frame, key, row.rank) for _, key in frame.columns}
     doc["thresholds"] = {"warn": WARN_SHARE, "danger": DANGER_SHARE}
+    doc["advice"] = frame.advice.to_json() if frame.advice is not None else None
     return doc
 
 

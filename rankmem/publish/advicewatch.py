@@ -1,10 +1,8 @@
 """The online advice watch on the logging rank: warns once per phase when the memory model, fitted on
 the run's own windows, puts the peak at the heaviest micro-batch seen over capacity minus headroom.
 
-The same model as ``rankmem advise`` (:func:`rankmem.fit.fit_phase`), on the host's peak RSS over the
-lowest RSS between steps, or the device's peak allocated over the step's allocated, scaled by the
-allocator's overhead (:func:`rankmem.fit.overhead_ratio`), plus the memory outside torch. Capacity: the device total, else the cgroup limit, else the
-node's memory shared by the ranks on the node. Headroom: 5% of it. Refitted every ``every`` collects.
+The same series, fit, capacity and verdict as ``rankmem advise`` (:mod:`rankmem.fit.series`,
+:mod:`rankmem.fit.capacity`), over the last :data:`HISTORY` collects. Refitted every ``every`` collects.
 
 Its first fit leaves ~2 MiB resident (numpy's code and workspaces): the publisher takes that on every
 rank when it is made (:func:`rankmem.fit.prime`), not here at the 10th collect.
@@ -12,17 +10,15 @@ rank when it is made (:func:`rankmem.fit.prime`), not here at the 10th collect.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Sequence
 
 import numpy as np
 
-from rankmem.core.catalogue import key_of, phase_key, phase_names, work_key
 from rankmem.core.warnings import warn
-from rankmem.fit import Fit, NoFit, fit_phase, grew_pool, overhead_ratio
-from rankmem.fit.held import HELD_PARTS, held_state
+from rankmem.fit.capacity import Assessment, assess, read_by_assess
 
-HEADROOM_FRACTION = 0.05
 WARMUP = 2
 HISTORY = 256
 
@@ -30,102 +26,48 @@ HISTORY = 256
 class AdviceWatch:
     """Fed every detail collect's rank x key matrix; warns once per phase."""
 
-    def __init__(self, ranks_per_node: int = 1, every: int = 10) -> None:
-        self.ranks_per_node = max(1, ranks_per_node)
+    def __init__(self, hosts: Sequence[str] = (), every: int = 10) -> None:
+        self.hosts = list(hosts)
         self.every = every
         self.fed = 0
         self.warned: set[str] = set()
-        self.history: dict[tuple[str, int], deque[tuple[float, ...]]] = {}
-        self.capacity: float | None = None
-        self.device: dict[str, bool] = {}
+        self.history: deque[tuple[int, dict[str, np.ndarray]]] = deque(maxlen=HISTORY)
+        self.assessment: Assessment | None = None
+        """The latest limit and verdicts (as ``rankmem report`` gives them)."""
 
     def feed_matrix(self, step: int, keys: Sequence[str], matrix: np.ndarray) -> list[str]:
         """Take one collect; every ``every`` collects, judge. Returns the warnings given (for tests)."""
         self.fed += 1
-        index = {k: i for i, k in enumerate(keys)}
-        self._capacity(index, matrix)
-        if self.fed <= WARMUP:
+        self.history.append((step, {k: np.array(matrix[:, i], dtype=np.float64) for i, k in enumerate(keys)
+                                    if read_by_assess(k)}))
+        if self.fed <= WARMUP or self.fed % self.every:
             return []
-        for phase in phase_names(keys):
-            if work_key(phase, "mb_tokens") in index:
-                self._push(phase, index, matrix)
-        return self._judge() if self.fed % self.every == 0 else []
+        return self.judge()
 
-    def _capacity(self, index: dict[str, int], matrix: np.ndarray) -> None:
-        def smallest(key: str) -> float | None:
-            col = index.get(key)
-            if col is None:
-                return None
-            values = matrix[:, col][np.isfinite(matrix[:, col])]
-            return float(values.min()) if values.size else None
+    def series(self) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """The history as the run log's arrays: steps, and key -> (collects x ranks), nan where absent."""
+        world = max(row.size for _, rows in self.history for row in rows.values())
+        keys = {k for _, rows in self.history for k in rows}
+        empty = np.full(world, math.nan)
+        return (np.array([s for s, _ in self.history]),
+                {k: np.vstack([rows.get(k, empty) for _, rows in self.history]) for k in keys})
 
-        total = smallest(key_of("total"))
-        limit = smallest(key_of("cgroup_limit"))
-        used, avail = smallest(key_of("node_used")), smallest(key_of("node_available"))
-        node = used + avail if used is not None and avail is not None else None
-        host = limit if limit is not None else node
-        self.capacity = total if total is not None else host / self.ranks_per_node if host is not None else None
-
-    def _push(self, phase: str, index: dict[str, int], matrix: np.ndarray) -> None:
-        device = phase_key(phase, "peak_allocated_gib") in index
-        cols = [index.get(work_key(phase, "mb_tokens")), index.get(work_key(phase, "mb_sq_tokens"))]
-        peak_col = index.get(phase_key(phase, "peak_allocated_gib" if device else "peak_rss_gib"))
-        base_col = index.get(key_of("allocated" if device else "rss"))
-        # Device: the phase's peak reserved and its rise in the window (the allocator's ratio), and the
-        # memory outside torch.
-        extra_cols = [index.get(phase_key(phase, k)) for k in ("peak_reserved_gib", "peak_reserved_rise_gib")]
-        extra_cols.append(index.get(key_of("other")))
-        held_cols = [index.get(phase_key(phase, f"anatomy/{p}_gib")) for p in HELD_PARTS]
-        if cols[0] is None or peak_col is None or base_col is None:
-            return
-        for rank in range(matrix.shape[0]):
-            row = matrix[rank]
-            q = row[cols[1]] if cols[1] is not None else np.nan
-            reserved, rise, other = (float(row[c]) if device and c is not None else np.nan for c in extra_cols)
-            low, high, o = (float(row[c]) if c is not None else np.nan for c in held_cols)
-            entry = (float(row[cols[0]]), float(q), float(row[peak_col]), float(row[base_col]), reserved,
-                     rise, other, low, high, o)
-            self.history.setdefault((phase, rank), deque(maxlen=HISTORY)).append(entry)
-        self.device[phase] = device
-
-    def _series(self, key: tuple[str, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, float, float, float]:
-        """(T, rise, Q or None, baseline, the allocator's ratio, other) of one phase and rank, from its history."""
-        t, q, peak, base, reserved, rise, other, low, high, o = (np.array(c) for c in zip(*self.history[key],
-                                                                                           strict=True))
-        held, static = held_state(low, high, o)  # peak anatomy: as in rankmem.offline.advice
-        device = self.device[key[0]]
-        baseline = float(np.nanmin(base)) if not device else float(np.nanmedian(base[-5:]))
-        ratio, outside = 1.0, 0.0
-        if device:
-            ratio = overhead_ratio(peak, reserved, grew_pool(reserved, peak, rise if np.isfinite(rise).any() else None))
-            finite = other[np.isfinite(other)]
-            outside = max(float(finite.max()), 0.0) if finite.size else 0.0
-        rise_of = peak - (base if device else baseline) - held
-        return t, rise_of, q if np.isfinite(q).all() else None, baseline + static, ratio, outside
-
-    def _judge(self) -> list[str]:
-        given: list[str] = []
-        if self.capacity is None:
-            return given
-        usable = self.capacity * (1 - HEADROOM_FRACTION)
-        series = {key: self._series(key) for key in self.history if key[0] not in self.warned}
-        fits: dict[tuple[str, int], Fit | NoFit] = {}
-        for phase in {p for p, _ in series}:
-            keys = [key for key in series if key[0] == phase]
-            fits.update(zip(keys, fit_phase([series[key][:3] for key in keys]), strict=True))
-        for (phase, rank), (t, _, _, baseline, ratio, outside) in series.items():
-            if phase in self.warned:
-                continue
-            fit = fits[(phase, rank)]
-            if not isinstance(fit, Fit):
-                continue
-            heaviest = float(np.nanmax(t))
-            high = (baseline + fit.predict(heaviest)[2]) * ratio + outside
-            if high > usable:
-                self.warned.add(phase)
-                message = (f"rankmem: phase {phase}: the fitted peak at its heaviest micro-batch seen ({heaviest:.0f} "
-                           f"tokens, rank {rank}) is {high:.3f} GiB, over capacity minus headroom ({usable:.3f} of "
-                           f"{self.capacity:.3f} GiB): lower its token budget (rankmem advise RUN says how far)")
+    def judge(self) -> list[str]:
+        """Fit every phase told its micro-batches on the history; warn for a phase newly over."""
+        steps, series = self.series()
+        world = next(iter(series.values())).shape[1]
+        hosts = self.hosts if len(self.hosts) == world else ["?"] * world  # unknown: all share one node
+        warmup = WARMUP if self.fed <= HISTORY else 0  # the warm-up collects have left the history
+        self.assessment = found = assess(series, steps, hosts, warmup)
+        given = []
+        for v in found.verdicts:
+            if v.fits is False and v.phase not in self.warned and found.limit is not None:
+                self.warned.add(v.phase)
+                lim = found.limit
+                message = (f"rankmem: phase {v.phase}: the fitted peak at its heaviest micro-batch "
+                           f"seen ({v.tokens:.0f} tokens, rank {v.rank}) is {v.high_gib:.3f} GiB, over "
+                           f"capacity minus headroom ({lim.usable:.3f} of {lim.capacity:.3f} GiB, "
+                           f"{lim.source}): lower its token budget (rankmem advise RUN says how far)")
                 warn(message, stacklevel=2)
                 given.append(message)
         return given

@@ -102,7 +102,6 @@ class Publisher(Handoff):
         self._leak_check = leak_check
         self._leak_watch: Any = None
         self._advice_watch: Any = None
-        self._ranks_per_node = 1
         self._verl_keys = verl_keys
         self._last: _Collect | None = None
         self._last_record: StepRecord | None = None
@@ -126,8 +125,6 @@ class Publisher(Handoff):
     def open(self, header: RunHeader) -> None:
         """On the logging rank, at the first collect: open every sink with the run header."""
         self.opened = True
-        hosts = [r.host for r in header.ranks]
-        self._ranks_per_node = max((hosts.count(h) for h in set(hosts)), default=1)
         with _live_lock:
             _live.add(self)  # flushed at exit (and by flush_all), with or without the thread
         _signals.install(flush_all)
@@ -230,7 +227,8 @@ class Publisher(Handoff):
             if self._advice_watch is None:
                 from rankmem.publish.advicewatch import AdviceWatch
 
-                self._advice_watch = AdviceWatch(self._ranks_per_node)
+                hosts = [r.host or "?" for r in self.header.ranks] if self.header else []
+                self._advice_watch = AdviceWatch(hosts)
             self._advice_watch.feed_matrix(step, gathered.keys, gathered.matrix)
             return
         self._advice_watch = False

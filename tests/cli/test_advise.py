@@ -57,6 +57,8 @@ def test_capped_advice_names_verl_s_keys_the_binding_rank_and_the_overshoot(tmp_
         "  realised micro-batches up to 1.587x the budget 2048: budget = 4800 / 1.587",
         "  actor_rollout_ref.actor.ppo_max_token_len_per_gpu=3024",
         "  actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=75  # fixed-size form: sequences of up to 64 tokens",
+        "  update: fits: fitted peak at its heaviest micro-batch seen (3250 tokens, rank 1) 1.633 GiB of "
+        "usable 5.747",
     ]
     assert int(4800 / (3250 / 2048)) == 3024
 
@@ -169,7 +171,7 @@ def test_a_cgroup_s_capacity_leaves_out_what_its_other_processes_hold(tmp_path: 
     """One rank in a 2 GiB cgroup whose working set is its RSS plus 0.25 GiB (the launcher, torchrun's
     agent, the side-file writer): the rank's capacity is 1.75 GiB, the most the others held subtracted."""
     from rankmem.offline import read_run
-    from rankmem.offline.advice import run_capacity
+    from rankmem.offline.advice import run_limit
 
     steps = 8
     rss = np.linspace(1.0, 1.2, steps)[:, None]
@@ -178,8 +180,9 @@ def test_a_cgroup_s_capacity_leaves_out_what_its_other_processes_hold(tmp_path: 
                          key_of("cgroup_working_set"): rss + others, key_of("cgroup_used"): rss + others + 0.5,
                          key_of("node_used"): np.full((steps, 1), 9.0), key_of("node_available"): np.full((steps, 1), 7.0)},
               world=1)
-    capacity, source = run_capacity(read_run(str(tmp_path)), "host")
-    assert capacity == pytest.approx(1.75) and source == "cgroup limit less 0.250 GiB of other processes"
+    limit = run_limit(read_run(str(tmp_path)), "host")
+    assert limit.capacity == pytest.approx(1.75)
+    assert limit.source == "cgroup limit less 0.250 GiB of other processes"
 
 
 def test_growth_between_steps_is_named_and_kept_free_to_the_step_asked(tmp_path: Path, capsys) -> None:

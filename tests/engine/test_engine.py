@@ -40,6 +40,7 @@ def series(steps: list[dict[str, Any]], key: str) -> list[float]:
     return [s["metrics"][key] for s in steps]
 
 
+@pytest.mark.slow  # the GRPO launch below is the reference worker's representative
 def test_sft_loss_falls_and_ddp_matches_fsdp(tmp_path: Path) -> None:
     ddp, fsdp = tmp_path / "ddp", tmp_path / "fsdp"
     train(ddp, "--task", "sft", "--engine", "ddp", "--steps", "12")
@@ -165,6 +166,7 @@ def test_two_torchrun_agents_form_one_job(tmp_path: Path) -> None:
     assert len(steps) == 3 and all(len(v) == 2 for v in steps[-1]["ranks"].values())
 
 
+@pytest.mark.slow  # a failing rank: test_launcher_faults3's own-error case
 def test_failing_rank_fails_the_launch_and_keeps_the_log(tmp_path: Path) -> None:
     proc = cli("--task", "grpo", "--steps", "8", "--fail-at-step", "3", "--fail-rank", "1", "--no-progress",
                "--out", str(tmp_path), "--timeout-s", "150")

@@ -106,6 +106,7 @@ WORKER_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # the hand-back: test_freed_small_blocks_go_back_to_the_kernel
 def test_the_reference_worker_hands_back_the_whole_steps_heap(tmp_path: Path) -> None:
     """What a second trim right after ``train_batch`` frees is what the worker's own trim left resident
     between steps: the step's micro-batches, autograd nodes and loss, when they were freed after the trim

@@ -126,15 +126,27 @@ def test_a_collect_without_detail_builds_an_aggregates_only_record() -> None:
     assert publisher._leak_check
 
 
-def test_the_crossover_knobs_read_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_crossover_knobs_are_config_fields_the_environment_overrides(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from rankmem import Monitor, MonitorConfig
     from rankmem.errors import RankmemError
     from rankmem.exchange.exchange import DETAIL_EVERY, REDUCE_ABOVE, Exchange
 
     assert (Exchange().reduce_above, Exchange().detail_every) == (REDUCE_ABOVE, DETAIL_EVERY)
+    config = MonitorConfig()
+    assert (config.reduce_above, config.detail_every) == (REDUCE_ABOVE, DETAIL_EVERY)
     monkeypatch.setenv("RANKMEM_REDUCE_ABOVE", "2")
     monkeypatch.setenv("RANKMEM_DETAIL_EVERY", "5")
     assert (Exchange().reduce_above, Exchange().detail_every) == (2, 5)
+    assert (MonitorConfig().reduce_above, MonitorConfig().detail_every) == (2, 5)
     assert Exchange(reduce_above=7).reduce_above == 7
+    monitor = Monitor(device="cpu", reduce_above=7, detail_every=3, leak_check=False, near_oom_watch=False)
+    # The field over the environment.
+    assert (monitor._exchange.reduce_above, monitor._exchange.detail_every) == (7, 3)
+    assert monitor.config.to_header()["reduce_above"] == 7
+    monitor.close()
+    with pytest.raises(RankmemError, match=r"^detail_every must be a whole number >= 1, got 0$"):
+        MonitorConfig(detail_every=0)
     monkeypatch.setenv("RANKMEM_REDUCE_ABOVE", "many")
     with pytest.raises(RankmemError, match="RANKMEM_REDUCE_ABOVE"):
         Exchange()

@@ -74,7 +74,10 @@ def _kill_all(tree: dict[int, int]) -> None:
             pass
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+# SIGTERM is the representative; SIGINT is test_launcher_faults3's Ctrl-C case.
+@pytest.mark.parametrize("sig", [signal.SIGTERM, *(pytest.param(s, marks=pytest.mark.slow, id=s.name)
+                                                   for s in (signal.SIGHUP, signal.SIGINT))],
+                         ids=lambda s: s.name)
 def test_a_signal_to_the_launcher_stops_every_process_of_the_job(tmp_path: Path, sig: signal.Signals) -> None:
     out = tmp_path / "run"
     stderr = (tmp_path / "stderr").open("wb")
@@ -168,6 +171,7 @@ def test_torchruns_stderr_is_drained_when_our_own_stderr_is_closed() -> None:
     assert len(relay.tail) == 2000
 
 
+@pytest.mark.slow  # the lock, in-process: test_engine's refused-by-lock case
 @pytest.mark.timeout(240)
 def test_two_jobs_racing_for_one_out_dir_one_is_refused(tmp_path: Path) -> None:
     out = tmp_path / "run"

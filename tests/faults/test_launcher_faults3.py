@@ -15,6 +15,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 from rankmem.forensics.heartbeat import read_heartbeats
 from rankmem.offline import read_run
 from rankmem.offline.events import read_events
@@ -58,6 +60,7 @@ def _wait_rank_step(out: Path, proc: subprocess.Popen[str], rank: int, step: int
     raise AssertionError(f"rank {rank} never reached step {step}")
 
 
+@pytest.mark.slow  # the relay: test_launcher_faults' closed stdout and closed stderr cases
 def test_a_closed_stderr_with_chatty_ranks_neither_blocks_the_job_nor_hides_a_kill(tmp_path: Path) -> None:
     """``2>&-``: the relay keeps draining ~4 KB per rank per step (a pipe holds 64 KB: a dead relay blocked
     the ranks after ~16 steps), and a SIGKILLed rank is still named, in its event."""
@@ -79,6 +82,7 @@ def test_a_closed_stderr_with_chatty_ranks_neither_blocks_the_job_nor_hides_a_ki
     assert (event.rank, event.signal, event.pid) == (1, "SIGKILL", pid)
 
 
+@pytest.mark.slow  # a killed rank: test_train_forensics' SIGKILL case
 def test_a_sigkilled_rank_is_the_last_line_of_a_short_stderr(tmp_path: Path) -> None:
     with launch(tmp_path, "--steps", "100000") as proc:
         pid = _wait_rank_step(tmp_path, proc, 1, 3)
@@ -122,6 +126,7 @@ def test_a_ranks_own_error_is_shown_once_and_named_last(tmp_path: Path) -> None:
                            " (--fail-at-step) on rank 1 (its traceback above)"), err
 
 
+@pytest.mark.slow  # a stalled rank: test_train_forensics' SIGSTOP case
 def test_a_rank_stopped_between_its_window_and_collect_is_named(tmp_path: Path) -> None:
     """Both ranks beat last at the same window edge; only the collect mark tells them apart (before: no
     one named, torchrun blaming the healthy rank that timed out)."""

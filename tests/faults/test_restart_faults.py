@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from rankmem.offline import read_run
 from tests.conftest import REPO, torchrun
 
@@ -22,6 +24,7 @@ def _report(path: Path) -> dict:  # type: ignore[type-arg]
     return json.loads(done.stdout)  # type: ignore[no-any-return]
 
 
+@pytest.mark.slow  # rotation and run ids, in-process: test_engine, test_reader_faults
 def test_the_clean_attempt_after_a_restart_reports_no_event_of_the_failed_one(tmp_path: Path) -> None:
     # torchrun shares its rendezvous TCPStore with the ranks, and a restarted attempt reads the failed
     # attempt's keys still in it: gloo then dials the dead ranks' ports (refused, or hung in connect).

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rankmem.core.eventrecords import KilledEvent, NearOomEvent, OomEvent
+from rankmem.core.events import KilledEvent, NearOomEvent, OomEvent
 from rankmem.forensics.events import EventWriter, oom_event, oom_where
 from rankmem.offline.events import read_events
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 import rankmem
-from rankmem.core.eventrecords import Event
+from rankmem.core.events import Event
 from rankmem.core.units import MIB
 from rankmem.engine.model import GPT, GPTConfig
 from rankmem.forensics.events import EventWriter

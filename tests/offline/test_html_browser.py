@@ -16,7 +16,7 @@ import pytest
 
 from rankmem.cli import main
 from rankmem.core.catalogue import key_of
-from rankmem.core.eventrecords import NearOomEvent
+from rankmem.core.events import NearOomEvent
 from rankmem.forensics.events import EventWriter
 from tests.runlog_helpers import write_run
 

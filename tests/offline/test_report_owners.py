@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rankmem.core.eventrecords import NearOomEvent, OomEvent
+from rankmem.core.events import NearOomEvent, OomEvent
 from rankmem.offline.report import describe_event, owners_text
 
 GIB = 2**30

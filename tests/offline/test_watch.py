@@ -18,7 +18,7 @@ import pytest
 
 from rankmem.cli import main
 from rankmem.core.catalogue import key_of, worse
-from rankmem.core.eventrecords import NearOomEvent
+from rankmem.core.events import NearOomEvent
 from rankmem.forensics.events import EventWriter
 from rankmem.forensics.heartbeat import Heartbeat, read_heartbeats
 from rankmem.offline import read_run

@@ -20,7 +20,7 @@ from rich.console import Console
 
 from rankmem.cli import main
 from rankmem.core.catalogue import key_of
-from rankmem.core.eventrecords import KilledEvent
+from rankmem.core.events import KilledEvent
 from rankmem.forensics.events import EventWriter
 from rankmem.forensics.heartbeat import Heartbeat
 from rankmem.offline.watch import Watcher

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from rankmem import Monitor
-from rankmem.core.eventrecords import NearOomEvent
+from rankmem.core.events import NearOomEvent
 from rankmem.errors import RankmemError
 from rankmem.probe.attribution import Owners, split
 from rankmem.probe.device import DeviceBackend

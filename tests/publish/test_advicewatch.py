@@ -21,7 +21,8 @@ def feed(watch: AdviceWatch, node_gib: float, steps: int = 30) -> list[str]:
         t = rng.uniform(1000, 4000, 2)
         rss = np.array([1.0, 1.2])
         peak = rss + 0.1 + t * 1e-3 + rng.normal(0, 1 / 1024, 2)  # ~1 MiB per token: up to ~5.3 GiB
-        matrix = np.column_stack([rss, np.full(2, node_gib / 2), np.full(2, node_gib / 2), peak, t])
+        used = rss.sum() + 0.5  # the node's other processes hold 0.5 GiB
+        matrix = np.column_stack([rss, np.full(2, used), np.full(2, node_gib - used), peak, t])
         given += watch.feed_matrix(step, KEYS, matrix)
     return given
 
@@ -29,12 +30,14 @@ def feed(watch: AdviceWatch, node_gib: float, steps: int = 30) -> list[str]:
 def test_it_warns_once_when_the_fitted_peak_crosses_and_not_before() -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        # Two ranks on one node of 10 GiB: 5 GiB each, 4.75 usable; rank 1 reaches ~5.3 GiB at T ~ 4000.
-        given = feed(AdviceWatch(ranks_per_node=2), node_gib=10.0)
-        quiet = feed(AdviceWatch(ranks_per_node=2), node_gib=16.0)  # 7.6 GiB usable each
+        # Two ranks on one node of 10 GiB, 0.5 held by other processes: 4.75 GiB each, 4.513 usable; rank 1
+        # reaches ~5.3 GiB at T ~ 4000.
+        given = feed(AdviceWatch(["node0", "node0"]), node_gib=10.0)
+        quiet = feed(AdviceWatch(["node0", "node0"]), node_gib=16.0)  # 7.36 GiB usable each
     assert len(given) == 1 and quiet == []
     assert given[0].startswith("rankmem: phase update: the fitted peak at its heaviest micro-batch seen (")
-    assert given[0].endswith("over capacity minus headroom (4.750 of 5.000 GiB): lower its token budget "
+    assert given[0].endswith("over capacity minus headroom (4.513 of 4.750 GiB, node total less 0.500 GiB of "
+                             "other processes / 2 ranks): lower its token budget "
                              "(rankmem advise RUN says how far)")
     assert [str(w.message) for w in caught] == given
 
@@ -66,4 +69,5 @@ def test_on_the_device_the_allocators_pool_is_not_taken_for_the_phases_overhead(
         quiet = feed_device(AdviceWatch(), total_gib=2.0)
         given = feed_device(AdviceWatch(), total_gib=1.7)  # usable 1.615
     assert quiet == []
-    assert len(given) == 1 and "(16384 tokens, rank 0)" in given[0] and "(1.615 of 1.700 GiB)" in given[0]
+    assert len(given) == 1 and "(16384 tokens, rank 0)" in given[0]
+    assert "(1.615 of 1.700 GiB, device total)" in given[0]

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 import rankmem  # noqa: E402
 from rankmem.core.catalogue import CATALOGUE  # noqa: E402
-from rankmem.core.eventrecords import Event, OomEvent  # noqa: E402
+from rankmem.core.events import Event, OomEvent  # noqa: E402
 from rankmem.core.records import RankInfo, RunHeader, StepRecord  # noqa: E402
 from rankmem.errors import RankmemError  # noqa: E402
 from rankmem.forensics.events import EventWriter  # noqa: E402

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from rankmem.cli._diagnose import OomKills, diagnose
-from rankmem.core.eventrecords import Event, KilledEvent, NearOomEvent, OomEvent, StalledEvent, parse_event
+from rankmem.core.events import Event, KilledEvent, NearOomEvent, OomEvent, StalledEvent, parse_event
 from rankmem.forensics.events import EventWriter, oom_event
 from rankmem.forensics.heartbeat import HeartbeatRecord
 from rankmem.offline.events import read_events
