@@ -64,14 +64,15 @@ def run(track: bool, steps: int) -> tuple[list[str], float]:
         for phase, peak in peaks.items():
             split = {k.rsplit("/", 1)[1][: -len("_gib")]: v * 2**30 for k, v in values.items()
                      if k.startswith(f"mem/phase/{phase}/anatomy/")}
-            mine = values[f"mem/phase/{phase}/peak_allocated_gib"] * 2**30
+            mine = values[f"mem/phase/{phase}/peak_allocated_gib"] * GIB
+            reserved = values[f"mem/phase/{phase}/peak_reserved_gib"] * GIB
             total = split["params"] + split["optimizer"] + split["grads_high"] + split["activations"]
             checks = {
                 "params": abs(split["params"] - params) <= 0.01 * MIB,
                 "optimizer": abs(split["optimizer"] - state) <= 0.01 * MIB or split["optimizer"] == 0,
                 "peak = max_memory_allocated": mine == peak,
                 "sum = peak": abs(total - mine) < 1,
-                "slack": abs(split["slack"] + mine - values[f"mem/phase/{phase}/peak_reserved_gib"] * GIB) < 1,
+                "slack": abs(split["slack"] + mine - reserved) < 1,
                 "closed range": phase != "log_prob" or split["grads_low"] == split["grads_high"],
             }
             failures += [f"step {step} {phase}: {name} ({split})" for name, ok in checks.items() if not ok]
