@@ -103,7 +103,8 @@ def main(rounds: int = 5) -> None:
     for _ in range(100):
         tracker.grads(fresh=True)
     walk = (time.thread_time() - t0) / 100
-    print(f"{TENSORS} parameter tensors + AdamW state, 2 micro-batches a step, {rounds} rounds of {STEPS} steps")
+    print(f"{TENSORS} parameter tensors + AdamW state, 2 micro-batches a step, {rounds} rounds of {STEPS} "
+          "steps")
     print(f"telemetry per step + collect without track(): {off * 1e3:.3f} ms (median of round medians)")
     print(f"telemetry per step + collect with track():    {on * 1e3:.3f} ms")
     print(f"anatomy per collect: {(on - off) * 1e3:+.3f} ms; one gradient walk: {walk * 1e6:.0f} us")

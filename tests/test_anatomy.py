@@ -241,3 +241,31 @@ def test_advice_fits_the_part_that_follows_the_work(tmp_path: Path) -> None:
     tokens = run.series["mem/phase/update/heaviest_mb_tokens"][1:, 0]
     predicted = np.array([ours.peak(t)[2] for t in tokens])  # the interval's high end, against capacity
     assert (predicted >= peaks - 1e-6).all()
+
+
+def test_readme_section_command_prints_the_split(tmp_path: Path) -> None:
+    """README's "What fills the peak": the reference job's report line, its shape and its exact parts
+    (the GPT's parameters in fp32 and AdamW's two moments), and README shows such a line."""
+    import re
+    import subprocess
+    import sys
+
+    from rankmem.engine.model import GPT, GPTConfig
+    from rankmem.engine.tasks import GRPO_VOCAB
+
+    out = tmp_path / "demo"
+    cmd = [sys.executable, "-m", "rankmem", "train", "--nproc-per-node", "2", "--steps", "3",
+           "--out", str(out), "--no-progress"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = subprocess.run([sys.executable, "-m", "rankmem", "report", str(out)], capture_output=True,
+                            text=True, timeout=120, cwd=REPO)
+    line = re.compile(r"what fills the update peak \(MiB, step \d+\): rank \d: params ([\d.]+), "
+                      r"optimizer ([\d.]+), grads [\d.-]+, activations [\d.]+, other [\d.]+; "
+                      r"median rank \d: .*; most is \w+: ")
+    found = line.search(report.stdout)
+    assert found is not None, report.stdout
+    params = sum(p.numel() * 4 for p in GPT(GPTConfig(vocab_size=GRPO_VOCAB)).parameters()) / MIB
+    assert float(found.group(1)) == pytest.approx(params, abs=0.05)
+    assert float(found.group(2)) == pytest.approx(2 * params, abs=0.05)
+    assert line.search((REPO / "README.md").read_text()) is not None
