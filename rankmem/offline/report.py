@@ -581,6 +581,10 @@ def leak_lines(report: Report) -> list[str]:
         lines += [f"LEAK {t.describe()}" for t in leaks]
     elif report.trends:
         lines.append(f"leaks: none found ({len(report.trends)} rank series checked)")
+        # The growth line names a rank: say why its growth is no leak, where its series grew clearly.
+        g = report.host_growth
+        lines += [f"  rank {t.rank} host RSS not flagged: {t.reason}" for t in report.trends
+                  if g is not None and t.rank == g.rank and t.key == key_of("rss") and t.reason]
     else:
         lines.append("leaks: not checked (too few steps)")
     return lines
