@@ -198,6 +198,13 @@ def is_memory_key(key: str) -> bool:
     return key.startswith(MEMORY_PREFIX) and not key.startswith(PHASE_PREFIX)
 
 
+def is_freshness_key(key: str) -> bool:
+    """A key that says how old other figures are (seconds: ``mem/node/age_s``), not how much memory:
+    the report keeps it out of its worst-key tables and gives it a line of its own."""
+    found = spec(key)
+    return found is not None and found.unit == "s"
+
+
 def phase_key(phase: str, suffix: str) -> str:
     return f"{PHASE_PREFIX}{phase}/{suffix}"
 

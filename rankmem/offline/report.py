@@ -26,6 +26,7 @@ from rankmem.core.catalogue import (
     PHASE_PREFIX,
     PHASE_SUFFIX,
     PeakPhase,
+    is_freshness_key,
     is_memory_key,
     key_of,
     peak_phase,
@@ -391,7 +392,7 @@ def key_table(report: Report) -> tuple[Columns, list[list[str]]]:
                ("phase", "left"), ("max/mean", "right")]
     rows = [[k.key, f"{k.worst} {_fmt(k.value, k.key)}", _unit(k.key), str(k.step),
              str(k.rank), k.phase or "", f"{k.imbalance:.2f}" if k.imbalance is not None else ""]
-            for k in report.keys]
+            for k in report.keys if not is_freshness_key(k.key)]
     return columns, rows
 
 
@@ -565,6 +566,8 @@ def verdict_lines(report: Report) -> list[str]:
         if lim.label in HEADROOM_LABELS and lim.headroom is not None:
             lines.append(f"{HEADROOM_LABELS[lim.label]}: min {lim.headroom:.3f} GiB at step {lim.step} on rank "
                          f"{lim.rank} (of {lim.capacity:.3f} GiB)")
+    lines += [f"figures' age ({k.key}): {k.worst} {_fmt(k.value, k.key)} {_unit(k.key)} at step {k.step} "
+              f"on rank {k.rank}" for k in report.keys if is_freshness_key(k.key)]
     if report.host_growth is not None:
         g = report.host_growth
         lines.append(
