@@ -83,7 +83,7 @@ def test_outside_a_phase_it_is_ignored_with_one_warning_and_bad_numbers_are_refu
             for bad in (-1, float("nan"), "x", True, 2.0**41):
                 monitor.micro_batch(bad)  # type: ignore[arg-type]
     assert [str(w.message) for w in caught] == [
-        "rankmem: micro_batch(tokens=...) must be a number in 0..1e+12, got -1: refused; the window it was told "
-        "in is left out of the advice fit (its work keys are NaN)"]
+        "rankmem: micro_batch(tokens=...) must be a number in 0..1e+12, got -1: refused; the window it was "
+        "told in is left out of the advice fit (its work keys are NaN)"]
     assert math.isnan(monitor.local_metrics()["mem/phase/update/heaviest_mb_tokens"])
     monitor.close()
