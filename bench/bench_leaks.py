@@ -21,6 +21,12 @@ rather than a null: a slow sawtooth, filling 200 MiB over 100 steps. Offline its
 window; online, a window shorter than a cycle sees 100 steps of steady growth before the cache is freed,
 so it is flagged early in the run: no detector can tell the two apart before the give-back.
 
+Then what real jobs showed: the same leaks with a step end's +-40 MiB spikes on a third of the steps
+(``spiky``), a leak that stops at 94% of the run (``stopped``, spiky too), and a children's RSS leak as
+the node thread reads it, every 22 steps, repeated in between (``children``: a staircase, low noise);
+and the nulls among them: a spiky flat series, a spiky one-off +100 MiB jump, a refreshed flat children
+figure and a refreshed one with one jump.
+
 Offline is :func:`rankmem.offline.leaks.trend`'s verdict on the whole run (all seeds of a cell as the ranks of
 one :func:`~rankmem.offline.leaks.trends` call, as ``rankmem leaks`` judges them). Online is a
 :class:`~rankmem.offline.leaks.LeakWatch` with its defaults fed the run one collect at a time, the seeds as its
@@ -45,6 +51,8 @@ from rankmem.offline.leaks import LEAK_KEYS, LeakConfig, LeakWatch, trends
 
 MIB = 1 / 1024
 RSS = "mem/host/rss_gib"
+CHILDREN = "mem/host/children_rss_gib"
+REFRESH = 22
 RATES = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
 PROFILES = {"steady": (4.0, 0.6, (100, 400, 1000)), "noisy": (16.0, 3.0, (400, 1000))}
 NULLS = ("flat", "warm-up then flat", "sawtooth", "one jump", "staircase", "slow sawtooth (limit)")
@@ -89,17 +97,37 @@ def null(kind: str, profile: str) -> Make:
     return make
 
 
-def offline(columns: np.ndarray, config: LeakConfig) -> float:
-    found = trends(np.arange(columns.shape[0]), columns, RSS, range(columns.shape[1]), config)
+def spiky(make: Make) -> Make:
+    def spiked(n: int, rng: np.random.Generator) -> np.ndarray:
+        return make(n, rng) + (rng.random(n) < 1 / 3) * rng.choice([-40.0, 40.0], n) * MIB
+    return spiked
+
+
+def stopped(rate: float) -> Make:
+    return spiky(lambda n, rng: base(n, rng, "steady") + np.minimum(np.arange(n), int(0.94 * n)) * rate * MIB)
+
+
+def refreshed(rate: float, jump: bool = False) -> Make:
+    """A children figure read every ``REFRESH`` steps: 1 GiB, 1 MiB of noise, ``rate`` MiB/step."""
+    def make(n: int, rng: np.random.Generator) -> np.ndarray:
+        y = 1.0 + (rng.normal(0, 1, n) + np.arange(n) * rate) * MIB
+        if jump:
+            y[rng.integers(n // 2, n) :] += 100 * MIB
+        return y[(np.arange(n) // REFRESH) * REFRESH]
+    return make
+
+
+def offline(columns: np.ndarray, config: LeakConfig, key: str = RSS) -> float:
+    found = trends(np.arange(columns.shape[0]), columns, key, range(columns.shape[1]), config)
     return sum(t.leak for t in found) / columns.shape[1]
 
 
-def online(columns: np.ndarray) -> float:
-    watch = LeakWatch(keys=(RSS,))
+def online(columns: np.ndarray, key: str = RSS) -> float:
+    watch = LeakWatch(keys=(key,))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # one warning per flagged seed
         for step in range(columns.shape[0]):
-            watch.feed_matrix(step, (RSS,), columns[step][:, None], when=float(step))
+            watch.feed_matrix(step, (key,), columns[step][:, None], when=float(step))
     return len(watch.flagged) / columns.shape[1]
 
 
@@ -133,23 +161,35 @@ def main() -> None:
     print(f"leak detector: window last {config.window:.0%}, alpha {config.alpha}, growth over "
           f"{config.noise_factor:g} x noise + {config.min_growth_mib:g} MiB; {args.trials} series per cell; "
           "offline / online")
-    lengths = sorted({n for *_, ns in PROFILES.values() for n in ns})
-    print(f"{'profile':<8}{'series':<23}" + "".join(f"{f'N={n}':>25}" for n in lengths))
     elapsed = time.perf_counter()
-    for profile, (*_, ns) in PROFILES.items():
-        rows: list[tuple[str, Make, str]] = [(f"leak {r:g} MiB/step", leak(r, profile), "recall") for r in RATES]
-        rows += [(kind, null(kind, profile), "flagged") for kind in NULLS]
-        for name, make, what in rows:
+    real: list[tuple[str, Make, str, str]] = [
+        (f"leak {r:g} MiB/step", spiky(leak(r, "steady")), "recall", RSS) for r in (1.0, 2.0)]
+    real += [(f"leak {r:g} stops at 94%", stopped(r), "recall", RSS) for r in (1.0, 2.0)]
+    real += [("flat", spiky(null("flat", "steady")), "flagged", RSS),
+             ("one jump", spiky(null("one jump", "steady")), "flagged", RSS),
+             ("sawtooth", spiky(null("sawtooth", "steady")), "flagged", RSS)]
+    real += [(f"leak {r:g} MiB/step", refreshed(r), "recall", CHILDREN) for r in (1.0, 1.5)]
+    real += [("flat", refreshed(0.0), "flagged", CHILDREN),
+             ("one jump", refreshed(0.0, True), "flagged", CHILDREN)]
+    tables = []
+    for p, (*_, ns) in PROFILES.items():
+        rows = [(f"leak {r:g} MiB/step", leak(r, p), "recall", RSS) for r in RATES]
+        tables.append((p, rows + [(kind, null(kind, p), "flagged", RSS) for kind in NULLS], ns))
+    tables += [("spiky", real[:7], (100, 160, 400)), ("children", real[7:], (160, 400, 1000))]
+    lengths = sorted({n for *_, ns in tables for n in ns})
+    print(f"{'profile':<9}{'series':<22}" + "".join(f"{f'N={n}':>25}" for n in lengths))
+    for profile, rows, ns in tables:
+        for name, make, what, key in rows:
             cells = []
             for n in lengths:
                 if n not in ns:
                     cells.append("")
                     continue
                 columns = np.column_stack([make(n, rng) for _ in range(args.trials)])
-                off = offline(columns, config)
-                on = "" if args.quick else f" / {online(columns):.1%}"
+                off = offline(columns, config, key)
+                on = "" if args.quick else f" / {online(columns, key):.1%}"
                 cells.append(f"{what} {off:.1%}{on}")
-            print(f"{profile:<8}{name:<23}" + "".join(f"{c:>25}" for c in cells), flush=True)
+            print(f"{profile:<9}{name:<22}" + "".join(f"{c:>25}" for c in cells), flush=True)
     print(f"(tables in {time.perf_counter() - elapsed:.0f} s)")
     for world in (8, 64):
         median, worst, full = online_cost(world, rng)

@@ -325,7 +325,13 @@ class Monitor(_Readouts):
         ``heaviest_mb_sq_tokens``, ``tokens`` and ``micro_batches``: what ``rankmem advise`` fits the
         phase's peak against. Local; a few float compares.
         """
-        if not self._open_windows().micro_batch(*work_numbers(tokens, sequences, sq_tokens)):
+        try:
+            numbers = work_numbers(tokens, sequences, sq_tokens)
+        except RankmemError as exc:  # a bad count must not stop training: its window is left out of the fit
+            self._guard.warn_once("micro_batch_refused", f"{exc}: refused; the window it was told in is left "
+                                  "out of the advice fit (its work keys are NaN)", stacklevel=3)
+            numbers = (math.nan, None, None)
+        if not self._open_windows().micro_batch(*numbers):
             self._guard.warn_once("micro_batch", "micro_batch() outside a phase is ignored: call it inside "
                                   "monitor.phase(...), where the phase's peak is measured", stacklevel=3)
 

@@ -16,6 +16,7 @@ in plain ``try`` blocks (free in Python 3.11 until something raises) instead of 
 
 from __future__ import annotations
 
+import math
 import operator
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeVar
@@ -117,6 +118,9 @@ class Work:
         self.count = 0
 
     def add(self, tokens: float, sequences: float | None, sq_tokens: float | None) -> None:
+        if math.isnan(tokens):  # refused (Monitor.micro_batch): the window's work is unknown from here on
+            self.tokens = self.total_tokens = math.nan
+            return
         self.total_tokens += tokens
         self.count += 1
         if tokens > self.tokens:  # the first of equals stays: a few compares, no allocation

@@ -18,6 +18,7 @@ import sys
 from collections.abc import Sequence
 
 from rankmem.cli import _suggest
+from rankmem.cli._common import bound_numbers
 from rankmem.cli._showwarning import one_line_warnings
 from rankmem.core.text import printable
 from rankmem.errors import RankmemError
@@ -47,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
         module = importlib.import_module(module_name)
         module.add_arguments(p)
         p.set_defaults(_run=module.run)
+    bound_numbers(parser)
     return parser
 
 

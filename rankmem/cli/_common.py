@@ -45,6 +45,44 @@ def check_output(path: str, flag: str) -> None:
                            "regular file: name a file")
 
 
+# The largest value a number typed at the command line may take, by what its metavar says it counts: a
+# number past it is a typo or an overflow (``--interval inf``, ``--size 60000x60000``), refused with one
+# line and exit 2 before it reaches a sleep, an allocation or a fit.
+_BOUNDS = {"S": (366 * 86400.0, "seconds (a year)"), "N": (1e9, ""), "GIB": (2.0**20, "GiB (a PiB)"),
+           "MIB": (2.0**30, "MiB (a PiB)"), "FLOOR": (2.0**30, "MiB (a PiB)"), "TOKENS": (2.0**40, "tokens"),
+           "T": (2.0**40, "tokens"), "L": (2.0**40, "tokens"), "WxH": (16384.0, "pixels a side")}
+_DEFAULT_BOUND = (1e12, "")
+
+
+def _bounded(convert: object, metavar: str | None) -> object:
+    limit, unit = _BOUNDS.get(metavar or "", _DEFAULT_BOUND)
+
+    def check(text: str) -> object:
+        value = convert(text)  # type: ignore[operator]
+        for number in value if isinstance(value, tuple) else (value,):
+            # NaN is left to the subcommand's own checks, which name what the option means.
+            if isinstance(number, (int, float)) and (math.isinf(number) or abs(number) > limit):
+                at_most = f"at most {limit:,.0f} {unit}".rstrip()
+                raise argparse.ArgumentTypeError(f"must be a finite number {at_most}, got {text!r}")
+        return value
+
+    check.__name__ = getattr(convert, "__name__", "number")  # argparse names the type in its messages
+    return check
+
+
+def bound_numbers(parser: argparse.ArgumentParser) -> None:
+    """Give every numeric option of ``parser`` and its subcommands a finite range (:data:`_BOUNDS`);
+    ``train``'s job options have theirs, with one-line messages, in :mod:`rankmem.engine.options`."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, subparser in action.choices.items():
+                if name != "train":
+                    bound_numbers(subparser)
+        elif action.type is not None and action.type is not str and callable(action.type):
+            metavar = action.metavar if isinstance(action.metavar, str) else None
+            action.type = _bounded(action.type, metavar)  # type: ignore[assignment]
+
+
 def add_leak_options(parser: argparse.ArgumentParser) -> None:
     d = LeakConfig()
     g = parser.add_argument_group("leak detection")

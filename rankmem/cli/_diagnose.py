@@ -141,13 +141,13 @@ def killed(failures: TorchrunFailures, heartbeats: dict[int, HeartbeatRecord], b
         if rank is None:
             continue  # neither a heartbeat nor the failure table says which rank this was
         sig = signal_name(death.exitcode)
-        cause = "unknown"
+        cause, why = "unknown", "cause unknown"
+        # Only the rank's own cgroup's count names the kernel OOM killer: the node's counts a kill in any
+        # cgroup (another job's, a test's), which says nothing of who killed this rank.
         if death.exitcode == -signal.SIGKILL and _rose(before.cgroup, after.cgroup):
-            cause, why = "oom_killer", "the cgroup's OOM-kill count rose: the kernel OOM killer"
+            cause, why = "oom_killer", "its cgroup's own OOM-kill count rose: the kernel OOM killer"
         elif death.exitcode == -signal.SIGKILL and _rose(before.node, after.node):
-            cause, why = "oom_killer", "the node's OOM-kill count rose: the kernel OOM killer"
-        else:
-            why = "cause unknown"
+            why = "cause unknown (an OOM kill happened elsewhere on the node at that time)"
         rss = beat.rss_bytes if beat is not None else None
         line = f"rank {rank} was killed by {sig} {_where(beat)}"
         line += f", last RSS {rss / GIB:.1f} GiB; {why}" if rss is not None else f"; {why}"

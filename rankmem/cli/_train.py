@@ -218,21 +218,23 @@ def conclude(relay: StderrRelay, code: int, findings: list[_diagnose.Finding], o
     others' errors are its fallout, kept in the launch log); else the failing rank's own traceback, once."""
     log = relay.log_path
     where = f"torchrun's report and every rank's output are in {log}; " if log else ""
+    # torchrun itself died by a signal: say so, with the status the launcher exits with (128 + N, as a shell)
+    status = f"{128 - code}: torchrun was killed by {_diagnose.signal_name(code)}" if code < 0 else str(code)
     logged = f"every step logged before it is in {RunDir(out).log}"
     if findings:
         for finding in findings[:-1]:
             say(finding.line)
-        say(f"the job failed (exit {code}): {findings[-1].line}. {where}{logged}")
+        say(f"the job failed (exit {status}): {findings[-1].line}. {where}{logged}")
         return
     found = first_traceback(relay.first_traceback_text())
     if found is None:
         relay.release()
-        say(f"the job failed (exit {code}); {where}{logged}")
+        say(f"the job failed (exit {status}); {where}{logged}")
         return
     block, exc, rank = found
     relay.release("" if relay.traceback_shown else block)
     who = f" on {rank.replace('rank', 'rank ')}" if rank else ""
-    say(f"the job failed (exit {code}): {exc}{who} (its traceback above). {where}{logged}")
+    say(f"the job failed (exit {status}): {exc}{who} (its traceback above). {where}{logged}")
 
 
 def timed_out(relay: StderrRelay, findings: list[_diagnose.Finding], timeout_s: float) -> int:
@@ -366,7 +368,7 @@ def launch(args: argparse.Namespace, cmd: list[str], lock: RunDirLock) -> int:
                 relay.release()
             else:
                 conclude(relay, code, explain(relay.text(), heartbeat_dir, before, args.out, states, run_id), args.out)
-            return code
+            return 128 - code if code < 0 else code
         except Signalled as exc:
             relay.hold()  # the ranks' and torchrun's tracebacks of the user's own signal: to the file only
             return signalled(relay, exc.signum, stop(exc.signum))

@@ -112,8 +112,20 @@ def _live(watcher: Watcher, args: argparse.Namespace) -> None:
     from rich.console import Console
     from rich.live import Live
 
+    from rankmem.offline.report import stdout_console
     from rankmem.offline.watchview import render_frame
 
+    if not sys.stdout.isatty():
+        # A file or a pipe (`> file`, `| cat`): Live would draw only at its end, into a block buffer that a
+        # SIGTERM loses. Each frame is printed whole and flushed instead.
+        piped, shown = stdout_console(140), 0
+        while True:
+            piped.print(render_frame(watcher.frame(), args.stale))
+            sys.stdout.flush()
+            shown += 1
+            if args.frames is not None and shown >= args.frames:
+                return
+            time.sleep(args.interval)
     console = Console(highlight=False)
     # auto_refresh=False: one redraw per poll, on this thread; nothing draws between polls.
     with Live(render_frame(watcher.frame(), args.stale), console=console, auto_refresh=False,

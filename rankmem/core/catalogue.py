@@ -63,6 +63,9 @@ class KeySpec:
     """Drawn by ``rankmem plot`` when no keys are given."""
     verl: str | None = None
     """verl's engine-worker name for ``K/max`` (its "gb" is GiB: verl divides by 1024**3 too)."""
+    refreshed: bool = False
+    """Read on a cadence of its own (the node thread, NVML's process list), not at each collect: the
+    collects between two readings repeat the last one. The leak verdicts judge it on its refreshes."""
 
     def worst_stat(self) -> str:
         """``max`` or ``min``: the aggregate that holds the worst rank's value."""
@@ -80,15 +83,16 @@ CATALOGUE: tuple[KeySpec, ...] = (
     # Summed child RSS counts pages forked workers share with this process once per worker; the console
     # and the summary show what the workers add (USS). RSS stays the leak baseline: it is read every
     # collect, and a worker's private growth shows in it all the same.
-    KeySpec("mem/host/children_rss_gib", "children_rss", "GiB", leak=True),
-    KeySpec("mem/host/children_uss_gib", "children_uss", "GiB", headline="children", summary=True),
+    KeySpec("mem/host/children_rss_gib", "children_rss", "GiB", leak=True, refreshed=True),
+    KeySpec("mem/host/children_uss_gib", "children_uss", "GiB", headline="children", summary=True,
+            refreshed=True),
     KeySpec("mem/host/pinned_gib", "pinned", "GiB"),
     KeySpec("mem/host/lifetime_peak_pinned_gib", "lifetime_peak_pinned", "GiB"),
-    KeySpec("mem/node/used_gib", "node_used", "GiB"),
-    KeySpec("mem/node/available_gib", "node_available", "GiB", worse="low"),
-    KeySpec("mem/node/cgroup_used_gib", "cgroup_used", "GiB"),
-    KeySpec("mem/node/cgroup_limit_gib", "cgroup_limit", "GiB"),
-    KeySpec("mem/node/cgroup_working_set_gib", "cgroup_working_set", "GiB"),
+    KeySpec("mem/node/used_gib", "node_used", "GiB", refreshed=True),
+    KeySpec("mem/node/available_gib", "node_available", "GiB", worse="low", refreshed=True),
+    KeySpec("mem/node/cgroup_used_gib", "cgroup_used", "GiB", refreshed=True),
+    KeySpec("mem/node/cgroup_limit_gib", "cgroup_limit", "GiB", refreshed=True),
+    KeySpec("mem/node/cgroup_working_set_gib", "cgroup_working_set", "GiB", refreshed=True),
     KeySpec("mem/device/allocated_gib", "allocated", "GiB", leak=True, phase_delta="allocated_delta_gib"),
     KeySpec("mem/device/reserved_gib", "reserved", "GiB"),
     KeySpec("mem/device/peak_allocated_gib", "peak_allocated", "GiB", phase_suffix="peak_allocated_gib",
@@ -102,11 +106,11 @@ CATALOGUE: tuple[KeySpec, ...] = (
     KeySpec("mem/device/total_gib", "total", "GiB"),
     KeySpec("mem/device/headroom_gib", "headroom", "GiB", worse="low", headline="dev_headroom", summary=True),
     # `other` by owner (docs/device-attribution.md): NVML's processes on the device, every ~10 s.
-    KeySpec("mem/device/nontorch_gib", "device_nontorch", "GiB"),
-    KeySpec("mem/device/siblings_gib", "device_siblings", "GiB"),
-    KeySpec("mem/device/descendants_gib", "device_descendants", "GiB"),
-    KeySpec("mem/device/foreign_gib", "device_foreign", "GiB"),
-    KeySpec("mem/device/unattributed_gib", "device_unattributed", "GiB"),
+    KeySpec("mem/device/nontorch_gib", "device_nontorch", "GiB", refreshed=True),
+    KeySpec("mem/device/siblings_gib", "device_siblings", "GiB", refreshed=True),
+    KeySpec("mem/device/descendants_gib", "device_descendants", "GiB", refreshed=True),
+    KeySpec("mem/device/foreign_gib", "device_foreign", "GiB", refreshed=True),
+    KeySpec("mem/device/unattributed_gib", "device_unattributed", "GiB", refreshed=True),
     KeySpec("mem/device/alloc_retries", "alloc_retries", "count"),
     KeySpec("mem/device/ooms", "ooms", "count"),
     # How old the node, cgroup and children figures are: read on a thread of their own (probe/nodewatch.py).
@@ -153,6 +157,7 @@ def work_key(phase: str, field: str) -> str:
 
 SPECS: dict[str, KeySpec] = {s.key: s for s in CATALOGUE}
 LEAK_KEYS = tuple(s.key for s in CATALOGUE if s.leak)
+REFRESHED_KEYS = frozenset(s.key for s in CATALOGUE if s.refreshed)
 SUMMARY_KEYS = tuple(s.key for s in CATALOGUE if s.summary)
 PLOT_KEYS = tuple(s.key for s in CATALOGUE if s.plot)
 HEADLINE = tuple((s.headline, s) for s in CATALOGUE if s.headline)
@@ -196,6 +201,13 @@ def worst_stat(key: str) -> str:
 def is_memory_key(key: str) -> bool:
     """A step-level memory key (phase keys and the caller's scalars aside)."""
     return key.startswith(MEMORY_PREFIX) and not key.startswith(PHASE_PREFIX)
+
+
+def is_freshness_key(key: str) -> bool:
+    """A key that says how old other figures are (seconds: ``mem/node/age_s``), not how much memory:
+    the report keeps it out of its worst-key tables and gives it a line of its own."""
+    found = spec(key)
+    return found is not None and found.unit == "s"
 
 
 def phase_key(phase: str, suffix: str) -> str:

@@ -147,7 +147,7 @@ class KilledEvent(Event):
     """``SIGKILL``, ``SIGTERM``, ..."""
     exitcode: int | None = None
     cause: str | None = None
-    """``oom_killer`` where an OOM-kill counter rose, else ``unknown``."""
+    """``oom_killer`` where the OOM-kill counter of the rank's own cgroup rose, else ``unknown``."""
     last_rss_bytes: int | None = None
     """RSS at the rank's last heartbeat."""
     heartbeat_time: float | None = None

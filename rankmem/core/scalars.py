@@ -149,11 +149,14 @@ def plain_config(config: Any) -> Any:
              f"{f' and {len(replaced) - 1} more' if len(replaced) > 1 else ''}; the run log's header holds "
              f"{CYCLE!r} or {UNENCODABLE.format('TYPE')!r} there instead", stacklevel=4)
     return out
+WORK_MAX = 2.0**40
+"""No micro-batch holds more tokens or sequences (a trillion): a count past it is an overflowed counter or
+a mistake, and one such window would bend the advice fit (its squared tokens past 2**80)."""
 
 
 def work_numbers(tokens: Any, sequences: Any, sq_tokens: Any) -> tuple[float, float | None, float | None]:
-    """``Monitor.micro_batch``'s arguments as floats, each a number (numpy's, a 0-d tensor) that is
-    finite and >= 0; the optional two stay None."""
+    """``Monitor.micro_batch``'s arguments as floats, each a number (numpy's, a 0-d tensor) in 0..2**40
+    (``sq_tokens`` 0..2**80); the optional two stay None."""
     return (_work_number("tokens", tokens), None if sequences is None else _work_number("sequences", sequences),
             None if sq_tokens is None else _work_number("sq_tokens", sq_tokens))
 
@@ -163,6 +166,7 @@ def _work_number(name: str, value: Any) -> float:
         number = float(value)
     except (TypeError, ValueError):
         raise RankmemError(f"micro_batch({name}=...) must be a number, got {value!r}") from None
-    if not 0 <= number < math.inf or isinstance(value, bool):
-        raise RankmemError(f"micro_batch({name}=...) must be a finite number >= 0, got {value!r}")
+    top = WORK_MAX**2 if name == "sq_tokens" else WORK_MAX
+    if not 0 <= number <= top or isinstance(value, bool):
+        raise RankmemError(f"micro_batch({name}=...) must be a number in 0..{top:.0e}, got {value!r}")
     return number

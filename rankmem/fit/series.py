@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from rankmem.core.catalogue import key_of, phase_key, work_key
+from rankmem.core.scalars import WORK_MAX
 from rankmem.errors import RankmemError
 from rankmem.fit.held import HELD_PARTS, held_state
 from rankmem.fit.model import Fit, FitConfig, NoFit
@@ -138,7 +139,12 @@ def _col(series: Series, key: str, rank: int, rows: slice) -> np.ndarray:
     matrix = series.get(key)
     if matrix is None:
         raise RankmemError(f"the run has no {key}: it did not measure it")
-    return np.asarray(matrix[rows, rank], dtype=np.float64)
+    values = np.asarray(matrix[rows, rank], dtype=np.float64)
+    # A figure past any machine (a PiB) or any micro-batch (2**40 tokens, its square for Q) is an overflowed
+    # counter or a corrupt record: the window is left out of the fit, which squares what it is given.
+    bound = 2.0**20 if key.endswith("_gib") else WORK_MAX**2 if key.endswith("sq_tokens") else WORK_MAX
+    with np.errstate(invalid="ignore"):
+        return np.where(np.abs(values) <= bound, values, np.nan)
 
 
 def _nanmax(values: np.ndarray) -> float:

@@ -352,15 +352,16 @@ def _counter(path: str, key: str) -> int | None:
 
 
 def oom_kill_count(proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> int | None:
-    """How many processes the OOM killer has killed in this process's memory cgroup; None when
-    unreadable. v2 ``memory.events`` counts the cgroup and its descendants; v1 ``memory.oom_control``
-    (``oom_kill`` since Linux 4.13) counts only kills charged to this cgroup itself."""
+    """How many processes the OOM killer has killed in this process's memory cgroup itself; None when
+    unreadable. v2 ``memory.events.local`` (``memory.events`` counts the descendants too: a cgroup made
+    below, another job's, would be blamed), v1 ``memory.oom_control`` (``oom_kill`` since Linux 4.13,
+    kills charged to this cgroup only)."""
     # Its own cgroup, not the tightest limit above it: the kernel counts a kill where the process was.
     cg = _procfs.own_cgroup_files(proc, cgroup_root, tightest=False)
     if cg is None:
         return None
     if cg.version == 2:
-        return _counter(os.path.join(cg.dir, "memory.events"), "oom_kill")
+        return _counter(os.path.join(cg.dir, "memory.events.local"), "oom_kill")
     return _counter(os.path.join(cg.dir, "memory.oom_control"), "oom_kill")
 
 

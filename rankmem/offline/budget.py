@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from rankmem.core.catalogue import work_key
+from rankmem.core.scalars import WORK_MAX
 from rankmem.offline import Run
 
 
@@ -75,9 +76,17 @@ def _lookup(config: Mapping[str, Any], dotted: str) -> Any:
     return node
 
 
+def _heaviest(run: Run, phase: str, first: int) -> np.ndarray:
+    """The heaviest micro-batch's tokens from row ``first`` on; NaN past any real count (an overflowed
+    counter in one window must not set the overshoot)."""
+    tokens = run.series[work_key(phase, "mb_tokens")][first:]
+    with np.errstate(invalid="ignore"):
+        return np.where(tokens <= WORK_MAX, tokens, np.nan)
+
+
 def overshoot(run: Run, phase: str, budget: int, warmup: int) -> float:
     """The largest heaviest-micro-batch tokens over ``budget`` after warm-up, any rank (at least 1)."""
-    tokens = run.series[work_key(phase, "mb_tokens")][min(warmup, run.steps.size):]
+    tokens = _heaviest(run, phase, min(warmup, run.steps.size))
     finite = tokens[np.isfinite(tokens)]
     return max(1.0, float(finite.max()) / budget) if finite.size else 1.0
 
@@ -86,7 +95,7 @@ def over_budget(run: Run, phase: str, budget: int, warmup: int = 0) -> list[tupl
     """(step, rank, ratio) of every window after warm-up whose heaviest micro-batch exceeded ``budget``,
     worst first."""
     first = min(warmup, run.steps.size)
-    tokens = run.series[work_key(phase, "mb_tokens")][first:]
+    tokens = _heaviest(run, phase, first)
     rows, ranks = np.nonzero(np.where(np.isfinite(tokens), tokens, 0) > budget)
     out = [(int(run.steps[first + r]), int(k), float(tokens[r, k]) / budget) for r, k in zip(rows, ranks, strict=True)]
     return sorted(out, key=lambda t: -t[2])

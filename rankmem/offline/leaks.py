@@ -3,7 +3,7 @@
 :func:`detect_leaks` judges every rank's baseline series of a :class:`rankmem.offline.Run` (host RSS,
 device allocated, dataloader-worker RSS by default) with the verdicts of :mod:`rankmem.trend.trend`:
 Theil–Sen slope, Mann–Kendall test, growth against the series' noise and against what is at stake, no
-give-back and not a few level shifts; that module's docstring says how and why. Each leak then names
+give-back, and growth spread over the steps; that module's docstring says how and why. Each leak then names
 the phase that leaves its growth behind and when, at its rate, the memory it grows into runs out
 (:mod:`rankmem.trend.outlook`). The same verdicts run online in :class:`LeakWatch` on the logging rank;
 its names are re-exported here, so ``rankmem.offline.leaks`` is the one public place for both.
@@ -88,7 +88,5 @@ def detect_leaks(run: Run, keys: Sequence[str] = LEAK_KEYS, config: LeakConfig |
         return {p: run.series[k][rows(t), t.rank] for p, k in phase_delta_keys(t.key, list(run.series)).items()}
 
     window = x[-max(t.n for t in found):]
-    gaps = np.diff(window)
-    rows_per_step = 1.0 / float(np.median(gaps)) if gaps.size and np.median(gaps) > 0 else 1.0
     pace = _outlook.seconds_per_step(window, run.times[-window.size:])
-    return outlook(found, current, lambda r: context[r], lambda r: hosts[r], pace, deltas, rows_per_step)
+    return outlook(found, current, lambda r: context[r], lambda r: hosts[r], pace, deltas)

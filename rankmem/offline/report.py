@@ -26,6 +26,7 @@ from rankmem.core.catalogue import (
     PHASE_PREFIX,
     PHASE_SUFFIX,
     PeakPhase,
+    is_freshness_key,
     is_memory_key,
     key_of,
     peak_phase,
@@ -366,7 +367,7 @@ def key_table(report: Report) -> tuple[Columns, list[list[str]]]:
                ("phase", "left"), ("max/mean", "right")]
     rows = [[k.key, f"{k.worst} {_fmt(k.value, k.key)}", _unit(k.key), str(k.step),
              str(k.rank), k.phase or "", f"{k.imbalance:.2f}" if k.imbalance is not None else ""]
-            for k in report.keys]
+            for k in report.keys if not is_freshness_key(k.key)]
     return columns, rows
 
 
@@ -542,6 +543,8 @@ def verdict_lines(report: Report) -> list[str]:
         if lim.label in HEADROOM_LABELS and least is not None:
             lines.append(f"{HEADROOM_LABELS[lim.label]}: min {least[0]:.3f} GiB at step {least[1]} on rank "
                          f"{least[2]} (of {lim.value:.3f} GiB)")
+    lines += [f"figures' age ({k.key}): {k.worst} {_fmt(k.value, k.key)} {_unit(k.key)} at step {k.step} "
+              f"on rank {k.rank}" for k in report.keys if is_freshness_key(k.key)]
     if report.host_growth is not None:
         g = report.host_growth
         lines.append(
@@ -558,6 +561,10 @@ def leak_lines(report: Report) -> list[str]:
         lines += [f"LEAK {t.describe()}" for t in leaks]
     elif report.trends:
         lines.append(f"leaks: none found ({len(report.trends)} rank series checked)")
+        # The growth line names a rank: say why its growth is no leak, where its series grew clearly.
+        g = report.host_growth
+        lines += [f"  rank {t.rank} host RSS not flagged: {t.reason}" for t in report.trends
+                  if g is not None and t.rank == g.rank and t.key == key_of("rss") and t.reason]
     else:
         lines.append("leaks: not checked (too few steps)")
     return lines

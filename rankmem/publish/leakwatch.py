@@ -250,8 +250,6 @@ class LeakWatch:
         flagged on it so far."""
         ring = self._ring
         (steps, _), times = self._axis(order), ring.times[order]
-        gaps = np.diff(steps)
-        rows_per_step = 1.0 / float(np.median(gaps)) if gaps.size and np.median(gaps) > 0 else 1.0
         earlier = [t for t in self.flagged.values() if t not in new]
 
         def current(t: Trend) -> float | None:
@@ -263,4 +261,4 @@ class LeakWatch:
             return {p: ring.phases[order, self._phase_keys.index(k), t.rank] for p, k in names.items()}
 
         return outlook(new, current, self._rank_context, lambda r: r // self.ranks_per_node,
-                       _outlook.seconds_per_step(steps, times), deltas, rows_per_step, earlier)
+                       _outlook.seconds_per_step(steps, times), deltas, earlier)

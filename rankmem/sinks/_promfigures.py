@@ -7,7 +7,8 @@ The naming scheme (docs/prometheus.md): a per-rank key ``mem/<area>/<name>_gib``
 ``rankmem_<area>_<name>_bytes`` in bytes (``x 2**30``); a phase key ``mem/phase/<P>/<name>_gib`` becomes
 ``rankmem_phase_<name>_bytes{phase="<P>"}``; ``..._s`` seconds become ``..._seconds``; a count keeps its
 name without a unit; a caller's scalar
-``K`` becomes ``rankmem_scalar_<K>`` (characters outside ``[a-zA-Z0-9_]`` as ``_``). Per key:
+``K`` becomes ``rankmem_scalar_<K>`` (characters outside ``[a-zA-Z0-9_]`` as ``_``); label values and
+help text are made printable UTF-8 (:func:`rankmem.core.text.printable`). Per key:
 
 - ``<name>{stat="max"|"min"|"mean"}``: the cross-rank aggregates of the last collect (and ``p50``,
   ``p90``, ``p99`` across ranks where the collect has them: above 128 ranks);
@@ -31,6 +32,7 @@ import numpy as np
 
 from rankmem.core.catalogue import MEMORY_PREFIX, PHASE_PREFIX, worse, worst_stat
 from rankmem.core.records import RankInfo, StepRecord
+from rankmem.core.text import printable
 from rankmem.forensics.events import KINDS
 
 GIB = 2**30
@@ -88,7 +90,8 @@ def key_name(key: str) -> KeyName:
         body, scale = body[: -len("_gib")] + "_bytes", float(GIB)
     elif key.startswith(MEMORY_PREFIX) and body.endswith("_s"):
         body = body[: -len("_s")] + "_seconds"  # Prometheus's base unit spelled out: mem/node/age_s
-    return KeyName("rankmem_" + _BAD.sub("_", body), phase, scale, category)
+    return KeyName("rankmem_" + _BAD.sub("_", body), None if phase is None else printable(phase), scale,
+                   category)
 
 
 class Namer:
@@ -114,7 +117,8 @@ def rank_labels(ranks: Sequence[RankInfo], rank: int) -> tuple[str, str, str, st
     """The labels of one rank: its number, local rank, node and GPU UUID (empty where unknown)."""
     if 0 <= rank < len(ranks):
         info = ranks[rank]
-        return (str(rank), str(info.local_rank), info.host, getattr(info, "device_uuid", None) or "")
+        return (str(rank), str(info.local_rank), printable(info.host),
+                printable(getattr(info, "device_uuid", None) or ""))
     return (str(rank), "", "", "")
 
 
@@ -149,7 +153,10 @@ class Figures:
     """Builds the families of one sink's records; keeps the names it made (:class:`Namer`)."""
 
     def __init__(self, job: str, top_k: int) -> None:
-        self.job = job
+        # Every text that reaches a label value or a HELP line is made printable UTF-8 where it enters (the
+        # job's run directory, a phase or host name, a caller's key): bytes that are not UTF-8 (surrogate
+        # escapes) made every scrape answer 500 in the encoder. Names are sanitised by key_name.
+        self.job = printable(job)
         self.top_k = top_k
         self._namer = Namer()
         self._rows: tuple[Any, list[list[int]]] | None = None  # the last detail matrix and its worst rows
@@ -178,7 +185,7 @@ class Figures:
     def _family(self, out: dict[str, Family], name: str, doc: str, labels: tuple[str, ...]) -> Family:
         found = out.get(name)
         if found is None:
-            found = out[name] = Family(name, doc, labels)
+            found = out[name] = Family(name, printable(doc), labels)
         return found
 
     def _aggregates(self, record: StepRecord, out: dict[str, Family]) -> None:

@@ -12,8 +12,8 @@ imports neither the run-log reader nor the report).
   the run's own pace over the examined window. A straight-line projection: a leak that accelerates
   arrives sooner.
 - **The phase that leaks**: each phase records what it leaves behind (``mem/phase/P/rss_delta_gib``,
-  ``allocated_delta_gib``). A phase is named when its mean delta per logged step is clearly positive
-  (over two standard errors) and carries at least half the series' growth per logged step.
+  ``allocated_delta_gib``). A phase is named when what it leaves, counted robustly to spikes (median-based),
+  carries at least half the series' growth over the window.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ CONTEXT_KEYS = HOST_CONTEXT + DEVICE_CONTEXT
 
 _PHASE_MIN_POINTS = 5
 _PHASE_SHARE = 0.5
-_PHASE_SE = 2.0
+_PHASE_BLOCKS = 10
 
 
 @dataclass(frozen=True)
@@ -153,17 +153,24 @@ def seconds_per_step(steps: np.ndarray, times: np.ndarray) -> float | None:
     return pace if math.isfinite(pace) and pace > 0 else None
 
 
-def leaking_phase(deltas_gib: Mapping[str, np.ndarray], growth_per_row_mib: float) -> str | None:
+def leaking_phase(deltas_gib: Mapping[str, np.ndarray], growth_mib: float) -> str | None:
     """The phase that leaves the growth behind: ``deltas_gib`` maps each phase to its per-row deltas
-    (GiB, nan where the phase did not run) over the examined rows; ``growth_per_row_mib`` is the series'
-    growth per logged row. None when no phase clearly carries it."""
+    (GiB, nan where the phase did not run) over the examined rows; ``growth_mib`` is the series' growth
+    over them. None when no phase clearly carries it.
+
+    What a phase leaves is counted robustly, as the larger of two counts, and it must reach
+    ``_PHASE_SHARE`` of the growth: the median delta times the rows (a step end's +-40 MiB spikes, which a
+    phase sees one side of, move it no more than the sum's sign), and, for a leak that lands in chunks
+    every few steps (a median delta of 0), the median of ``_PHASE_BLOCKS`` block sums times the blocks,
+    counted only where three blocks in four gained (spikes make blocks fall as often as rise)."""
     best: tuple[float, str] | None = None
     for phase, values in deltas_gib.items():
         d = values[np.isfinite(values)] * MIB_PER_GIB
         if d.size < _PHASE_MIN_POINTS:
             continue
-        mean = float(d.mean())
-        se = float(d.std(ddof=1)) / math.sqrt(d.size)
-        if mean > _PHASE_SE * se and mean >= _PHASE_SHARE * growth_per_row_mib and (best is None or mean > best[0]):
-            best = (mean, phase)
+        sums = np.array([b.sum() for b in np.array_split(d, min(_PHASE_BLOCKS, d.size))])
+        chunks = float(np.median(sums)) * sums.size if np.quantile(sums, 0.25) > 0 else 0.0
+        total = max(float(np.median(d)) * d.size, chunks)
+        if total > 0 and total >= _PHASE_SHARE * growth_mib and (best is None or total > best[0]):
+            best = (total, phase)
     return None if best is None else best[1]

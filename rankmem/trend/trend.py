@@ -28,13 +28,16 @@ that levels off is not flagged, and ask (the statistics are in :mod:`rankmem.tre
 - **No give-back**: a leak never returns memory, a cache that fills and empties does. The largest
   persistent fall (after a 9-step running median that drops one-step spikes) must stay under half the
   growth, so a sawtooth is not flagged.
-- **Not a few level shifts**: a cache allocated once, or a staircase of a few such, rises and never
-  falls, like a leak. A leak is growth spread over the steps; a shift is growth at one step with flat
-  levels around it. The window (spike-clipped block medians) is fitted both ways, as a line and as up
-  to three flat levels split where least squares puts them (optimal segmentation), and BIC chooses; a
-  line is one parameter against two per shift. When the levels win, the part after the largest shift
-  is judged again, by the same rules: a leak that starts after a jump is still flagged, a staircase is
-  not. :attr:`Trend.reason` says why a clear trend was dismissed.
+- **The shape of the window**, read on a running median of its block medians (spikes of a step or a
+  few, such as a step end's +-40 MiB, are dropped, so they neither make nor hide a ramp): growth that
+  ended and then held for longer than it took is a warm-up or a cache that filled; growth whose largest
+  1-3 increments carry over half of it is a cache allocated once or a few (the part after the largest
+  jump is judged again: a leak that starts after one is flagged). A leak is growth spread over the
+  steps, and :attr:`Trend.story` says what it did: "grew +140.0 MiB from step 81 to 150, then held".
+- **Refreshed figures are judged on their refreshes.** A figure read on its own cadence (the children's
+  RSS, read every 0.5 s on the node thread) repeats its last reading at every collect in between:
+  a steady leak is then a staircase, a jump every ~22 steps of 10 ms. Only the collects where such a
+  figure's value changes, its refreshes, are judged (at least ``_MIN_REFRESHES`` in the window).
 
 Long windows are first reduced to at most ``max_points`` block medians, which bounds the O(n²)
 pairwise work at ~32k pairs per series and damps the short-range autocorrelation that makes
@@ -57,7 +60,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from rankmem.core.catalogue import LEAK_KEYS, PHASE_DELTA, PHASE_PREFIX
+from rankmem.core.catalogue import LEAK_KEYS, PHASE_DELTA, PHASE_PREFIX, REFRESHED_KEYS
 from rankmem.errors import RankmemError
 from rankmem.trend import outlook as _outlook
 from rankmem.trend.outlook import Exhaustion
@@ -67,8 +70,8 @@ from rankmem.trend.stats import (
     pair_differences,
     robust_sd,
     running_median,
-    segment,
     sen,
+    step_sd,
     theil_sen,
     tie_variance,
     upper_p,
@@ -77,6 +80,10 @@ from rankmem.trend.stats import (
 __all__ = ["LEAK_KEYS", "LeakConfig", "Trend", "mann_kendall", "theil_sen", "trend", "trends"]
 
 _MIB_PER_GIB = 1024.0
+_OWN_MIB = 4.0
+"""The least stakes floor where the capacity is known: what rankmem itself settles into on a rank (its
+rings, first fits and caches, ~2.7 MiB of RSS over a loop's first 1,000 collects, measured) is no leak
+of the job's, on a node small enough that a share of it would be less."""
 
 
 @dataclass(frozen=True)
@@ -95,7 +102,7 @@ class LeakConfig:
     """The growth over the window must exceed this many noise standard deviations (plus the stakes floor)."""
     capacity_fraction: float = 1e-4
     """The stakes floor: this share of the memory the series grows into (device total; the rank's share
-    of its cgroup limit or node memory), in MiB of growth over the window."""
+    of its cgroup limit or node memory), in MiB of growth over the window; at least 4 MiB (rankmem's own)."""
     min_growth_mib: float = 8.0
     """The stakes floor, MiB, where the capacity is unknown."""
     max_points: int = 256
@@ -123,7 +130,7 @@ class LeakConfig:
         """The stakes floor for a series growing into ``capacity_gib`` (None: unknown)."""
         if capacity_gib is None or not math.isfinite(capacity_gib) or capacity_gib <= 0:
             return self.min_growth_mib
-        return self.capacity_fraction * capacity_gib * _MIB_PER_GIB
+        return max(self.capacity_fraction * capacity_gib * _MIB_PER_GIB, min(_OWN_MIB, self.min_growth_mib))
 
 
 @dataclass(frozen=True)
@@ -154,6 +161,8 @@ class Trend:
     leak: bool
     reason: str = ""
     """Why a clear trend (growing, Mann–Kendall significant) was not flagged; empty otherwise."""
+    story: str = ""
+    """What a would-be leak's window did, in words: ``grew +140.0 MiB from step 81 to 150, then held``."""
     phase: str | None = None
     """For a leak: the phase whose deltas carry the growth (``update``), where one clearly does."""
     exhaustion: Exhaustion | None = None
@@ -175,6 +184,8 @@ class Trend:
         )
         if self.axis == "collect":
             text += " (the step numbers do not rise through the run, so collects are counted)"
+        if self.leak and self.story:
+            text += f"; {self.story}"
         if self.phase is not None:
             text += f"; growth is left behind by phase {self.phase!r}"
         if self.exhaustion is not None:
@@ -184,15 +195,18 @@ class Trend:
 
 # ---- the verdict -------------------------------------------------------------------------------------
 
-_SPIKE_SD = 4.0
-"""A block median this many step-to-step noise deviations off its running median is a spike: the
-shape check clips it (a one-step checkpoint spike would otherwise pass for a level)."""
-_MAX_SHIFTS = 3
+_MIN_REFRESHES = 6
+"""The fewest refreshes of a refreshed figure judged: the fewest points whose Mann–Kendall test can
+reach the default alpha of 0.01 (6 rising points: p = 0.004)."""
+_MAX_JUMPS = 3
+_JUMPS_SHARE = 0.5
+"""Growth whose largest 1-3 jumps (of the smoothed series) carry more than this share of it came at a
+few steps: a cache allocated once, or a few; a leak spreads its growth over the steps."""
+_JUMP_SD = 4.0
+"""A jump rises this many standard deviations of the noise above the window's median span rise."""
 _DRAWDOWN_WIDTH = 9
 """The give-back is measured on a running median this wide: it drops spikes of up to 4 steps (a
 narrower one, measured here, costs recall on noisy series more than it gains on sawtooths)."""
-_RESOLUTION_MIB = 0.01
-"""Below this residual the fits are equally good: RSS moves by 4 KiB pages."""
 _MAX_DEPTH = 3
 """How many times the part after a shift is judged again (each time a shorter part)."""
 _NORMAL_95 = 1.645
@@ -235,7 +249,7 @@ def _trend_columns(x: np.ndarray, y: np.ndarray, key: str, ranks: Sequence[int],
     p = np.array([upper_p(float(s), float(v)) for s, v in zip(np.sign(dy).sum(axis=1), var, strict=True)])
     span = float(x[-1] - x[0])
     growth = slope * span
-    noise = np.maximum(robust_sd(y - slope * x[:, None]), robust_sd(np.diff(y, axis=0)) / math.sqrt(2))
+    noise = np.maximum(robust_sd(y - slope * x[:, None]), step_sd(y))
     # A short window can underestimate the noise: take the upper 95% bound of the MAD estimate
     # (its standard error is ~1.17 sd / sqrt(n)), so that re-testing short windows online stays quiet.
     noise *= 1.0 + _NORMAL_95 * _MAD_SE / math.sqrt(take)
@@ -252,12 +266,12 @@ def _trend_columns(x: np.ndarray, y: np.ndarray, key: str, ranks: Sequence[int],
                           f"({config.noise_factor:g} x {noise[c]:.1f} MiB noise + {stakes[c]:.1f} MiB at stake)")
         else:
             reasons[c] = f"gives back {drawdown[c]:.1f} MiB of its {growth[c]:+.1f} MiB growth (fills and empties)"
-    if depth < _MAX_DEPTH:
-        for c in np.flatnonzero(grows).tolist():  # only would-be leaks pay for the shape check
-            why = _level_shifts(x, y[:, c], xb, yb[:, c], key, config, float(stakes[c]), depth)
-            if why:
-                grows[c] = False
-                reasons[c] = why
+    stories = [""] * len(ranks)
+    for c in np.flatnonzero(grows).tolist():  # only would-be leaks pay for the shape check
+        stories[c], why = _shape(x, y[:, c], key, config, float(stakes[c]), depth)
+        if why:
+            grows[c] = False
+            reasons[c] = why
     out: list[Trend | None] = []
     for c, rank in enumerate(ranks):
         if math.isnan(slope[c]):
@@ -267,60 +281,79 @@ def _trend_columns(x: np.ndarray, y: np.ndarray, key: str, ranks: Sequence[int],
             key=key, rank=rank, first_step=int(x[0]), last_step=int(x[-1]), n=int(take),
             slope_mib=float(slope[c]), low_mib=float(low[c]), high_mib=float(high[c]), p_value=float(p[c]),
             growth_mib=float(growth[c]), noise_mib=float(noise[c]), bar_mib=float(bar[c]),
-            drawdown_mib=float(drawdown[c]), leak=bool(grows[c]), reason=reasons[c],
+            drawdown_mib=float(drawdown[c]), leak=bool(grows[c]), reason=reasons[c], story=stories[c],
         ))
     return out
 
 
-def _level_shifts(x: np.ndarray, y: np.ndarray, xb: np.ndarray, yb: np.ndarray, key: str, config: LeakConfig,
-                  stakes: float, depth: int) -> str:
-    """Why one would-be leak is a few level shifts instead ("level shift of +N MiB at step S..."), or ""
-    when it is not. ``x, y``: the window (MiB); ``xb, yb``: its block medians."""
-    n = yb.size
-    min_len = max(3, n // 20)
-    if n < 2 * min_len:
-        return ""
-    white = float(robust_sd(np.diff(yb)[:, None])[0]) / math.sqrt(2)
-    smooth = running_median(yb[:, None])[:, 0]
-    ys = np.where(np.abs(yb - smooth) > _SPIKE_SD * max(white, _RESOLUTION_MIB), smooth, yb)
-    floor = n * _RESOLUTION_MIB**2
+def _shape(x: np.ndarray, y: np.ndarray, key: str, config: LeakConfig, stakes: float,
+           depth: int) -> tuple[str, str]:
+    """(story, why not): what one would-be leak's window did, in words ("grew +140.0 MiB from step 81
+    to 150, then held"), and why it is no leak ("" when it is one). ``x, y``: the window (MiB).
 
-    def bic(rss: float, params: int) -> float:
-        return n * math.log((rss + floor) / n) + params * math.log(n)
-
-    centred = xb - xb.mean()
-    fit = np.polyfit(centred, ys, 1)
-    line = bic(float(((ys - np.polyval(fit, centred)) ** 2).sum()), 2)
-    best: tuple[float, list[int]] | None = None
-    for shifts in range(1, _MAX_SHIFTS + 1):
-        if n < (shifts + 1) * min_len:
-            break
-        starts, rss = segment(ys, shifts, min_len)
-        score = bic(rss, 2 * shifts + 1)
-        if best is None or score < best[0]:
-            best = (score, starts)
-    if best is None or best[0] >= line:
-        return ""
-    starts = best[1]
-    edges = [0, *starts, n]
-    levels = [float(np.median(ys[a:b])) for a, b in zip(edges[:-1], edges[1:], strict=True)]
-    jumps = np.diff(levels)
-    at = float(xb[starts[int(np.argmax(jumps))]])
+    Read on block medians smoothed by a running median (spikes of a step or a few are dropped, so they
+    can neither make nor hide a ramp), two shapes are not leaks: growth that ended and held for longer
+    than it took (a warm-up, a cache that filled), and growth carried by a few jumps (a cache allocated
+    once, a staircase of a few), which ``_JUMPS_SHARE`` of the rise in the largest 1-3 increments says;
+    the part after the largest jump is then judged again, so a leak that starts after one is flagged."""
+    xb, yb = block_medians(x, y[:, None], config.max_points)
+    n = yb.shape[0]
+    width = min(_DRAWDOWN_WIDTH, n // 8)
+    width = max(width - 1 + width % 2, 1)  # odd, and narrow on short windows (a few refreshes)
+    smooth = running_median(yb, width)[:, 0]
+    ends = width // 2 + 1  # the ends' running medians see fewer points: a median of them steadies them
+    low, high = float(np.median(smooth[:ends])), float(np.median(smooth[-ends:]))
+    rise = high - low
+    if rise <= 0:
+        return "", "no rise across the window once one-step spikes are dropped"
+    start = int(np.flatnonzero(smooth <= low + 0.05 * rise)[-1])
+    top = start + int(np.argmax(smooth[start:] >= low + 0.95 * rise))
+    grew, held = float(xb[top] - xb[start]), float(xb[-1] - xb[top])
+    story = f"grew {rise:+.1f} MiB from step {int(xb[start])} to {int(xb[top])}"
+    flat = held > 0.1 * (grew + held) and n - 1 - top >= 3  # noise moves the top a point or two
+    story += f", then held to {int(xb[-1])}" if flat else ", still growing"
+    if held > grew:
+        return story, f"{story}: held for longer than it grew (a warm-up or a cache that filled)"
+    # The rise over each span of the smoothing width (a jump spreads over about that many points of the
+    # running median); a jump is a span that rises more than a ramp's spans do, by more than their noise.
+    spans = smooth[width:] - smooth[:-width] if n > width else np.array([rise])
+    excess = spans - float(np.median(spans))
+    # The spans' own noise: that of a running median's difference, from the step-to-step noise (robust to
+    # the jumps themselves, which a spread of the spans is not).
+    white = float(step_sd(yb)[0])
+    tall = _JUMP_SD * white * math.sqrt(math.pi / width)
+    # The largest few that do not overlap: as many as keep a ramp's share of its rise in them under a quarter.
+    count, free = min(max(n // (4 * width), 1), _MAX_JUMPS), excess.copy()
+    largest: list[int] = []
+    while len(largest) < count and free.size and float(free.max()) > tall:
+        i = int(np.argmax(free))
+        largest.append(i)
+        free[max(i - width + 1, 0) : i + width] = -np.inf
+    if float(excess[largest].sum()) <= _JUMPS_SHARE * rise:
+        return story, ""
+    at = float(xb[largest[0] + width])
     after = x >= at
-    if after.sum() >= config.min_steps:
-        # Is what follows the largest shift a leak of its own? Judged whole, by the same rules.
+    if depth < _MAX_DEPTH and after.sum() >= config.min_steps:
+        # Is what follows the largest jump a leak of its own? Judged whole, by the same rules.
         whole = replace(config, window=1.0, last=None)
         again = _trend_columns(x[after], y[after, None], key, [0], whole, np.array([stakes]), depth + 1)[0]
         if again is not None and again.leak:
-            return ""
-    # Name the shifts that stand out of the step-to-step noise; the fit also moves with the wander.
-    sizes = [float(j) for j in jumps]
-    major = [(j, s) for j, s in zip(sizes, starts, strict=True) if abs(j) >= config.noise_factor * white] or [
-        (max(sizes), starts[sizes.index(max(sizes))])]
-    text = [f"{j:+.1f} MiB at step {int(xb[s])}" for j, s in major]
-    if len(text) == 1:
-        return f"level shift of {text[0]}, no steady growth after it"
-    return f"{len(text)} level shifts ({', '.join(text)}), no steady growth after the largest"
+            return again.story, ""
+    jumps = ", ".join(f"{excess[i]:+.1f} MiB by step {int(xb[i + width])}" for i in sorted(largest))
+    return story, (f"{story}, mostly in {len(largest)} jump(s) ({jumps}): growth at a few steps, "
+                   "not spread over them")
+
+
+def refreshes(values: np.ndarray) -> np.ndarray:
+    """Where a refreshed figure was read anew: its first finite value and each that differs from the
+    finite value before it (nan elsewhere, each column of ``values`` on its own)."""
+    out = np.full(values.shape, np.nan)
+    for c in range(values.shape[1]):
+        ok = np.flatnonzero(np.isfinite(values[:, c]))
+        v = values[ok, c]
+        keep = ok[np.concatenate([[True], v[1:] != v[:-1]])] if ok.size else ok
+        out[keep, c] = values[keep, c]
+    return out
 
 
 def trend(steps: np.ndarray, values_gib: np.ndarray, key: str, rank: int, config: LeakConfig | None = None,
@@ -330,6 +363,14 @@ def trend(steps: np.ndarray, values_gib: np.ndarray, key: str, rank: int, config
     config = config or LeakConfig()
     values = np.asarray(values_gib, dtype=float)
     ok = np.isfinite(values)
+    if key in REFRESHED_KEYS:  # the window is the steps', judged on the refreshes inside it
+        take = _window(int(ok.sum()), config)
+        if take < config.min_steps:
+            return None
+        where = np.flatnonzero(ok)[-take:]
+        values = refreshes(values[where, None])[:, 0]
+        steps, ok = np.asarray(steps)[where], np.isfinite(values)
+        config = replace(config, window=1.0, last=None, min_steps=min(config.min_steps, _MIN_REFRESHES))
     x = np.asarray(steps, dtype=float)[ok]
     stakes = np.array([config.stakes_mib(capacity_gib)])
     return _trend_columns(x, values[ok, None] * _MIB_PER_GIB, key, [rank], config, stakes)[0]
@@ -349,7 +390,7 @@ def trends(steps: np.ndarray, columns_gib: np.ndarray, key: str, ranks: Sequence
     finite = np.isfinite(columns_gib)
     caps = list(capacity_gib) if capacity_gib is not None else [None] * len(ranks)
     stakes = np.array([config.stakes_mib(c) for c in caps])
-    whole = [c for c in range(len(ranks)) if finite[:, c].all()]
+    whole = [c for c in range(len(ranks)) if finite[:, c].all() and key not in REFRESHED_KEYS]
     x = np.asarray(steps, dtype=float)
     out: list[Trend | None] = []
     for start in range(0, len(whole), _BATCH):
@@ -367,13 +408,13 @@ def trends(steps: np.ndarray, columns_gib: np.ndarray, key: str, ranks: Sequence
 def outlook(found: Sequence[Trend], current_gib: Callable[[Trend], float | None],
             context: Callable[[int], Mapping[str, float | None]], node_of: Callable[[int], object],
             pace: float | None, phase_deltas: Callable[[Trend], Mapping[str, np.ndarray]],
-            rows_per_step: float, also_leaking: Sequence[Trend] = ()) -> list[Trend]:
+            also_leaking: Sequence[Trend] = ()) -> list[Trend]:
     """``found`` with each leak's phase and exhaustion filled in (other trends unchanged).
 
     ``current_gib(t)``: the series' value at ``t.last_step``; ``context(rank)``: that rank's latest
     capacity figures by key; ``node_of(rank)``: which node it runs on (host memory is shared there);
     ``pace``: seconds per step; ``phase_deltas(t)``: per phase, the delta key's values over ``t``'s
-    window; ``rows_per_step``: logged rows per step (1 when every step is logged); ``also_leaking``:
+    window; ``also_leaking``:
     leaks found before, which draw on their node's host memory too.
     """
     node_rate: dict[object, float] = {}
@@ -386,7 +427,7 @@ def outlook(found: Sequence[Trend], current_gib: Callable[[Trend], float | None]
         if not t.leak:
             out.append(t)
             continue
-        phase = _outlook.leaking_phase(phase_deltas(t), t.slope_mib / rows_per_step) if t.key in PHASE_DELTA else None
+        phase = _outlook.leaking_phase(phase_deltas(t), t.growth_mib) if t.key in PHASE_DELTA else None
         projection = None
         current = current_gib(t)
         room = None if current is None else _outlook.headroom_gib(t.key, context(t.rank), current)

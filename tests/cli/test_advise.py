@@ -224,3 +224,27 @@ def test_growth_between_steps_is_named_and_kept_free_to_the_step_asked(tmp_path:
     assert true_peak_at_100 <= capacity - headroom, true_peak_at_100
     # Without --steps the same T would not have fitted at step 100: the growth is what it keeps.
     assert BASE[1] + grows * 100 + FIXED + PER_TOKEN * before[1]["max_tokens"] > capacity - headroom
+
+
+def test_one_absurd_window_leaves_the_advice_as_the_clean_run_s(tmp_path: Path, capsys) -> None:
+    """One window told tokens=1e300 (an overflowed counter) and a peak of 1e300 GiB on the other rank:
+    both windows are left out of the fit, and the advice is the clean run's (the line fits exactly)."""
+    import json
+
+    from rankmem.offline import read_run
+
+    rc, clean, _ = advise(capsys, str(line_run(tmp_path / "clean")), "--json")
+    assert rc == 0
+    run = read_run(str(line_run(tmp_path / "absurd")))
+    series = {k: v.copy() for k, v in run.series.items()}
+    series[work_key("update", "mb_tokens")][5, 0] = 1e300
+    series[phase_key("update", "peak_rss_gib")][6, 1] = 1e300
+    config = {"run": {"ppo_max_token_len_per_gpu": 2048, "max_seq_len": 64}}
+    write_run(tmp_path / "absurd2", series, config=config)
+    rc, absurd, err = advise(capsys, str(tmp_path / "absurd2"), "--json")
+    assert rc == 0 and err == ""
+    for a, c in zip(json.loads(absurd), json.loads(clean), strict=True):
+        assert (a["rank"], a["verl"], a["overshoot"], a["advised_budget"]) == \
+            (c["rank"], c["verl"], c["overshoot"], c["advised_budget"])
+        interval = c["high_gib"] - c["predicted_peak_gib"]
+        assert abs(a["predicted_peak_gib"] - c["predicted_peak_gib"]) < interval

@@ -88,10 +88,13 @@ def test_killed_rank_with_its_last_step_phase_and_rss() -> None:
 def test_oom_kill_counters_name_the_kernel_oom_killer() -> None:
     beats = {1: beat(1, 9532, 57, "update")}
     (cgroup,) = diagnose(KILLED, beats, OomKills(0, 3), OomKills(1, 4), NOW)
-    assert cgroup.line.endswith("; the cgroup's OOM-kill count rose: the kernel OOM killer")
+    assert cgroup.line.endswith("; its cgroup's own OOM-kill count rose: the kernel OOM killer")
     assert cgroup.event.cause == "oom_killer" and cgroup.event.cgroup_oom_kills == [0, 1]
-    (node,) = diagnose(KILLED, beats, OomKills(None, 3), OomKills(None, 4), NOW)
-    assert node.line.endswith("; the node's OOM-kill count rose: the kernel OOM killer")
+    # The node's count names no one: a kill in another cgroup raises it too.
+    for before in (OomKills(None, 3), OomKills(0, 3)):
+        (node,) = diagnose(KILLED, beats, before, OomKills(before.cgroup, 4), NOW)
+        assert node.line.endswith("; cause unknown (an OOM kill happened elsewhere on the node at that time)")
+        assert node.event.cause == "unknown" and node.event.node_oom_kills == [3, 4]
     (unreadable,) = diagnose(KILLED, beats, OomKills(None, None), OomKills(None, None), NOW)
     assert unreadable.line.endswith("; cause unknown")
 
@@ -136,8 +139,8 @@ def test_two_ranks_killed_while_torchrun_was_stopping_one() -> None:
     beats = {0: beat(0, 16660, 4, rss=GIB // 2), 1: beat(1, 16661, 4)}
     found = diagnose(text, beats, OomKills(0, 0), OomKills(2, 2), NOW)
     assert [f.line for f in found] == [
-        "rank 0 was killed by SIGKILL at step 4, last RSS 0.5 GiB; the cgroup's OOM-kill count rose: the kernel OOM killer",
-        "rank 1 was killed by SIGKILL at step 4, last RSS 3.0 GiB; the cgroup's OOM-kill count rose: the kernel OOM killer",
+        "rank 0 was killed by SIGKILL at step 4, last RSS 0.5 GiB; its cgroup's own OOM-kill count rose: the kernel OOM killer",
+        "rank 1 was killed by SIGKILL at step 4, last RSS 3.0 GiB; its cgroup's own OOM-kill count rose: the kernel OOM killer",
     ]
 
 

@@ -194,8 +194,33 @@ def test_oom_killed_rank_is_blamed_on_the_oom_killer(tmp_path: Path) -> None:
     lines = diagnosis(err)
     # Where freeing rank 1 was not enough the kernel takes a second victim, named on its own line.
     assert f"rankmem train: rank 1 was killed by SIGKILL at step {last.step}, last RSS {last.rss_bytes / 2**30:.1f} " \
-           "GiB; the cgroup's OOM-kill count rose: the kernel OOM killer" in lines, err[-3000:]
+           "GiB; its cgroup's own OOM-kill count rose: the kernel OOM killer" in lines, err[-3000:]
     assert all(line.endswith("the kernel OOM killer") for line in lines), lines
     events = {e.rank: e for e in read_events(str(tmp_path)).events if e.kind == "killed"}
     assert events[1].cause == "oom_killer" and events[1].step == last.step
     assert events[1].cgroup_oom_kills[1] > events[1].cgroup_oom_kills[0]
+
+
+def test_a_plain_sigkill_is_not_blamed_on_an_oom_kill_elsewhere_on_the_node(tmp_path: Path) -> None:
+    """While rank 1 is SIGKILLed by hand, a memory cgroup the test makes beside the job OOM-kills a
+    process of its own: the node's OOM-kill count rises, the job's cgroup's does not, and the diagnosis
+    says what is known."""
+    from tests.cgroup_helpers import oom_kills, run_in_cgroup
+
+    with launch(tmp_path, "--task", "sft", "--steps", "2000") as proc:
+        wait_for("rank 1's step 3", proc, rank1_at_step(tmp_path, 3))
+        pid = rank1(tmp_path).pid
+        freeze(pid)
+        last = rank1(tmp_path)
+        with scratch_memory_cgroup(64 << 20) as cgroup:
+            _, status, _, _ = run_in_cgroup(cgroup, HOG, ["256"], env=dict(os.environ), timeout=60)
+            assert status == -signal.SIGKILL and oom_kills(cgroup) >= 1, status
+        os.kill(pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=LAUNCH_TIMEOUT_S + 30)
+    assert proc.returncode not in (0, 124), err[-3000:]
+    assert diagnosis(err) == [f"rankmem train: rank 1 was killed by SIGKILL at step {last.step}, last RSS "
+                              f"{last.rss_bytes / 2**30:.1f} GiB; cause unknown (an OOM kill happened elsewhere "
+                              "on the node at that time)"], err[-3000:]
+    (event,) = [e for e in read_events(str(tmp_path)).events if e.kind == "killed"]
+    assert event.cause == "unknown" and event.node_oom_kills is not None
+    assert event.node_oom_kills[1] > event.node_oom_kills[0], event.node_oom_kills

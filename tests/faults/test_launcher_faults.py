@@ -130,6 +130,9 @@ def test_ranks_that_outlive_a_killed_torchrun_are_stopped(tmp_path: Path) -> Non
         _kill_all(tree)
     # The two ranks: no process of rankmem's own besides them.
     assert b"2 process(es) of the job outlived torchrun; stopped them" in err
+    # The launcher exits as a shell reports a death by signal N, 128 + N, and says whose it was.
+    assert proc.returncode == 128 + signal.SIGKILL, (proc.returncode, err[-2000:])
+    assert b"the job failed (exit 137: torchrun was killed by SIGKILL)" in err, err[-2000:]
 
 
 @pytest.mark.timeout(240)

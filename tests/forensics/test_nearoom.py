@@ -45,7 +45,8 @@ class FakeRoot:
         self.meminfo(available=12 * GIB)
         self.put(self.proc / "pressure" / "memory", PSI_CALM)
         self.put(self.job / "memory.max", f"{GIB}\n")
-        self.put(self.job / "memory.events", "low 0\nhigh 0\nmax 0\noom 0\noom_kill 2\n")
+        self.put(self.job / "memory.events", "low 0\nhigh 0\nmax 0\noom 0\noom_kill 5\n")  # a child's 3 too
+        self.put(self.job / "memory.events.local", "low 0\nhigh 0\nmax 0\noom 0\noom_kill 2\n")
         self.put(self.job / "memory.pressure", PSI_CALM)
         self.usage(500 * MIB, inactive_file=100 * MIB)
 

@@ -55,7 +55,7 @@ def test_one_level_shift_is_not_a_leak_while_a_leak_on_another_rank_is_over_many
     write_run(tmp_path, {RSS: rss})
     together = detect_leaks(read_run(str(tmp_path)), keys=[RSS])
     assert together == [trend(np.arange(n), rss[:, r], RSS, r) for r in range(4)]
-    assert together[1].reason.startswith(("level shift of +1", "2 level shifts", "3 level shifts", "growth +"))
+    assert re.search(r"mostly in \d jump\(s\) \(.*\+1\d\d\.\d MiB at step 55\d|growth \+", together[1].reason)
 
 
 def test_a_staircase_of_shifts_is_not_a_leak() -> None:
@@ -66,7 +66,7 @@ def test_a_staircase_of_shifts_is_not_a_leak() -> None:
             rss[at:] += size * MIB_IN_GIB
         t = trend(np.arange(n), rss, RSS, 0)
         assert t is not None and t.growth_mib > 100 and not t.leak, t
-        assert t.reason.startswith(("2 level shifts", "3 level shifts")), t.reason
+        assert re.search(r"mostly in [23] jump\(s\)", t.reason), t.reason
 
 
 def test_ranks_judged_together_equal_ranks_judged_alone(tmp_path: Path) -> None:
@@ -146,8 +146,9 @@ def test_a_leak_names_its_phase_and_when_memory_runs_out(tmp_path: Path) -> None
     assert device.exhaustion is not None and device.exhaustion.capacity == "device memory (total - other)"
     assert device.exhaustion.headroom_mib == pytest.approx((80 - 2 - 10 - 99 * 2 / 1024) * 1024, abs=2)
     assert "projected to exhaust device memory (total - other) at step ~34," in device.describe()
-    # The stakes floor is a share of what each series grows into: 1e-4 of 64 GiB / 4 ranks, of 80 GiB.
-    assert host.bar_mib - 3 * host.noise_mib == pytest.approx(1e-4 * 64 * 1024 / 4)
+    # The stakes floor is a share of what each series grows into: 1e-4 of 64 GiB / 4 ranks (1.6 MiB,
+    # raised to the 4 MiB rankmem's own memory may settle into), of 80 GiB.
+    assert host.bar_mib - 3 * host.noise_mib == pytest.approx(4.0)
     assert device.bar_mib - 3 * device.noise_mib == pytest.approx(1e-4 * 80 * 1024)
 
 
@@ -192,10 +193,13 @@ def test_leaks_verbose_says_why_a_clear_trend_was_dismissed(tmp_path: Path, caps
     lines = capsys.readouterr().out.splitlines()
     # Rank 0 wanders: significant (p=6e-4), but its growth is small next to its noise.
     assert re.fullmatch(r"ok   rank 0 mem/host/rss_gib: .*, p=5\.8e-04\), \+13\.5 MiB over steps 200\.\.399; "
-                        r"not flagged: growth \+13\.5 MiB is under the bar of 63\.6 MiB \(3 x 18\.5 MiB noise \+ 8\.0 MiB "
+                        r"not flagged: growth \+13\.5 MiB is under the bar of 65\.8 MiB "
+                        r"\(3 x 19\.3 MiB noise \+ 8\.0 MiB "
                         r"at stake\)", lines[0]), lines[0]
-    assert re.fullmatch(r"ok   rank 1 mem/host/rss_gib: .*; not flagged: level shift of \+2\d\d\.\d MiB at step 30\d, "
-                        r"no steady growth after it", lines[1]), lines[1]
+    assert re.fullmatch(r"ok   rank 1 mem/host/rss_gib: .*; not flagged: grew \+2\d\d\.\d MiB "
+                        r"from step \d+ to 30\d, then held to 399: held for longer than it grew "
+                        r"\(a warm-up or a cache that filled\)",
+                        lines[1]), lines[1]
     assert lines[-1] == "no leak found (2 rank series checked)"
 
 
