@@ -47,18 +47,20 @@ def test_capped_advice_names_verl_s_keys_the_binding_rank_and_the_overshoot(tmp_
     lines = out.splitlines()
     # Node total 16 GiB, of which 6 - (1.0 + 1.1) = 3.9 GiB held by other processes, the rest shared by the
     # 2 ranks on node0; headroom 5%. Largest T after warm-up: 3200 on rank 0, 3250 on rank 1; the line
-    # fits far past 1.5x either, so rank 0's cap binds.
+    # fits far past 1.5x either, and the ranks share its slope, so the cap is 1.5x the largest T of any
+    # rank (rank 1's), on both: rank 0, the lower, binds.
     assert lines[0] == ("capacity 6.050 GiB per rank (node total less 3.900 GiB of other processes / 2 ranks), "
                         "headroom 0.302 GiB: usable 5.747 GiB against peak RSS")
-    assert lines[1].startswith("update: at least 4800 tokens in the heaviest micro-batch; binding rank 0, predicted peak ")
+    assert lines[1].startswith("update: at least 4875 tokens in the heaviest micro-batch; binding rank 0, "
+                               "predicted peak ")
     assert lines[1].endswith("; line fit")
     assert lines[2:] == [
-        "  capped at 4800 = 1.5x the largest T seen: run a step at T=4800 first to advise beyond",
-        "  realised micro-batches up to 1.587x the budget 2048: budget = 4800 / 1.587",
-        "  actor_rollout_ref.actor.ppo_max_token_len_per_gpu=3024",
-        "  actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=75  # fixed-size form: sequences of up to 64 tokens",
+        "  capped at 4875 = 1.5x the largest T seen: run a step at T=4875 first to advise beyond",
+        "  realised micro-batches up to 1.587x the budget 2048: budget = 4875 / 1.587",
+        "  actor_rollout_ref.actor.ppo_max_token_len_per_gpu=3072",
+        "  actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=76  # fixed-size form: sequences of up to 64 tokens",
     ]
-    assert int(4800 / (3250 / 2048)) == 3024
+    assert int(4875 / (3250 / 2048)) == 3072 and 4875 // 64 == 76
 
 
 def test_advice_where_capacity_binds_is_below_the_exact_crossing(tmp_path: Path, capsys) -> None:
@@ -93,8 +95,9 @@ def test_at_tokens_predicts_the_peak_and_refuses_past_1_5x(tmp_path: Path, capsy
         assert 2 * 2.3 * 0.02 * rise < row["high_gib"] - row["low_gib"] < 2 * 2.4 * (0.02 * rise + 2 / 1024)
     rc, out, _ = advise(capsys, run, "--at-tokens", "10000")
     assert rc == 3
+    # The ranks share the slope: the largest T seen is rank 1's 3250 on both.
     assert out.splitlines() == [
-        "update rank 0: T=10000 is past 1.5x the largest T seen (3200): run a step at T=4800 first",
+        "update rank 0: T=10000 is past 1.5x the largest T seen (3250): run a step at T=4875 first",
         "update rank 1: T=10000 is past 1.5x the largest T seen (3250): run a step at T=4875 first",
     ]
 
