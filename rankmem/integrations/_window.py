@@ -23,10 +23,12 @@ def computed_work(inputs: Any) -> tuple[int, int, int] | None:
     if not isinstance(inputs, Mapping):
         return None
     for name in ("input_ids", "attention_mask"):
-        value = inputs.get(name)
-        shape = getattr(value, "shape", None)
-        if shape is not None and len(shape) == 2:
-            rows, width = int(shape[0]), int(shape[1])
+        try:
+            shape = tuple(getattr(inputs.get(name), "shape", ()))
+            rows, width = (int(n) for n in shape) if len(shape) == 2 else (0, 0)
+        except (TypeError, ValueError):  # a tensor-like that is not one: the step goes on, unmeasured
+            continue
+        if rows > 0 and width > 0:
             return rows * width, rows, rows * width * width
     return None
 
