@@ -170,3 +170,38 @@ def test_a_lightning_job_with_the_callback_alone_gets_advice_in_its_batch_size(t
     binding = next(r for r in json.loads(done.stdout) if r["binding"])
     longest = round(float(width[2:].max()))  # after advise's 2 warm-up steps
     assert binding["setting"] == {"DataLoader.batch_size": binding["max_tokens"] // longest}
+
+
+def test_tokens_from_tells_the_work_of_a_batch_that_is_no_mapping(tmp_path: Path) -> None:
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from rankmem.core.catalogue import work_key
+    from rankmem.integrations.lightning import RankmemCallback
+    from rankmem.offline import read_run
+
+    class Tiny(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return self.lin(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    # Rows of 10 tokens each: (tokens, sequences, squared lengths).
+    cb = RankmemCallback(out_dir=str(tmp_path / "run"), sinks=("jsonl",), near_oom_watch=False,
+                         tokens_from=lambda batch: (10 * len(batch[0]), len(batch[0]), 100 * len(batch[0])))
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=3, callbacks=[cb], logger=False,
+                        accumulate_grad_batches=2, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=str(tmp_path))
+    trainer.fit(Tiny(), DataLoader(TensorDataset(torch.randn(30, 4)), batch_size=5))
+    run = read_run(str(tmp_path / "run"))
+    assert run.steps.tolist() == [0, 1, 2]  # one collect per optimizer step, 2 batches each
+    assert run.series[work_key("train_step", "mb_tokens")][:, 0].tolist() == [50.0] * 3
+    assert run.series[work_key("train_step", "tokens")][:, 0].tolist() == [100.0] * 3
+    assert run.series[work_key("train_step", "mb_sq_tokens")][:, 0].tolist() == [500.0] * 3
+    assert run.header.config["run"]["framework"] == {"name": "lightning"}
