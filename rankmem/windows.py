@@ -317,6 +317,8 @@ class Windows:
                 p.allocated_delta = _sum(p.allocated_delta, _delta(dev.allocated, window.start_allocated))
         if window.work is not None:
             window.work.into(p)
+        if name == "sleep" and self.attribution is not None:
+            self.attribution.asleep()  # what the engine holds asleep: mem/device/engine_residue_gib
 
     def take(self) -> tuple[WindowBytes, dict[str, PhaseBytes]]:
         """Close what ran since the last take: the merged steps, or (with no step closed) the implicit
@@ -404,6 +406,8 @@ class _Phase(_Window):
         windows._folded.append(self)
         if windows.anatomy is not None:
             windows._guard.call("anatomy", "peak anatomy failed", windows.anatomy.open, self, default=None)
+        if self._name == "wake" and windows.attribution is not None:
+            windows.attribution.asleep()
 
     def __exit__(self, kind: object, error: BaseException | None, tb: object) -> None:
         windows = self._windows

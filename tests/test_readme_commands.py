@@ -167,7 +167,7 @@ def _check_hf(out: Path, stdout: str) -> None:
         assert type(entry["mem/host/peak_rss_gib/max_rank"]) is int  # a rank, not 0.0
     # ...while the run log keeps every key, per rank.
     steps = read_log(out)[1]
-    assert len(steps) == 3  # two training logs and the final summary
+    assert [rec["step"] for rec in steps] == [1, 2, 3, 4]  # every step, none for the final summary
     for rec in steps:
         for key in ("mem/host/rss_gib", "mem/host/peak_rss_gib"):
             assert len(rec["ranks"][key]) == 2 and max(rec["ranks"][key]) == rec["metrics"][key + "/max"]

@@ -246,19 +246,56 @@ def _phase_advice(run: Run, phase: str, per_rank: list[PhaseFit], advised: list[
     else:
         lines.append("  no configured budget known (--budget TOKENS names it): overshoot not applied")
     names = verl_names(phase)
-    if names is not None:
+    framework = _framework(run)
+    setting = _framework_setting(framework, advised_budget, per_rank)
+    if setting is not None:
+        lines.append(f"  {setting[0]}={setting[1]}  # {setting[2]}")
+    elif names is not None and framework.get("name") in (None, "", "verl"):
         lines += [f"  {name}={advised_budget}" for name in names.budget]
         if mbs is not None:
             lines += [f"  {name}={mbs}  # fixed-size form: sequences of up to {longest:.0f} tokens"
                       for name in names.micro_batch]
     else:
-        lines.append(f"  (no verl name for phase {phase!r}) max tokens per micro-batch: {advised_budget}")
+        lines.append(f"  phase {phase!r} has no {framework.get('name') or 'framework'} setting of its own: "
+                     f"max tokens per micro-batch: {advised_budget}")
     rows = [{"phase": phase, "rank": a.rank, "max_tokens": a.max_tokens, "point_tokens": a.point_tokens,
              "high_tokens": a.high_tokens, "capped": a.capped, "binding": a is binding,
              "predicted_peak_gib": a.predicted_peak_gib, "high_gib": a.high_gib, "budget": budget, "overshoot": over,
              "advised_budget": int(a.max_tokens / over),
-             "verl": {n: int(a.max_tokens / over) for n in (names.budget if names else ())}} for a in advised]
+             "verl": {n: int(a.max_tokens / over) for n in (names.budget if names else ())},
+             "setting": dict([setting[:2]]) if a is binding and setting is not None else {}} for a in advised]
     return rows, lines
+
+
+def _framework(run: Run) -> dict[str, Any]:
+    """The framework the integration named in the header (``{}``: none, as verl or a loop of your own)."""
+    run_config = run.header.config.get("run")
+    found = run_config.get("framework") if isinstance(run_config, dict) else None
+    return found if isinstance(found, dict) else {}
+
+
+FRAMEWORK_SETTINGS = {"hf": ("TrainingArguments.per_device_train_batch_size", "TrainingArguments"),
+                      "lightning": ("DataLoader.batch_size", "the DataLoader")}
+"""The setting that sizes a micro-batch in each framework, and where packed tokens are set."""
+
+
+def _framework_setting(framework: dict[str, Any], tokens: int,
+                       per_rank: list[PhaseFit]) -> tuple[str, Any, str] | None:
+    """(setting, value, why) in the framework's own words: padded batches as sequences per micro-batch at
+    the longest padded width seen (a padded micro-batch's Q/T is its width), packed ones as tokens."""
+    from rankmem.fit import Fit
+
+    names = FRAMEWORK_SETTINGS.get(str(framework.get("name")))
+    if names is None:
+        return None
+    if framework.get("batches") != "padded":
+        return ("tokens per packed micro-batch", tokens,
+                f"set in {names[1]} as the batch size x the packed length")
+    width = max((pf.model.q_per_token for pf in per_rank if isinstance(pf.model, Fit)), default=0.0)
+    if width < 1:
+        return None
+    return names[0], int(tokens // round(width)), (
+        f"micro-batches padded to {width:.0f} tokens, the longest seen")
 
 
 def _longest(run: Run, per_rank: list[PhaseFit]) -> float:

@@ -111,6 +111,9 @@ CATALOGUE: tuple[KeySpec, ...] = (
     KeySpec("mem/device/descendants_gib", "device_descendants", "GiB", refreshed=True),
     KeySpec("mem/device/foreign_gib", "device_foreign", "GiB", refreshed=True),
     KeySpec("mem/device/unattributed_gib", "device_unattributed", "GiB", refreshed=True),
+    # What a colocated engine (this rank's descendants) still holds once asleep: a growing residue is a
+    # leak the engine's own logs show once per sleep at best (NeMo-RL#2619: 4.11 -> 11.57 -> 25 GiB).
+    KeySpec("mem/device/engine_residue_gib", "engine_residue", "GiB", leak=True),
     KeySpec("mem/device/alloc_retries", "alloc_retries", "count"),
     KeySpec("mem/device/ooms", "ooms", "count"),
     # How old the node, cgroup and children figures are: read on a thread of their own (probe/nodewatch.py).

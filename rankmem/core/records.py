@@ -112,6 +112,9 @@ class WindowBytes:
     device_descendants: int | None = None
     device_foreign: int | None = None
     device_unattributed: int | None = None
+    engine_residue: int | None = None
+    """The descendants' device memory in the split taken at the end of the last ``sleep`` phase (or the
+    start of a ``wake``): what the engine holds asleep."""
 
     @classmethod
     def of(cls, host: HostReading | None, device: DeviceReading | None) -> WindowBytes:

@@ -94,7 +94,8 @@ class Fit:
     dof: int
     n: int
     t_max: float
-    """The largest T seen: the advice extrapolates to at most 1.5 times this."""
+    """The largest T seen (by any rank whose slope is pooled with this one): the advice extrapolates to at
+    most 1.5 times this."""
     q_per_token: float
     """The largest Q/T seen (the longest token-weighted sequence length)."""
     level: float

@@ -167,15 +167,17 @@ def fit_phase(groups: Sequence[Group], config: FitConfig | None = None) -> list[
         both = _pooled_huber([np.column_stack([t, q]) for t, _, q in data], [y for _, y, _ in data], cfg, scales)
         if both.beta[1] > 0:
             rivals = [_rank_fit(both, i, True, data[i], cfg) for i in range(len(members))]
+    # The shared slope was seen up to the largest T of any member: that bounds how far it extrapolates.
+    seen = max(float(t.max()) for t, _, _ in data)
     for i, k in enumerate(members):
-        shared = check_slope(_rank_fit(pooled, i, quad, data[i], cfg, rivals[i]), cfg)
+        shared = check_slope(_rank_fit(pooled, i, quad, data[i], cfg, rivals[i], seen), cfg)
         if isinstance(shared, Fit):  # else the rank keeps its own fit, which passed that check
             fits[k] = shared
     return fits
 
 
 def _rank_fit(pooled: _Pooled, i: int, quadratic: bool, data: tuple[np.ndarray, ...], cfg: FitConfig,
-              rival: Fit | None = None) -> Fit:
+              rival: Fit | None = None, t_seen: float = 0.0) -> Fit:
     """Rank ``i``'s Fit from the pooled one: its intercept, the shared coefficients, the covariance of
     ``(a_i, b, c)`` in its own ``[1, T, Q]`` (``Var a_i = 1/W_i + m' V m``, ``Cov(a_i, beta) = -V m``)."""
     t, _, q = data
@@ -198,7 +200,8 @@ def _rank_fit(pooled: _Pooled, i: int, quadratic: bool, data: tuple[np.ndarray, 
     inv *= (pooled.scale / own)**2
     spread = q_spread(t, q)
     return Fit(a=pooled.intercepts[i], b=float(pooled.beta[0]), c=float(pooled.beta[1]) if quadratic else 0.0,
-              quadratic=quadratic, scale=own, xtwx_inv=inv, dof=dof, n=int(t.size), t_max=float(t.max()),
+              quadratic=quadratic, scale=own, xtwx_inv=inv, dof=dof, n=int(t.size),
+              t_max=max(float(t.max()), t_seen),
               q_per_token=spread[0], level=cfg.level, relative_noise=cfg.relative_noise, q_mean=spread[1],
                q_sd=spread[2], q_mean_se=spread[3], rival=rival)
 

@@ -1,6 +1,8 @@
 """What the Hugging Face and Lightning callbacks share: a monitor built on first use, the phase
-window held open between a framework's step-begin and step-end hooks, and the filter on which
-aggregated keys reach the framework's logs."""
+window held open between a framework's step-begin and step-end hooks, the collect cadence (every
+``every_n_steps`` optimizer steps, whatever the framework's own logging interval), a micro-batch's work
+as the model computes on it, the framework named in the run log's header (``rankmem advise`` speaks its
+settings), and the filter on which aggregated keys reach the framework's logs."""
 
 from __future__ import annotations
 
@@ -9,7 +11,26 @@ import fnmatch
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from rankmem.errors import RankmemError
 from rankmem.monitor import Monitor
+
+
+def computed_work(inputs: Any) -> tuple[int, int, int] | None:
+    """A micro-batch's work as the model computes on it: (tokens, sequences, sum of squared lengths) of
+    its 2-D ``input_ids`` (else ``attention_mask``): every position, padding included, since every layer
+    runs on the padded width (SDPA and eager attention too); None where the inputs hold neither. Shapes
+    only: no device read."""
+    if not isinstance(inputs, Mapping):
+        return None
+    for name in ("input_ids", "attention_mask"):
+        try:
+            shape = tuple(getattr(inputs.get(name), "shape", ()))
+            rows, width = (int(n) for n in shape) if len(shape) == 2 else (0, 0)
+        except (TypeError, ValueError):  # a tensor-like that is not one: the step goes on, unmeasured
+            continue
+        if rows > 0 and width > 0:
+            return rows * width, rows, rows * width * width
+    return None
 
 
 class StepWindow:
@@ -23,7 +44,15 @@ class StepWindow:
     step_phase: str | None
 
     def _setup_window(self, monitor: Monitor | None, step_phase: str | None, options: dict[str, Any],
-                      log_keys: Sequence[str] | None = None) -> None:
+                      log_keys: Sequence[str] | None = None, every_n_steps: int = 1,
+                      framework: str = "") -> None:
+        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
+            raise RankmemError(f"every_n_steps must be >= 1 (optimizer steps between collects), "
+                               f"got {every_n_steps!r}")
+        self.every_n_steps = every_n_steps
+        self._uncollected = 0  # steps closed since the last collect
+        # Read by rankmem advise from the header, which the first collect writes: filled in before it.
+        self.framework: dict[str, Any] = {"name": framework}
         self.monitor = monitor
         self.step_phase = step_phase
         if isinstance(log_keys, str):
@@ -45,8 +74,27 @@ class StepWindow:
     def _monitor(self) -> Monitor:
         """The monitor, built on first use: after the framework has initialised the process group."""
         if self.monitor is None:
-            self.monitor = Monitor(**self._options)
+            run_config = {**self._options.get("run_config", {}), "framework": self.framework}
+            self.monitor = Monitor(**{**self._options, "run_config": run_config})
+        else:
+            self.monitor.config.run_config.setdefault("framework", self.framework)
         return self.monitor
+
+    def _step_done(self) -> bool:
+        """An optimizer step ended: whether this one collects (every ``every_n_steps``). Every rank
+        counts the same steps, so the ranks agree on when to call the collective."""
+        self._uncollected += 1
+        if self._uncollected < self.every_n_steps:
+            return False
+        self._uncollected = 0
+        return True
+
+    def _note_batches(self, inputs: Any) -> None:
+        """Name the batches ``packed`` (several sequences to a row: the flattening collators' ``position_ids``
+        or ``cu_seq_lens_q``) or ``padded``, for the units of the advice."""
+        if "batches" not in self.framework and isinstance(inputs, Mapping):
+            packed = "position_ids" in inputs or "cu_seq_lens_q" in inputs
+            self.framework["batches"] = "packed" if packed else "padded"
 
     def _open_step(self, step: int) -> None:
         """Name the step in progress (``step``: the number its collect will log), then enter the step's

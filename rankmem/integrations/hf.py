@@ -4,28 +4,31 @@
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[RankmemCallback()])
 
 What is measured: each optimizer step (``on_step_begin`` .. ``on_step_end``) is the phase
-``train_step`` (keys ``mem/phase/train_step/...``: the max step peak since the last log, and the RSS /
-allocated growth summed over those steps). The window keys (``mem/host/peak_rss_gib``, ...) cover the
-whole logging interval, gaps included, so a spike in evaluation or checkpointing is not missed.
+``train_step`` (keys ``mem/phase/train_step/...``); the window keys (``mem/host/peak_rss_gib``, ...) cover
+the steps since the last collect, gaps included, so a spike in evaluation or checkpointing is not missed.
 
-When: at every ``on_log``. The Trainer calls ``on_log`` on every process at the same points (training
-log steps, evaluation, the final summary; ``Trainer.log`` is not rank-gated), which is what makes the
-collective in :meth:`rankmem.Monitor.collect` safe there. The aggregates (``K/max``, ``K/min``,
-``K/mean``, ``K/max_rank``) are added to ``logs`` and to the matching ``state.log_history`` entry.
+When: at ``on_step_end`` of every optimizer step (every ``every_n_steps``), whatever ``logging_steps``
+is, and at ``on_train_end`` for steps left over: one collect per step, logged at its ``global_step``.
+The Trainer calls both hooks on every process after the same steps, which makes the collective in
+:meth:`rankmem.Monitor.collect` safe there. ``on_log`` collects nothing during training: it adds the
+last collect's aggregates (``K/max``, ``K/min``, ``K/mean``, ``K/max_rank``) to ``logs`` and to the
+matching ``state.log_history`` entry (the final summary's too); an ``evaluate()`` outside training
+collects at its ``on_log``.
 
 Work: :func:`attach` also wraps ``trainer.training_step``, which the Trainer calls once per
 micro-batch (gradient accumulation included) with the collated inputs; no callback hook sees them.
-Each micro-batch's sequence lengths are the row sums of its ``attention_mask`` (every position of
-``input_ids`` when there is none; with ``count_padding=True`` every position, what an eager model
-computes on), and the ``train_step`` phase keeps the heaviest (``mem/phase/train_step/heaviest_mb_tokens``
-and the rest, for ``rankmem advise``). The sums are left on the device and read at ``on_step_end``,
-after the Trainer's own per-micro-batch read of the loss, so they add no synchronisation of their own.
-Inputs that are not a mapping of tensors are passed through untouched, with one warning.
+A micro-batch's work is what the model computes on: every position of its 2-D ``input_ids`` (else
+``attention_mask``), padding included, since every layer runs on the padded width (SDPA and eager
+attention too). The ``train_step`` phase keeps the heaviest (``mem/phase/train_step/heaviest_mb_tokens``
+and the rest, for ``rankmem advise``), read from the shapes: no device synchronisation. Inputs that are
+not a mapping of tensors are passed through untouched, with one warning. The run log's header names
+the framework and whether the batches are padded or packed (``position_ids``): ``rankmem advise`` then
+says ``per_device_train_batch_size`` at the longest padded length, or tokens per packed micro-batch.
 
 Ordering: the Trainer runs its ``report_to`` trackers' callbacks before the ones passed in
 ``callbacks=``, so those trackers would miss the keys; :func:`attach` puts the callback ahead of them.
 
-Failures: heartbeats and events name the step in progress as ``on_log`` will (``global_step`` + 1).
+Failures: heartbeats and events name the step in progress as its collect will (``global_step`` + 1).
 The Trainer calls no callback when ``train()`` raises, so :func:`attach` also wraps ``trainer.train``
 and ``trainer.training_step``: an out-of-memory error leaving either becomes an ``oom`` event
 (``rankmem report`` lists it) at its step and phase, once, also when ``auto_find_batch_size`` catches
@@ -41,8 +44,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rankmem.core.guard import Guard
-from rankmem.errors import MissingExtraError, RankmemError
-from rankmem.integrations._window import StepWindow
+from rankmem.errors import MissingExtraError
+from rankmem.integrations._window import StepWindow, computed_work
 from rankmem.monitor import Monitor
 
 try:
@@ -66,69 +69,50 @@ class RankmemCallback(StepWindow, TrainerCallback):  # type: ignore[misc]
     ``/max``, ``/min``, ``/mean``, ``/max_rank``, ``/min_rank``: ~36 keys, ~2 KB per log line); default
     all. ``("mem/host/peak_rss_gib/*", "mem/device/peak_reserved_gib/max*")`` keeps a few; the run log
     keeps them all.
-    ``count_padding``: count every position of a micro-batch's padded input as its tokens (what an
-    eager model computes on) instead of the ones of its attention mask (the default).
+    ``every_n_steps``: optimizer steps between collects (default 1: every step), whatever ``logging_steps``.
     """
 
     def __init__(self, monitor: Monitor | None = None, *, step_phase: str | None = STEP_PHASE,
-                 log_keys: Sequence[str] | None = None, count_padding: bool = False, **monitor_options: Any):
-        self._setup_window(monitor, step_phase, monitor_options, log_keys)
-        self.count_padding = bool(count_padding)
+                 log_keys: Sequence[str] | None = None, every_n_steps: int = 1, **monitor_options: Any):
+        self._setup_window(monitor, step_phase, monitor_options, log_keys, every_n_steps, "hf")
         self.last_metrics: dict[str, float] = {}
-        """Every aggregate of the last ``on_log`` (``log_keys`` aside), on every rank."""
-        self._pending: list[Any] = []  # this step's micro-batches: per-row lengths, still on the device
+        """Every aggregate of the last collect (``log_keys`` aside), on every rank."""
+        self._training = False
         self._warned_inputs = False
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._training = True
         monitor, optimizer = self._monitor(), kwargs.get("optimizer")
         if kwargs.get("model") is not None:  # accelerate's optimizer wrapper steps the torch one it holds
             monitor.track(kwargs["model"], getattr(optimizer, "optimizer", optimizer))
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        # global_step counts the steps done; on_log names this one global_step + 1 once it is.
-        self._pending.clear()  # left by a step that never reported its end
+        # global_step counts the steps done; this one's collect logs it as global_step + 1.
         self._open_step(int(state.global_step) + 1)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._tell_work()
         self._close_step()
+        if self._step_done():  # a collective: every process ends the same steps (module docstring)
+            self.last_metrics = self._monitor().collect(step=int(state.global_step))
 
     def _note_inputs(self, inputs: Any) -> None:
-        """One micro-batch's inputs, as ``training_step`` receives them: keep its per-row lengths."""
-        if self._step is None:
-            return
-        try:
-            lengths = _row_lengths(inputs, self.count_padding)
-        except (AttributeError, TypeError, ValueError, RuntimeError) as exc:  # a tensor-like that is not one: the step goes on, unmeasured
-            lengths, why = None, f"reading them failed: {exc!r:.120}"
-        else:
-            why = f"got {type(inputs).__name__}"
-        if lengths is None:
-            self._warn_inputs(f"the Trainer's inputs hold no tensor 'attention_mask' or 'input_ids' ({why})")
-            return
-        self._pending.append(lengths)
-
-    def _warn_inputs(self, what: str) -> None:
-        if not self._warned_inputs:
-            self._warned_inputs = True
-            warnings.warn(f"rankmem: {what}: micro-batch work is not recorded, so rankmem advise has no tokens "
-                          "to fit against", stacklevel=4)
-
-    def _tell_work(self) -> None:
-        pending, self._pending = self._pending, []
+        """One micro-batch's inputs, as ``training_step`` receives them: tell its work."""
         if self._step is None or self.monitor is None:
             return
-        for lengths in pending:
-            try:
-                live = [n for n in (int(v) for v in lengths.tolist()) if n > 0]
-                self.monitor.micro_batch(sum(live), len(live), sum(n * n for n in live))
-            except (AttributeError, TypeError, ValueError, RuntimeError, RankmemError) as exc:  # never stops the step
-                self._warn_inputs(f"a micro-batch's lengths could not be read ({exc!r:.120})")
-                return
+        work = computed_work(inputs)
+        if work is None:
+            if not self._warned_inputs:
+                self._warned_inputs = True
+                warnings.warn(f"rankmem: the Trainer's inputs hold no 2-D 'input_ids' or 'attention_mask' "
+                              f"(got {type(inputs).__name__}): micro-batch work is not recorded, so rankmem "
+                              "advise has no tokens to fit against", stacklevel=3)
+            return
+        self._note_batches(inputs)
+        self.monitor.micro_batch(*work)
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
-        # A collective: every process reaches on_log at the same points (see the module docstring).
-        self.last_metrics = self._monitor().collect(step=int(state.global_step))
+        if not self._training:  # evaluate() alone: every process logs it at the same point (module docstring)
+            self.last_metrics = self._monitor().collect(step=int(state.global_step))
         metrics = ranks_as_ints(self._for_logs(self.last_metrics))
         if logs is not None:
             logs.update(metrics)
@@ -139,6 +123,10 @@ class RankmemCallback(StepWindow, TrainerCallback):  # type: ignore[misc]
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._close_step()
+        self._training = False
+        if self._uncollected and self.monitor is not None:  # steps since the last collect (every_n_steps > 1)
+            self._uncollected = 0
+            self.last_metrics = self.monitor.collect(step=int(state.global_step))
         self._close_monitor()
 
 
@@ -146,27 +134,6 @@ def ranks_as_ints(metrics: Mapping[str, float]) -> dict[str, float | int]:
     """``.../max_rank`` and ``.../min_rank`` as ints: the Trainer's ``log_history`` (and its JSON) keeps
     what it is given, and a rank reads as ``0``, not ``0.0``."""
     return {k: int(v) if k.endswith("_rank") and math.isfinite(v) and v == int(v) else v for k, v in metrics.items()}
-
-
-def _row_lengths(inputs: Any, count_padding: bool) -> Any:
-    """Per-row token counts of a micro-batch as a 1-D tensor on its device, or ``None`` where the
-    inputs hold no 2-D tensor ``attention_mask`` / ``input_ids``. No device-to-host copy here."""
-    if not isinstance(inputs, Mapping):
-        return None
-    mask, ids = inputs.get("attention_mask"), inputs.get("input_ids")
-    shaped = mask if _is_2d_tensor(mask) else ids if _is_2d_tensor(ids) else None
-    if shaped is None:
-        return None
-    if count_padding or shaped is not mask:
-        import torch
-
-        rows, width = shaped.shape
-        return torch.full((rows,), width, dtype=torch.long)
-    return mask.sum(dim=-1)
-
-
-def _is_2d_tensor(value: Any) -> bool:
-    return hasattr(value, "dim") and hasattr(value, "sum") and hasattr(value, "shape") and value.dim() == 2
 
 
 def attach(trainer: Any, callback: RankmemCallback | None = None, **options: Any) -> RankmemCallback:
@@ -231,6 +198,7 @@ def _recording_failures(trainer: Any, method: str, close: bool) -> Callable[...,
                 with closing_step:
                     cb._close_step(exc)
                 if close:
+                    cb._training = False  # a later evaluate() collects at its on_log again
                     with closing_monitor:
                         cb._close_monitor()
             raise

@@ -4,24 +4,28 @@
     trainer = L.Trainer(callbacks=[RankmemCallback()], ...)
 
 Each training batch (``on_train_batch_start`` .. ``on_train_batch_end``) is the phase ``train_step``;
-the window keys cover the whole interval between logs. Every ``every_n_steps`` batches (default:
-the Trainer's ``log_every_n_steps``) every rank calls :meth:`rankmem.Monitor.collect`, a collective:
-the hooks run on every rank and DDP ranks run the same number of batches (the distributed sampler
-pads), so the ranks agree on when. Every rank holds the same aggregates; on Lightning's own logging
-steps (``every_n_steps`` left at ``log_every_n_steps``) they are logged with ``log_dict`` per step,
-unreduced (``on_epoch=False``, ``sync_dist=False``: never reduced again), so they leave in the same
-``log_metrics`` call as the batch's ``self.log`` values: the loss and the memory on one CSV row. On
-other steps the global-zero rank writes them to every logger with ``log_metrics``, at the step
-number Lightning's own logging uses for that batch; the run log uses it too.
+the window keys cover the whole interval between collects. After every optimizer step (every
+``every_n_steps`` of them; with ``accumulate_grad_batches`` the batches of a step are its micro-batches)
+every rank calls :meth:`rankmem.Monitor.collect`, a collective: the hooks run on every rank and DDP
+ranks run the same number of batches (the distributed sampler pads), so the ranks agree on when. The
+step is the one Lightning's own logging uses for that batch; the run log has every collect. On
+Lightning's logging steps (``log_every_n_steps``) the aggregates are also logged with ``log_dict``,
+unreduced (``on_epoch=False``, ``sync_dist=False``: every rank holds the same), so they leave in the same
+``log_metrics`` call as the batch's ``self.log`` values: the loss and the memory on one CSV row.
+
+Work: each batch is a micro-batch, and its work is what the model computes on: every position of a
+2-D ``input_ids`` (else ``attention_mask``) of a mapping batch, padding included; or what
+``tokens_from(batch)`` returns (tokens, or ``(tokens, sequences, sum of squared lengths)``) for any
+other batch. ``rankmem advise`` then sizes ``DataLoader.batch_size`` for padded batches.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from rankmem.errors import MissingExtraError, RankmemError
-from rankmem.integrations._window import StepWindow
+from rankmem.errors import MissingExtraError
+from rankmem.integrations._window import StepWindow, computed_work
 from rankmem.monitor import Monitor
 
 try:
@@ -47,27 +51,26 @@ class RankmemCallback(StepWindow, Callback):  # type: ignore[misc]
 
     ``monitor``: a :class:`rankmem.Monitor` you built on every rank; by default one is built at
     ``setup``, after the strategy has initialised the process group, from ``monitor_options``
-    (default: no sinks). ``every_n_steps``: batches between collects (default: the Trainer's
-    ``log_every_n_steps``; with ``accumulate_grad_batches > 1`` that counts batches, not the optimizer
-    steps Lightning's own logging counts, so pass ``every_n_steps`` to line the two up). ``step_phase``: the phase name per batch, or ``None`` to skip it.
-    ``log_keys``: ``fnmatch`` patterns of the aggregated keys sent to the loggers (default all; the run
-    log keeps them all).
+    (default: no sinks). ``every_n_steps``: optimizer steps between collects (default 1, every one).
+    ``step_phase``: the phase name per batch, or ``None`` to skip it. ``log_keys``: ``fnmatch``
+    patterns of the aggregated keys sent to the loggers (default all; the run log keeps them all).
+    ``tokens_from``: ``batch -> tokens`` or ``(tokens, sequences, sq_tokens)``, a micro-batch's work
+    where the batch is no mapping with ``input_ids`` / ``attention_mask``.
     """
 
     def __init__(
         self,
         monitor: Monitor | None = None,
         *,
-        every_n_steps: int | None = None,
+        every_n_steps: int = 1,
         step_phase: str | None = STEP_PHASE,
         log_keys: Sequence[str] | None = None,
+        tokens_from: Callable[[Any], Any] | None = None,
         **monitor_options: Any,
     ) -> None:
-        if every_n_steps is not None and every_n_steps < 1:
-            raise RankmemError(f"every_n_steps must be >= 1, got {every_n_steps}")
-        self._setup_window(monitor, step_phase, monitor_options, log_keys)
-        self.every_n_steps = every_n_steps
-        self._batches = 0
+        self._setup_window(monitor, step_phase, monitor_options, log_keys, every_n_steps, "lightning")
+        self.tokens_from = tokens_from
+        self._stepped_before = 0
         self.last_metrics: dict[str, float] = {}
         """The aggregates of the last collect, on every rank."""
 
@@ -79,33 +82,28 @@ class RankmemCallback(StepWindow, Callback):  # type: ignore[misc]
             self._monitor().track(pl_module, optimizer)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self._stepped_before = int(trainer.global_step)
         self._open_step(logging_step(trainer))
+        work = computed_work(batch) if self.tokens_from is None else self.tokens_from(batch)
+        if work is not None and self.monitor is not None and self._step is not None:
+            if self.tokens_from is None:
+                self._note_batches(batch)
+            self.monitor.micro_batch(*(work if isinstance(work, tuple) else (work,)))
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._close_step()
-        self._batches += 1
-        every = self.every_n_steps or int(getattr(trainer, "log_every_n_steps", 50) or 50)
-        if self._batches % every == 0:
+        # global_step counts optimizer steps: a batch that only accumulated gradients does not collect.
+        if int(trainer.global_step) > self._stepped_before and self._step_done():
             self._collect(trainer, pl_module)
 
     def _collect(self, trainer: Any, pl_module: Any) -> None:
-        step = logging_step(trainer)
-        self.last_metrics = self._monitor().collect(step=step)  # a collective: every rank is here (docstring)
-        if self._with_lightnings_own(trainer):
+        self.last_metrics = self._monitor().collect(step=logging_step(trainer))  # a collective (docstring)
+        connector = getattr(trainer, "_logger_connector", None)
+        if getattr(connector, "should_update_logs", True):
             # Every rank holds the same aggregates: logged per step, unreduced, they join this batch's
             # self.log values (the loss) in Lightning's one log_metrics call: one CSV row, not two.
             pl_module.log_dict(self._for_logs(self.last_metrics), on_step=True, on_epoch=False, sync_dist=False,
                                batch_size=1)
-        elif trainer.is_global_zero:
-            metrics = self._for_logs(self.last_metrics)
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=step)
-
-    def _with_lightnings_own(self, trainer: Any) -> bool:
-        """Whether this collect is on a step Lightning logs its own values at (the collect cadence is its
-        ``log_every_n_steps``); then the memory keys go with them, else straight to the loggers."""
-        every = self.every_n_steps
-        return every is None or every == int(getattr(trainer, "log_every_n_steps", 0) or 0)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         # An OOM in the step's forward/backward reaches here, not on_train_batch_end: record it.
@@ -113,6 +111,9 @@ class RankmemCallback(StepWindow, Callback):  # type: ignore[misc]
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self._close_step()
+        if self._uncollected and self.monitor is not None:  # steps since the last collect: the run log's
+            self._uncollected = 0
+            self.last_metrics = self.monitor.collect()  # at the last batch's step, which set_step named
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self._close_monitor()

@@ -51,6 +51,8 @@ class DeviceAttribution:
         self._samples = 0
         self.phase_descendants: dict[str, int] = {}
         """Per phase, the descendants' device memory when last seen in that phase."""
+        self.residue: int | None = None
+        """The descendants' device memory in the split taken as the engine went to sleep (:meth:`asleep`)."""
         self.status: str = "not started (the device has no context yet)"
         """What attribution does here, or why not: ``rankmem doctor`` and the docs say the same."""
         self.view: PidView | None = None
@@ -72,8 +74,20 @@ class DeviceAttribution:
         if split is not None:
             for name, part in ATTRIBUTION_FIELDS.items():
                 setattr(window, name, getattr(split, part))
+        window.engine_residue = self.residue
         for name, p in phases.items():
             p.device_descendants = self.phase_descendants.get(name)
+
+    def asleep(self, timeout: float = 0.5) -> None:
+        """The engine is asleep (a ``sleep`` phase ended, or a ``wake`` begins): the descendants' figure in
+        a split listed from now on is its residue. Waits for the thread's split (an NVML listing, ~1 ms;
+        at most ``timeout`` s, after which the residue keeps its last value): the next phase may wake it,
+        and an engine's sleep or wake takes seconds."""
+        asked = time.time()
+        split = self.fresh(timeout)
+        listed = split is not None and split.time - (split.cost_s or 0.0) >= asked
+        if split is not None and listed and split.descendants is not None:
+            self.residue = split.descendants
 
     # ---- any thread ---------------------------------------------------------------------------------
     def fresh(self, timeout: float = 0.5) -> Attribution | None:

@@ -17,7 +17,8 @@ BASE = (1.0, 1.1)  # GiB resident between steps, per rank
 FIXED = 0.2  # GiB the update phase adds whatever its tokens
 
 
-def line_run(out: Path, steps: int = 12, budget: int = 2048) -> Path:
+def line_run(out: Path, steps: int = 12, budget: int = 2048, phase: str = "update",
+             run: dict[str, object] | None = None) -> Path:
     i = np.arange(steps, dtype=np.float64)[:, None]
     tokens = 1000 + 200 * i + 50 * np.arange(2)[None, :]
     jitter = np.where((np.arange(steps) % 2)[:, None] == 0, 0.5, -0.5) / 1024  # +-0.5 MiB
@@ -26,12 +27,13 @@ def line_run(out: Path, steps: int = 12, budget: int = 2048) -> Path:
         key_of("rss"): rss,
         key_of("node_used"): np.full((steps, 2), 6.0),
         key_of("node_available"): np.full((steps, 2), 10.0),
-        phase_key("update", "peak_rss_gib"): rss + FIXED + PER_TOKEN * tokens + jitter,
-        work_key("update", "mb_tokens"): tokens,
-        work_key("update", "mb_sequences"): np.full((steps, 2), 8.0),
-        work_key("update", "mb_sq_tokens"): tokens * 64,  # every sequence 64 tokens: Q cannot be told from T
+        phase_key(phase, "peak_rss_gib"): rss + FIXED + PER_TOKEN * tokens + jitter,
+        work_key(phase, "mb_tokens"): tokens,
+        work_key(phase, "mb_sequences"): np.full((steps, 2), 8.0),
+        work_key(phase, "mb_sq_tokens"): tokens * 64,  # every sequence 64 tokens: Q cannot be told from T
     }
-    write_run(out, series, config={"run": {"ppo_max_token_len_per_gpu": budget, "max_seq_len": 64}})
+    config = run if run is not None else {"ppo_max_token_len_per_gpu": budget, "max_seq_len": 64}
+    write_run(out, series, config={"run": config})
     return out
 
 
@@ -47,20 +49,50 @@ def test_capped_advice_names_verl_s_keys_the_binding_rank_and_the_overshoot(tmp_
     lines = out.splitlines()
     # Node total 16 GiB, of which 6 - (1.0 + 1.1) = 3.9 GiB held by other processes, the rest shared by the
     # 2 ranks on node0; headroom 5%. Largest T after warm-up: 3200 on rank 0, 3250 on rank 1; the line
-    # fits far past 1.5x either, so rank 0's cap binds.
+    # fits far past 1.5x either, and the ranks share its slope, so the cap is 1.5x the largest T of any
+    # rank (rank 1's), on both: rank 0, the lower, binds.
     assert lines[0] == ("capacity 6.050 GiB per rank (node total less 3.900 GiB of other processes / 2 ranks), "
                         "headroom 0.302 GiB: usable 5.747 GiB against peak RSS")
-    assert lines[1].startswith("update: at least 4800 tokens in the heaviest micro-batch; binding rank 0, predicted peak ")
+    assert lines[1].startswith("update: at least 4875 tokens in the heaviest micro-batch; binding rank 0, "
+                               "predicted peak ")
     assert lines[1].endswith("; line fit")
     assert lines[2:] == [
-        "  capped at 4800 = 1.5x the largest T seen: run a step at T=4800 first to advise beyond",
-        "  realised micro-batches up to 1.587x the budget 2048: budget = 4800 / 1.587",
-        "  actor_rollout_ref.actor.ppo_max_token_len_per_gpu=3024",
-        "  actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=75  # fixed-size form: sequences of up to 64 tokens",
+        "  capped at 4875 = 1.5x the largest T seen: run a step at T=4875 first to advise beyond",
+        "  realised micro-batches up to 1.587x the budget 2048: budget = 4875 / 1.587",
+        "  actor_rollout_ref.actor.ppo_max_token_len_per_gpu=3072",
+        "  actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=76  # fixed-size form: sequences of up to 64 tokens",
         "  update: fits: fitted peak at its heaviest micro-batch seen (3250 tokens, rank 1) 1.633 GiB of "
         "usable 5.747",
     ]
-    assert int(4800 / (3250 / 2048)) == 3024
+    assert int(4875 / (3250 / 2048)) == 3072 and 4875 // 64 == 76
+
+
+@pytest.mark.parametrize(("framework", "line"), [
+    ({"name": "hf", "batches": "padded"},  # Q/T = 64: micro-batches padded to 64 tokens
+     "  TrainingArguments.per_device_train_batch_size=76  # micro-batches padded to 64 tokens, "
+     "the longest seen"),
+    ({"name": "lightning", "batches": "padded"},
+     "  DataLoader.batch_size=76  # micro-batches padded to 64 tokens, the longest seen"),
+    ({"name": "hf", "batches": "packed"},
+     "  tokens per packed micro-batch=4875  # set in TrainingArguments as the batch size x the "
+     "packed length"),
+    (None, "  phase 'train_step' has no framework setting of its own: max tokens per micro-batch: 4875"),
+])
+def test_the_advice_names_the_framework_s_setting(tmp_path: Path, capsys, framework: object,
+                                                  line: str) -> None:
+    """The setting in the words of the framework the integration named in the header; none: said plainly.
+    Capped at 1.5 x 3250 = 4875 tokens; 4875 // 64 = 76 sequences of 64."""
+    run = {} if framework is None else {"framework": framework}
+    rc, out, _ = advise(capsys, str(line_run(tmp_path, phase="train_step", run=run)), "--json")
+    assert rc == 0
+    binding = next(r for r in json.loads(out) if r["binding"])
+    rc, out, _ = advise(capsys, str(tmp_path))
+    assert out.splitlines()[-1] == line
+    if framework is None:
+        assert binding["setting"] == {}
+    else:
+        name, value = line.split("=", 1)
+        assert binding["setting"] == {name.strip(): int(value.split()[0])}
 
 
 def test_advice_where_capacity_binds_is_below_the_exact_crossing(tmp_path: Path, capsys) -> None:
@@ -95,8 +127,9 @@ def test_at_tokens_predicts_the_peak_and_refuses_past_1_5x(tmp_path: Path, capsy
         assert 2 * 2.3 * 0.02 * rise < row["high_gib"] - row["low_gib"] < 2 * 2.4 * (0.02 * rise + 2 / 1024)
     rc, out, _ = advise(capsys, run, "--at-tokens", "10000")
     assert rc == 3
+    # The ranks share the slope: the largest T seen is rank 1's 3250 on both.
     assert out.splitlines() == [
-        "update rank 0: T=10000 is past 1.5x the largest T seen (3200): run a step at T=4800 first",
+        "update rank 0: T=10000 is past 1.5x the largest T seen (3250): run a step at T=4875 first",
         "update rank 1: T=10000 is past 1.5x the largest T seen (3250): run a step at T=4875 first",
     ]
 

@@ -78,7 +78,9 @@ def test_derived_tables_and_directions() -> None:
     assert set(catalogue.LOW_IS_BAD) == {headroom, catalogue.key_of("node_available")}
     assert catalogue.worse("loss") == "high" and catalogue.worst_stat("loss") == "max"  # the caller's own keys
     assert catalogue.worst_stat(catalogue.key_of("peak_rss")) == "max"
-    assert catalogue.LEAK_KEYS == ("mem/host/rss_gib", "mem/host/children_rss_gib", "mem/device/allocated_gib")
+    assert catalogue.LEAK_KEYS == ("mem/host/rss_gib", "mem/host/children_rss_gib",
+                                   "mem/device/allocated_gib",
+                                   "mem/device/engine_residue_gib")
     assert catalogue.PHASE_SUFFIX[catalogue.key_of("peak_reserved")] == "peak_reserved_gib"
     # A leak names its phase through the phase key that holds what each phase left of it behind.
     assert catalogue.PHASE_DELTA == {"mem/host/rss_gib": "rss_delta_gib", "mem/device/allocated_gib": "allocated_delta_gib"}

@@ -166,8 +166,11 @@ def test_hf_attach_twice_collects_once_per_log(tmp_path: Path) -> None:
     attach(trainer, cb)  # "puts the callback ahead of the trackers"
     trainer.train()
     run = read_run(str(tmp_path / "run"))
-    # One collect per on_log: the two steps, then the final summary (logged at the last step again).
-    assert run.steps.tolist() == [1, 2, 2]
+    # One collect per step: the final summary's on_log adds the last one's figures, it collects nothing.
+    assert run.steps.tolist() == [1, 2]
+    summary = trainer.state.log_history[-1]
+    assert "train_runtime" in summary
+    assert summary["mem/host/rss_gib/max"] == cb.last_metrics["mem/host/rss_gib/max"]
     assert sum(c is cb for c in trainer.callback_handler.callbacks) == 1
 
 
@@ -265,31 +268,33 @@ def _work_trainer(tmp_path: Path, fed: list[list[int]], as_lists: bool = False, 
     return trainer
 
 
-def test_each_micro_batch_s_attention_mask_reaches_the_run_log_as_work(tmp_path: Path) -> None:
+def test_each_micro_batch_s_padded_positions_reach_the_run_log_as_work(tmp_path: Path) -> None:
+    """Every position of a padded micro-batch is work (the model computes on the padding), read from its
+    shape; the header names the framework and the batches padded, for the advice's units."""
     from rankmem.core.catalogue import WORK_FIELDS, work_key
 
     fed: list[list[int]] = []
     _work_trainer(tmp_path, fed).train()
     assert sorted(n for mb in fed for n in mb) == sorted(HF_LENGTHS) and len(fed) == 4
     run = read_run(str(tmp_path / "run"))
-    assert run.steps.tolist()[:2] == [1, 2]
-    for row, step_mbs in enumerate((fed[0:2], fed[2:4])):  # gradient accumulation: 2 micro-batches a step
-        heaviest = max(step_mbs, key=sum)
+    assert run.steps.tolist() == [1, 2]
+    for row in range(2):  # gradient accumulation: 2 micro-batches of 4 rows a step, each padded to 16
         got = {f: run.series[work_key("train_step", f)][row, 0] for f in WORK_FIELDS}
-        largest_q = max(sum(n * n for n in mb) for mb in step_mbs)
-        assert got == {"mb_tokens": sum(heaviest), "mb_sequences": 4, "mb_sq_tokens": largest_q,
-                       "tokens": sum(map(sum, step_mbs)), "micro_batches": 2}, (row, step_mbs)
+        assert got == {"mb_tokens": 4 * HF_WIDTH, "mb_sequences": 4, "mb_sq_tokens": 4 * HF_WIDTH**2,
+                       "tokens": 2 * 4 * HF_WIDTH, "micro_batches": 2}, row
+    assert run.header.config["run"]["framework"] == {"name": "hf", "batches": "padded"}
 
 
-def test_count_padding_counts_every_position(tmp_path: Path) -> None:
-    from rankmem.core.catalogue import work_key
+def test_every_n_steps_collects_each_nth_step_and_the_rest_at_train_end(tmp_path: Path) -> None:
+    from rankmem.integrations.hf import attach
 
-    fed: list[list[int]] = []
-    _work_trainer(tmp_path, fed, count_padding=True).train()
-    run = read_run(str(tmp_path / "run"))
-    assert run.series[work_key("train_step", "mb_tokens")][0, 0] == 4 * HF_WIDTH
-    assert run.series[work_key("train_step", "mb_sq_tokens")][0, 0] == 4 * HF_WIDTH**2
-    assert run.series[work_key("train_step", "tokens")][1, 0] == 2 * 4 * HF_WIDTH
+    trainer = tiny_trainer(tmp_path, max_steps=5, logging_steps=500)
+    cb = attach(trainer, out_dir=str(tmp_path / "run"), sinks=("jsonl",), near_oom_watch=False,
+                every_n_steps=2)
+    trainer.train()
+    assert read_run(str(tmp_path / "run")).steps.tolist() == [2, 4, 5]
+    with pytest.raises(ValueError, match="every_n_steps must be >= 1"):
+        type(cb)(every_n_steps=0)
 
 
 def test_inputs_that_are_not_tensors_train_on_with_one_warning(tmp_path: Path) -> None:
@@ -303,7 +308,7 @@ def test_inputs_that_are_not_tensors_train_on_with_one_warning(tmp_path: Path) -
         warnings.simplefilter("always")
         trainer.train()
     ours = [str(w.message) for w in caught if str(w.message).startswith("rankmem:")]
-    assert ours == ["rankmem: the Trainer's inputs hold no tensor 'attention_mask' or 'input_ids' (got dict): "
+    assert ours == ["rankmem: the Trainer's inputs hold no 2-D 'input_ids' or 'attention_mask' (got dict): "
                     "micro-batch work is not recorded, so rankmem advise has no tokens to fit against"]
     assert len(fed) == 4 and trainer.state.global_step == 2
     run = read_run(str(tmp_path / "run"))
