@@ -30,7 +30,8 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, fields
-from typing import Any
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
 
 from rankmem.core.catalogue import rank_metrics
 from rankmem.core.guard import Guard
@@ -39,7 +40,6 @@ from rankmem.core.rundir import current_run_id
 from rankmem.core.scalars import scalar_items, work_numbers
 from rankmem.errors import RankmemError
 from rankmem.exchange.dist import global_rank, rank_and_world, require_group_if_launched
-from rankmem.exchange.exchange import Exchange
 from rankmem.forensics.attribution import OFF as ATTRIBUTION_OFF
 from rankmem.forensics.attribution import device_attribution
 from rankmem.forensics.forensics import Forensics
@@ -49,6 +49,9 @@ from rankmem.probe.nvmlwatch import DeviceAttribution
 from rankmem.publish.publisher import Publisher
 from rankmem.sinks import Sink, check_sink_specs, make_sinks
 from rankmem.windows import Windows
+
+if TYPE_CHECKING:
+    from rankmem.exchange.exchange import Exchange
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -178,8 +181,17 @@ class _Readouts:
     group: Any
     _attribution: DeviceAttribution | None
     _windows: Windows
-    _exchange: Exchange
     _publisher: Publisher
+
+    @cached_property
+    def _exchange(self) -> Exchange:
+        """Built at its first use (the first collect): its modules load numpy, which Monitor() need not
+        wait for (the publisher's priming thread loads them meanwhile)."""
+        from rankmem.exchange.exchange import Exchange
+
+        device = self._windows.device
+        return Exchange(self.group, device.name if device else None, device.module if device else None,
+                        detail_rank=self.config.log_rank)
 
     @property
     def device_attribution(self) -> str:
@@ -257,8 +269,6 @@ class Monitor(_Readouts):
         self._windows = Windows(host, device, self._guard, listener=self._forensics,
                                 attribution=self._attribution,
                                 node_refresh_s=c.node_refresh_s if isinstance(host, LinuxHostProbe) else None)
-        self._exchange = Exchange(group, device.name if device else None, device.module if device else None,
-                                  detail_rank=c.log_rank)
         self._closed = False
 
     def step(self, n: int | None = None) -> AbstractContextManager[None]:

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 
 from rankmem.core.text import printable
 from rankmem.errors import RankmemError
-from rankmem.offline.leaks import LeakConfig
 
 if TYPE_CHECKING:
     from rankmem.offline import Run
+    from rankmem.offline.leaks import LeakConfig
 
 
 def add_run_argument(parser: argparse.ArgumentParser) -> None:
@@ -41,6 +41,8 @@ def check_output(path: str, flag: str) -> None:
 
 
 def add_leak_options(parser: argparse.ArgumentParser) -> None:
+    from rankmem.trend.trend import LeakConfig  # its defaults (numpy): only the commands with these options
+
     d = LeakConfig()
     g = parser.add_argument_group("leak detection")
     g.add_argument("--window", type=float, default=d.window, metavar="FRAC",
@@ -66,6 +68,8 @@ def leak_config(args: argparse.Namespace) -> LeakConfig:
                         ("--noise-factor", args.noise_factor), ("--capacity-fraction", args.capacity_fraction)):
         if not math.isfinite(value):
             raise RankmemError(f"{flag} must be a finite number, got {value}")
+    from rankmem.trend.trend import LeakConfig
+
     return LeakConfig(window=args.window, last=args.last, min_steps=args.min_steps, noise_factor=args.noise_factor,
                       capacity_fraction=args.capacity_fraction, min_growth_mib=args.min_growth, alpha=args.alpha)
 
