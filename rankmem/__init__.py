@@ -25,7 +25,8 @@ if _typing.TYPE_CHECKING:
 
 _WHERE = {"DeviceReading": "rankmem.core.records", "HostReading": "rankmem.core.records",
           "allgather_dict_into_dict": "rankmem.exchange.dict_gather", "Monitor": "rankmem.monitor",
-          "MonitorConfig": "rankmem.monitor", "MemorySample": "rankmem.probe.sample", "sample": "rankmem.probe.sample"}
+          "MonitorConfig": "rankmem.monitor", "MemorySample": "rankmem.probe.sample",
+          "sample": "rankmem.probe.sample"}
 
 
 def __getattr__(name: str) -> Any:

@@ -17,7 +17,8 @@ HEAVY = ("numpy", "torch", "rankmem.offline", "rankmem.fit", "rankmem.trend.tren
 
 def loaded(code: str) -> set[str]:
     """The modules a fresh interpreter holds after ``code`` that it did not hold before."""
-    script = f"import sys; before = set(sys.modules)\n{code}\nimport json\nprint(json.dumps(sorted(set(sys.modules) - before)))"
+    script = (f"import sys; before = set(sys.modules)\n{code}\n"
+              "import json\nprint(json.dumps(sorted(set(sys.modules) - before)))")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
@@ -56,7 +57,8 @@ m.close()
     assert {"numpy", "rankmem.fit", "rankmem.exchange.exchange"} <= got
 
 
-@pytest.mark.parametrize("command", [[], ["plot"], ["advise"], ["watch"], ["train"], ["doctor"], ["completion"]])
+@pytest.mark.parametrize("command", [[], ["plot"], ["advise"], ["watch"], ["train"], ["doctor"],
+                                     ["completion"]])
 def test_help_loads_nothing_heavy(command: list[str]) -> None:
     argv = [*command, "--help"]
     got = loaded(f"from rankmem.cli import main\ntry:\n    main({argv!r})\nexcept SystemExit:\n    pass")
