@@ -1,4 +1,4 @@
-"""Start-up: ``import rankmem``, ``rankmem --help``, a subcommand's help, ``Monitor()`` on the caller's thread.
+"""Start-up: ``import rankmem``, ``rankmem --help``, a subcommand's help, ``Monitor()``.
 
     python bench/bench_startup.py            # --rounds N (default 21)
 
