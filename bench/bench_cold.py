@@ -10,7 +10,8 @@ from round to round; the median over rounds is reported, wall and this thread's 
 
 The last three rows are the target's (the training thread's telemetry per step within 1.4x of the
 cold reads its edges must make): two edges' reads done by hand (a ``status`` pread, its parse in one
-regular-expression search and a ``clear_refs`` write, twice), an empty ``Monitor.step()`` window (heartbeat on), and that window with
+regular-expression search and a ``clear_refs`` write, twice), an empty ``Monitor.step()`` window
+(heartbeat on), and that window with
 the ``collect()`` that follows it (no process group, no sinks: what the Monitor itself adds).
 """
 
@@ -121,7 +122,8 @@ def main() -> None:
         cols = [statistics.median(x[j] for x in got[name]) * 1e6 for j in range(4)]
         print(f"{name:44s} {cols[0]:10.1f} {cols[1]:9.1f} {cols[2]:10.1f} {cols[3]:9.1f}")
     floor = statistics.median(x[1] for x in got["two edges' reads by hand (the floor)"])
-    print(f"load {os.getloadavg()[0]:.1f}; cold CPU, median (IQR) us, and the ratio of the medians to the floor's")
+    print(f"load {os.getloadavg()[0]:.1f}; cold CPU, median (IQR) us, and the ratio of the medians to the "
+          "floor's")
     for name in ("two edges' reads by hand (the floor)", "rankmem: empty step window",
                  "rankmem: step window + collect()"):
         q = statistics.quantiles([x[1] * 1e6 for x in got[name]], n=4)
