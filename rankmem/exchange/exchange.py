@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
+from itertools import repeat
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -92,6 +93,8 @@ class Exchange:
         self._collects = 0
         self._layout: tuple[str, ...] = ()
         self._layout_set: frozenset[str] = frozenset()
+        self._order: tuple[str, ...] = ()  # the last collect's keys as given, and the layout sent for them
+        self._schema: tuple[str, ...] = ()
         self._warned: set[tuple[str, ...]] = set()
         self._warn_once = WarnOnce()
         self._detail_asked = False
@@ -117,12 +120,13 @@ class Exchange:
         """``detail=True`` on any rank makes this collect carry the per-rank matrix on the reduce path
         (a rank that just recorded an event); the all-gather path always carries it."""
         detail, self._detail_asked = detail or self._detail_asked, False
-        if self._layout_set and self._layout_set.issuperset(values):
-            schema = self._layout
-            row = [values.get(k, ABSENT) for k in schema]
-        else:
-            schema = tuple(sorted(values))
-            row = [values[k] for k in schema]
+        order = tuple(values)
+        if order != self._order:  # new keys: their layout is found once, not sorted at every collect
+            self._order = order
+            in_layout = self._layout_set and self._layout_set.issuperset(order)
+            self._schema = self._layout if in_layout else tuple(sorted(order))
+        schema = self._schema
+        row = list(map(values.get, schema, repeat(ABSENT)))  # no Python frame per key
         step_f = math.nan if step is None else float(step)
         packed = self.packed
         if packed.ready() and packed.world > self.reduce_above:
@@ -180,9 +184,9 @@ class Exchange:
             return self._aggregate_matrix(schema, np.vstack(rows) if rows else np.zeros((0, 0)))
         keys, matrix = union_matrix(schemas, rows)
         if len(keys) > self.MAX_LAYOUT:  # keys that never repeat: do not carry them forever
-            self._layout, self._layout_set = (), frozenset()
+            self._layout, self._layout_set, self._order = (), frozenset(), ()
         else:
-            self._layout, self._layout_set = tuple(keys), frozenset(keys)
+            self._layout, self._layout_set, self._order = tuple(keys), frozenset(keys), ()
             # Every rank packs the whole union from now on: make room for it in the same step.
             self.packed.capacity = max(self.packed.capacity, len(keys))
         return self._aggregate_matrix(keys, matrix)
