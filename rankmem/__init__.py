@@ -36,15 +36,5 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-__all__ = [
-    "DeviceReading",
-    "HostReading",
-    "MemorySample",
-    "MissingExtraError",
-    "Monitor",
-    "MonitorConfig",
-    "RankmemError",
-    "__version__",
-    "allgather_dict_into_dict",
-    "sample",
-]
+__all__ = ["DeviceReading", "HostReading", "MemorySample", "MissingExtraError", "Monitor", "MonitorConfig",
+           "RankmemError", "__version__", "allgather_dict_into_dict", "sample"]

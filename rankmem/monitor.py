@@ -184,9 +184,7 @@ class _Readouts:
     _publisher: Publisher
 
     @cached_property
-    def _exchange(self) -> Exchange:
-        """Built at its first use (the first collect): its modules load numpy, which Monitor() need not
-        wait for (the publisher's priming thread loads them meanwhile)."""
+    def _exchange(self) -> Exchange:  # at the first collect: numpy's, loaded meanwhile by the priming thread
         from rankmem.exchange.exchange import Exchange
 
         device = self._windows.device

@@ -23,11 +23,12 @@ from rankmem.core.warnings import WarnOnce
 from rankmem.errors import RankmemError
 from rankmem.exchange.aggregate import (
     ABSENT,
+    QUANTILE_SUFFIXES,
+    SUFFIXES,
     Gathered,
-    _aggregate_names,
-    _quantile_names,
     absent_mask,
     aggregate,
+    names_of,
     union_matrix,
 )
 from rankmem.exchange.dist import all_gather_objects, dist_active, rank_and_world
@@ -161,9 +162,9 @@ class Exchange:
                 self._warn_mixed(keys, counts < world)
         if matrix is not None:
             matrix[absent_mask(matrix)] = math.nan  # downstream (run log, leak watch) reads NaN as absent
-        aggregated = dict(zip(_aggregate_names(keys), stats.ravel().tolist(), strict=True))
+        aggregated = dict(zip(names_of(keys, SUFFIXES), stats.ravel().tolist(), strict=True))
         if quantiles is not None:
-            aggregated.update(zip(_quantile_names(keys), quantiles.ravel().tolist(), strict=True))
+            aggregated.update(zip(names_of(keys, QUANTILE_SUFFIXES), quantiles.ravel().tolist(), strict=True))
         return Gathered(keys, matrix, aggregated, mixed)
 
     def _from_rows(self, schema: tuple[str, ...], schemas: Sequence[Schema], rows: Sequence[np.ndarray],
@@ -175,7 +176,8 @@ class Exchange:
             quantiles = matrix_quantiles(gathered.matrix, absent, bins)
             if absent is not None:  # NaN cells of a mixed matrix may be a caller's NaN: aggregate knows
                 quantiles[np.isnan([gathered.aggregated[k + "/max"] for k in gathered.keys])] = math.nan
-            gathered.aggregated.update(zip(_quantile_names(gathered.keys), quantiles.ravel().tolist(), strict=True))
+            names = names_of(gathered.keys, QUANTILE_SUFFIXES)
+            gathered.aggregated.update(zip(names, quantiles.ravel().tolist(), strict=True))
         return gathered
 
     def _aggregate_rows(self, schema: tuple[str, ...], schemas: Sequence[Schema], rows: Sequence[np.ndarray]
