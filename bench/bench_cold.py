@@ -11,8 +11,8 @@ from round to round; the median over rounds is reported, wall and this thread's 
 The last three rows are the target's (the training thread's telemetry per step within 1.4x of the
 cold reads its edges must make): two edges' reads done by hand (a ``status`` pread, its parse in one
 regular-expression search and a ``clear_refs`` write, twice), an empty ``Monitor.step()`` window
-(heartbeat on), and that window with
-the ``collect()`` that follows it (no process group, no sinks: what the Monitor itself adds).
+(heartbeat on), and that window with the ``collect()`` that follows it (no process group, no sinks:
+what the Monitor itself adds).
 """
 
 from __future__ import annotations

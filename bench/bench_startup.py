@@ -10,7 +10,8 @@ timed inside its process, after ``import rankmem``: the constructor's wall and t
 process that imported torch first, as a training script has.
 The children may write bytecode (``PYTHONDONTWRITEBYTECODE`` is dropped, and a first round, not counted,
 writes it): a user's imports read cached bytecode, and compiling every module would time the compiler.
-Targets: ``import rankmem`` <= 60 ms, ``rankmem --help`` <= 150 ms, ``Monitor()`` <= 3 ms.
+Targets: ``from rankmem import Monitor`` (``import rankmem`` loads each name at its first use) <= 60 ms,
+``rankmem --help`` <= 150 ms, ``Monitor()`` <= 3 ms.
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ ROUNDS = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv
 MONITOR = """
 import json, tempfile, time
 import torch  # a training script's, before rankmem's
-import rankmem
+from rankmem import Monitor
 w, c = time.perf_counter(), time.thread_time()
-m = rankmem.Monitor(out_dir=tempfile.mkdtemp(), device="cpu")
+m = Monitor(out_dir=tempfile.mkdtemp(), device="cpu")
 w, c = time.perf_counter() - w, time.thread_time() - c
 m.close()
 print(json.dumps([w, c]))
@@ -39,10 +40,10 @@ print(json.dumps([w, c]))
 
 CASES = {
     "python -c pass (baseline)": ["-c", "pass"],
-    "import rankmem": ["-c", "import rankmem"],
+    "from rankmem import Monitor": ["-c", "from rankmem import Monitor"],
     "rankmem --help": ["-m", "rankmem", "--help"],
     "rankmem report --help": ["-m", "rankmem", "report", "--help"],
-    "import rankmem; Monitor()": ["-c", MONITOR],
+    "torch, rankmem, Monitor()": ["-c", MONITOR],
 }
 
 
