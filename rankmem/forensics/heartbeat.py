@@ -226,16 +226,12 @@ class Heartbeat:
         self._run = _run_bytes(run_id)
         self._write(0)  # the whole record: a beat stores only the fields that move
 
-    def beat(self, step: int | None, phase: str | None, rss: int | None) -> None:
-        """Record a window edge: ``step`` (None before the first), the innermost open ``phase``, and
-        this process's RSS in bytes (None when unknown)."""
-        self.edge(step, phase, rss)
-
     def edge(self, step: int | None, phase: str | None, rss: int | None, failing: bool = False) -> None:
-        """:meth:`beat` as the windows tell a listener of an edge (``WindowListener.edge``): on the host
-        alone, where an edge is nothing but its heartbeat, Forensics hands this method to the windows
-        itself, a Python call less on each of the training thread's edges. Stores into the mapped
-        record, field by field (see :data:`_BEAT_AT`; the header was written whole when it changed)."""
+        """Record a window edge: ``step`` (None before the first), the innermost open ``phase``, and this
+        process's RSS in bytes (None when unknown). A ``WindowListener.edge``: on the host alone, where an
+        edge is nothing but its heartbeat, Forensics hands this method to the windows itself, a Python
+        call less on each of the training thread's edges. Stores into the mapped record, field by field
+        (see :data:`_BEAT_AT`; the header was written whole when it changed)."""
         self._seq = seq = self._seq + 1
         self._step = step = NO_STEP if step is None else step
         self._rss = rss = -1 if rss is None else rss
@@ -255,6 +251,8 @@ class Heartbeat:
             self._phase_name = phase
             self._phase = views.raw[_PHASE_AT : _PHASE_AT + PHASE_BYTES] = _phase_bytes(phase)
         words[_SEQ_I] = seq
+
+    beat = edge
 
     def collect_edge(self) -> None:
         """Entering or leaving a collect (they alternate): see the module docstring."""

@@ -54,10 +54,9 @@ class Publisher(Handoff):
         if leak_check:
             # The watches' first judgements leave ~2.7 MiB resident in the logging rank (numpy's code
             # pages and workspaces after a first fit, the leak statistics' index pairs): mid-run, in the
-            # windows the advice fits read. Taken before the first collect, on every rank, it is in every
-            # baseline and the ranks stay alike (bench/RESULTS.md); on a thread of its own while the first
-            # step runs, not in the caller's Monitor() (~15 ms, and the imports of numpy and the exchange
-            # the first collect needs). Only memory is at stake: a failure is one warning.
+            # windows the advice fits read. Taken before the first collect on every rank, on a thread
+            # while the first step runs, it is in every baseline and the ranks stay alike. Only memory
+            # is at stake: a failure is one warning.
             self._primer = threading.Thread(target=self._prime, name="rankmem-prime", daemon=True)
             self._primer.start()
 
