@@ -1,6 +1,7 @@
 """Probe cost per call: the host probe against psutil, the device read against torch.cuda's own calls.
 
     python bench/bench_probe.py            # --quick: fewer repetitions (a smoke run)
+    python bench/bench_probe.py windows    # the windows table alone
 
 Prints microseconds per call (the best of interleaved rounds) and the ratio to a baseline measured in
 the same run. Targets: the host window pair (current RSS + window peak, with its reset) at most 10 us;
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -54,6 +56,25 @@ def table(cases: dict[str, Callable[[], object]], baseline: str, n: int = REPEAT
         print(f"{name:58s} {us:9.2f} {us / best[baseline]:11.2f}x")
 
 
+def ratio_table(cases: dict[str, Callable[[], object]], baseline: str, n: int, rounds: int) -> None:
+    """This thread's CPU time per call, and each case's ratio to the baseline's in the same round: the
+    median and IQR over rounds (a neighbour's load weighs on a round's cases alike)."""
+    got: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(rounds):
+        for name, fn in cases.items():
+            got[name].append(per_call_us(fn, n, time.thread_time))
+    ratios = {name: [us / base for us, base in zip(got[name], got[baseline], strict=True)] for name in cases}
+
+    def spread(xs: list[float], form: str) -> str:
+        q = statistics.quantiles(xs, n=4)
+        return f"{statistics.median(xs):{form}} ({q[0]:{form}}-{q[2]:{form}})"
+
+    print(f"load {os.getloadavg()[0]:.1f}; {rounds} rounds of {n}: median (IQR)")
+    print(f"{'case':58s} {'CPU us/call':>22s} {'vs baseline':>22s}")
+    for name in cases:
+        print(f"{name:58s} {spread(got[name], '6.2f'):>22s} {spread(ratios[name], '5.2f'):>22s}")
+
+
 def host_cases() -> None:
     probe = LinuxHostProbe(children=True, children_refresh_s=5.0)
     proc = psutil.Process()
@@ -82,17 +103,19 @@ def window_cases() -> None:
 
     Timed as this thread's CPU time (``time.thread_time``) over many short rounds: the ratio is the
     training thread's cost, and on a shared machine wall time holds every preemption by a neighbour."""
+    import re
     import tempfile
 
     import rankmem
-    from rankmem.probe import procfs
 
+    hwm_rss = re.compile(rb"\nVmHWM:\s*(\d+) kB\nVmRSS:\s*(\d+) kB").search
     status = os.open("/proc/self/status", os.O_RDONLY | os.O_CLOEXEC)
     clear = os.open("/proc/self/clear_refs", os.O_WRONLY | os.O_CLOEXEC)
 
-    def floor_edges() -> None:
+    def floor_edges() -> None:  # the least Python a parse takes: one search, two int()
         for _ in range(2):
-            procfs.parse_status_rss_hwm(os.pread(status, 4096, 0))
+            found = hwm_rss(os.pread(status, 4096, 0))
+            int(found[1]), int(found[2])  # type: ignore[index]
             os.write(clear, b"5")
 
     with tempfile.TemporaryDirectory() as out:
@@ -101,6 +124,12 @@ def window_cases() -> None:
 
         def empty_step() -> None:
             with monitor.step():
+                pass
+
+        numbers = iter(range(1 << 62))
+
+        def numbered_step() -> None:  # a new step number at every step, as a training loop's
+            with monitor.step(next(numbers)):
                 pass
 
         def empty_phase_in_step() -> None:
@@ -113,12 +142,13 @@ def window_cases() -> None:
                     monitor.micro_batch(tokens, sequences=40, sq_tokens=tokens * 90)
 
         print("\nwindows (baseline: two kernel-floor edges; target: the empty step window within 1.30x)")
-        table({"two floor edges (status pread + parse + clear_refs write)": floor_edges,
-               "empty step window (Monitor.step, heartbeat on)": empty_step,
-               "empty phase in a step (four edges)": empty_phase_in_step,
-               "the same, told 4 micro-batches (work fields)": phase_told_four_micro_batches},
-              "two floor edges (status pread + parse + clear_refs write)", n=REPEAT // 20,
-              rounds=ROUNDS * 5, clock=time.thread_time)
+        ratio_table({"two floor edges (status pread + parse + clear_refs write)": floor_edges,
+                     "empty step window (Monitor.step, heartbeat on)": empty_step,
+                     "the same, numbered (step(n), n rising)": numbered_step,
+                     "empty phase in a step (four edges)": empty_phase_in_step,
+                     "the same, told 4 micro-batches (work fields)": phase_told_four_micro_batches},
+                    "two floor edges (status pread + parse + clear_refs write)", n=REPEAT // 20,
+                    rounds=ROUNDS * 5)
         monitor.close()
     os.close(status)
     os.close(clear)
@@ -293,4 +323,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    window_cases() if "windows" in sys.argv else main()

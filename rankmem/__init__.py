@@ -2,7 +2,9 @@
 
 Public API: :class:`Monitor` (built on every rank), :class:`MonitorConfig`, :func:`sample` for a
 one-off local reading, the records it returns, and the verl drop-in
-:func:`allgather_dict_into_dict`. Importing rankmem does not import torch.
+:func:`allgather_dict_into_dict`. Importing rankmem does not import torch, and each name loads its
+modules when first used: the command line and the offline layer (``rankmem.cli``, the report) never
+load the Monitor's, nor the Monitor theirs.
 """
 
 from __future__ import annotations

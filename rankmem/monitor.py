@@ -30,7 +30,8 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, fields
-from typing import Any
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
 
 from rankmem.anatomy import Anatomy, Tracker
 from rankmem.core.catalogue import rank_metrics
@@ -39,8 +40,13 @@ from rankmem.core.records import RunHeader, StepRecord
 from rankmem.core.rundir import current_run_id
 from rankmem.core.scalars import plain_config, scalar_items, work_numbers
 from rankmem.errors import RankmemError
-from rankmem.exchange.dist import global_rank, rank_and_world, require_group_if_launched
-from rankmem.exchange.exchange import Exchange, detail_every_default, reduce_above_default
+from rankmem.exchange.dist import (
+    detail_every_default,
+    global_rank,
+    rank_and_world,
+    reduce_above_default,
+    require_group_if_launched,
+)
 from rankmem.forensics.forensics import ATTRIBUTION_OFF, Forensics, device_attribution
 from rankmem.forensics.sampler import HistorySampler
 from rankmem.probe.device import select_backend
@@ -49,6 +55,9 @@ from rankmem.probe.nvmlwatch import DeviceAttribution
 from rankmem.publish.publisher import Publisher
 from rankmem.sinks import Sink, check_sink_specs, make_sinks
 from rankmem.windows import Windows
+
+if TYPE_CHECKING:
+    from rankmem.exchange.exchange import Exchange
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -199,8 +208,16 @@ class _Readouts:
     group: Any
     _attribution: DeviceAttribution | None
     _windows: Windows
-    _exchange: Exchange
     _publisher: Publisher
+
+    @cached_property
+    def _exchange(self) -> Exchange:  # at the first collect: numpy's, loaded meanwhile by the priming thread
+        from rankmem.exchange.exchange import Exchange
+
+        device = self._windows.device
+        return Exchange(self.group, device.name if device else None, device.module if device else None,
+                        reduce_above=self.config.reduce_above, detail_every=self.config.detail_every,
+                        detail_rank=self.config.log_rank)
 
     @property
     def device_attribution(self) -> str:
@@ -285,9 +302,6 @@ class Monitor(_Readouts):
         self._windows = Windows(host, device, self._guard, listener=self._forensics,
                                 attribution=self._attribution,
                                 node_refresh_s=c.node_refresh_s if isinstance(host, LinuxHostProbe) else None)
-        self._exchange = Exchange(group, device.name if device else None, device.module if device else None,
-                                  reduce_above=c.reduce_above, detail_every=c.detail_every,
-                                  detail_rank=c.log_rank)
         # Sampled windows and OOM replays (forensics/sampler.py): on a device only.
         self._sampler = None if device is None else HistorySampler(
             device, self._forensics.write_event, lambda: self._windows.where, every=c.anatomy_every,

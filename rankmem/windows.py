@@ -37,25 +37,20 @@ _N = TypeVar("_N", int, float)
 
 
 class Where(NamedTuple):
-    """Where this rank is: the open step (or the last one closed) and the innermost open phase. A named
-    tuple, not a frozen dataclass: one is made whenever the step or phase changes, on the training
-    thread, and a frozen dataclass's ``__init__`` sets each field through ``object.__setattr__``."""
+    """Where this rank is: the open step (or the last one closed) and the innermost open phase. Made
+    when asked (a failure, an event), not at the edges: they hand on the step and phase as they are."""
 
     step: int | None
     phase: str | None
 
 
-# A named tuple's own constructor is a Python function: the training thread makes a Where at every step
-# through tuple's, a frame less (cold, right after compute, a frame is a few microseconds).
-_make_where = tuple.__new__
-
-
 class WindowListener(Protocol):
     """Told about edges and failures; it must not raise (the windows guard it)."""
 
-    def edge(self, where: Where, rss: int | None, failing: bool = False) -> None:
-        """After every edge: a heartbeat's chance to record progress (a few microseconds).
-        ``failing``: the window is ending because an exception is leaving it (:meth:`failed` follows)."""
+    def edge(self, step: int | None, phase: str | None, rss: int | None, failing: bool = False) -> None:
+        """After every edge, at ``step`` in the innermost open ``phase``: a heartbeat's chance to record
+        progress (a few microseconds). ``failing``: the window is ending because an exception is leaving
+        it (:meth:`failed` follows)."""
 
     def failed(self, exc: BaseException, where: Where, window: WindowBytes) -> None:
         """An exception left a window; ``window`` holds its figures up to that instant."""
@@ -162,7 +157,7 @@ class Windows:
         self._phases: dict[str, PhaseBytes] = {}
         self._phase_stack: list[str] = []
         self._step: int | None = None
-        self._where = Where(None, None)  # kept current as steps and phases change: every edge hands it on
+        self._phase: str | None = None  # the innermost open phase, kept current: every edge hands it on
         self._step_n: int | None = None  # what the next collect logs: the last numbered step closed, or set_step's
         self._collects = 0
         self._numbered = False  # a collect was given step=: the collect count is no step number then
@@ -172,11 +167,7 @@ class Windows:
 
     @property
     def where(self) -> Where:
-        return self._where
-
-    def _moved(self) -> None:
-        """The step or the innermost phase changed: the ``Where`` every edge hands on."""
-        self._where = _make_where(Where, (self._step, self._phase_stack[-1] if self._phase_stack else None))
+        return Where(self._step, self._phase)
 
     # ---- edges --------------------------------------------------------------------------------------
     def _edge(self, failing: bool = False) -> tuple[int | None, DeviceReading | None]:
@@ -207,7 +198,7 @@ class Windows:
         listener = self._listener_edge
         if listener is not None:
             try:
-                listener(self._where, rss, failing)
+                listener(self._step, self._phase, rss, failing)
             except RankmemError:
                 raise
             except Exception as exc:  # noqa: BLE001
@@ -229,7 +220,7 @@ class Windows:
     def _failed(self, exc: BaseException, window: _Window, rss: int | None, dev: DeviceReading | None) -> None:
         if self.listener is not None and isinstance(exc, Exception):
             figures = _figures(window, rss, dev, self._lifetime.peak_rss, self._lifetime.peak_reserved)
-            self._guard.call("failed", "recording the failure failed", self.listener.failed, exc, self._where,
+            self._guard.call("failed", "recording the failure failed", self.listener.failed, exc, self.where,
                              figures, default=None)
 
     def micro_batch(self, tokens: float, sequences: float | None, sq_tokens: float | None) -> bool:
@@ -281,7 +272,6 @@ class Windows:
         """Name the step in progress (for the listener and failures, and the next collect) without
         opening a window."""
         self._step = self._step_n = _step_number(n)
-        self._moved()
 
     def phase(self, name: str) -> AbstractContextManager[None]:
         """A named phase: its own peaks and the RSS / allocated deltas across it."""
@@ -364,9 +354,7 @@ class _Step(_Window):
         if windows._implicit is not None:
             windows._folded.remove(windows._implicit)
             windows._implicit = None
-        if self._label != windows._step:  # every unnumbered step: _moved() inline, a frame less per step
-            windows._step = label = self._label
-            windows._where = _make_where(Where, (label, windows._phase_stack[-1] if windows._phase_stack else None))
+        windows._step = self._label
         self.start(*windows._edge())
         windows._folded.append(self)
 
@@ -396,12 +384,11 @@ class _Phase(_Window):
     def __enter__(self) -> None:
         windows = self._windows
         windows._phase_stack.append(self._name)
-        windows._moved()
+        windows._phase = self._name
         try:
             self.start(*windows._edge())
         except BaseException:
-            windows._phase_stack.pop()
-            windows._moved()
+            _pop_phase(windows)
             raise
         windows._folded.append(self)
         if windows.anatomy is not None:
@@ -422,8 +409,13 @@ class _Phase(_Window):
                                                                     anatomy.close, self, default=None)
             windows._close_phase(self._name, self, rss, dev, run)
         finally:
-            windows._phase_stack.pop()
-            windows._moved()
+            _pop_phase(windows)
+
+
+def _pop_phase(windows: Windows) -> None:
+    stack = windows._phase_stack
+    stack.pop()
+    windows._phase = stack[-1] if stack else None
 
 
 def _step_number(n: object) -> int:

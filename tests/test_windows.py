@@ -36,8 +36,8 @@ class _Recorder:
         self.edges: list[tuple[Where, bool]] = []
         self.failures: list[tuple[BaseException, Where, WindowBytes]] = []
 
-    def edge(self, where: Where, rss: int | None, failing: bool = False) -> None:
-        self.edges.append((where, failing))
+    def edge(self, step: int | None, phase: str | None, rss: int | None, failing: bool = False) -> None:
+        self.edges.append((Where(step, phase), failing))
 
     def failed(self, exc: BaseException, where: Where, window: WindowBytes) -> None:
         self.failures.append((exc, where, window))
@@ -239,8 +239,8 @@ class _Broken:
 
 def test_a_failing_probe_and_a_failing_listener_warn_once_and_never_raise() -> None:
     class Raising(_Recorder):
-        def edge(self, where: Where, rss: int | None, failing: bool = False) -> None:
-            super().edge(where, rss, failing)
+        def edge(self, step: int | None, phase: str | None, rss: int | None, failing: bool = False) -> None:
+            super().edge(step, phase, rss, failing)
             raise ValueError("disk full")
 
     listener = Raising()

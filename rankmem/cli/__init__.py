@@ -37,7 +37,9 @@ COMMANDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = "*") -> argparse.ArgumentParser:
+    """Every subcommand's parser, or (``only``) one's: the others' modules are not imported (the top
+    level's help needs none of them)."""
     from rankmem.core.version import __version__
 
     parser = argparse.ArgumentParser(prog="rankmem", description="Per-rank memory telemetry for distributed PyTorch.")
@@ -45,9 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        module = importlib.import_module(module_name)
-        module.add_arguments(p)
-        p.set_defaults(_run=module.run)
+        if only in ("*", name):
+            module = importlib.import_module(module_name)
+            module.add_arguments(p)
+            p.set_defaults(_run=module.run)
     bound_numbers(parser)
     return parser
 
@@ -58,8 +61,8 @@ def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentP
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(_suggest.first_positional(argv))
     _suggest.check_command(parser, argv, COMMANDS)
     args, extra = parser.parse_known_args(argv)
     if args.command is None:

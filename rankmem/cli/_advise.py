@@ -39,7 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="memory each rank may use, GiB (default: the device total; on the host the cgroup "
                              "limit or the node's memory, shared by the ranks on the node)")
     parser.add_argument("--headroom", type=float, default=None, metavar="GIB",
-                        help=f"GiB kept free below the capacity (default {HEADROOM_FRACTION:.0%} of it)")
+                        help=f"GiB kept free below the capacity "
+                             f"(default {HEADROOM_FRACTION * 100:.0f}%% of it)")
     parser.add_argument("--budget", type=int, default=None, metavar="TOKENS",
                         help="the token budget the run was configured with (default: the run's config)")
     parser.add_argument("--at-tokens", type=float, default=None, metavar="T",

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 from rankmem.core.rundir import kind_of
 from rankmem.core.text import printable
 from rankmem.errors import RankmemError
-from rankmem.offline.leaks import LeakConfig
 
 if TYPE_CHECKING:
     from rankmem.offline import Run
+    from rankmem.offline.leaks import LeakConfig
 
 
 def add_run_argument(parser: argparse.ArgumentParser) -> None:
@@ -84,6 +84,8 @@ def bound_numbers(parser: argparse.ArgumentParser) -> None:
 
 
 def add_leak_options(parser: argparse.ArgumentParser) -> None:
+    from rankmem.trend.trend import LeakConfig  # its defaults (numpy): only the commands with these options
+
     d = LeakConfig()
     g = parser.add_argument_group("leak detection")
     g.add_argument("--window", type=float, default=d.window, metavar="FRAC",
@@ -109,6 +111,8 @@ def leak_config(args: argparse.Namespace) -> LeakConfig:
                         ("--noise-factor", args.noise_factor), ("--capacity-fraction", args.capacity_fraction)):
         if not math.isfinite(value):
             raise RankmemError(f"{flag} must be a finite number, got {value}")
+    from rankmem.trend.trend import LeakConfig
+
     return LeakConfig(window=args.window, last=args.last, min_steps=args.min_steps, noise_factor=args.noise_factor,
                       capacity_fraction=args.capacity_fraction, min_growth_mib=args.min_growth, alpha=args.alpha)
 

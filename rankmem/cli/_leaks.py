@@ -19,8 +19,8 @@ from rankmem.cli._common import (
     require_steps,
 )
 from rankmem.cli._runs import resolve_run
+from rankmem.core.catalogue import LEAK_KEYS
 from rankmem.core.text import printable
-from rankmem.offline.leaks import LEAK_KEYS
 
 NO_VERDICT = 3
 EPILOG = ("exit status: 1 a leak was found, 0 none was, 3 no verdict (fewer logged steps in the window than "

@@ -11,8 +11,8 @@ import os
 import sys
 import time
 
+from rankmem.core.rundir import RUN_LOG_NAME
 from rankmem.errors import RankmemError
-from rankmem.runlog import RUN_LOG_NAME
 
 RUNS_DIR = "runs"
 DEPTH = 2

@@ -37,6 +37,7 @@ def to_float(value: Any) -> float | None:
     return to_float(number) if isinstance(number, (bool, int, float)) else None
 
 
+_FLOAT, _STR, _RESERVED = frozenset((float,)), frozenset((str,)), "\n" + MEMORY_PREFIX
 CALLER_PREFIX = "caller/"
 """Where a caller's metric named inside rankmem's ``mem/`` namespace goes instead."""
 
@@ -50,6 +51,10 @@ def scalar_items(metrics: Any, warn_once: Callable[[str, str], None]) -> dict[st
     if not isinstance(metrics, Mapping):
         warn_once("metrics-type", f"collect() takes a dict of metrics, got {type(metrics).__name__}; its values are left out")
         return {}
+    # Floats under string keys outside rankmem's namespace, the common case: in C, no frame per key.
+    if _FLOAT.issuperset(map(type, metrics.values())) and _STR.issuperset(map(type, metrics)) \
+            and _RESERVED not in "\n" + "\n".join(metrics):
+        return dict(metrics)
     out: dict[str, float] = {}
     for key, value in metrics.items():
         number = to_float(value)

@@ -13,33 +13,21 @@ from rankmem.core.catalogue import AGGREGATES
 from rankmem.core.records import per_rank_lists
 from rankmem.exchange.reduce import QUANTILE_NAMES
 
-_SUFFIXES = tuple("/" + a for a in AGGREGATES)
+SUFFIXES = tuple("/" + a for a in AGGREGATES)
+QUANTILE_SUFFIXES = tuple("/" + q for q in QUANTILE_NAMES)  # K/p50, K/p90, K/p99: the all-reduce path's
 
 
-_names_cache: dict[tuple[str, ...], list[str]] = {}
+_names_cache: dict[tuple[tuple[str, ...], tuple[str, ...]], list[str]] = {}
 
 
-def _aggregate_names(keys: Sequence[str]) -> list[str]:
-    key_tuple = tuple(keys)
-    names = _names_cache.get(key_tuple)
+def names_of(keys: Sequence[str], suffixes: tuple[str, ...]) -> list[str]:
+    """``K`` + each suffix per key, cached: layouts rarely change (the cache is kept from growing)."""
+    at = (tuple(keys), suffixes)
+    names = _names_cache.get(at)
     if names is None:
-        if len(_names_cache) > 64:  # layouts rarely change; keep the cache from growing without bound
+        if len(_names_cache) > 64:
             _names_cache.clear()
-        names = _names_cache[key_tuple] = [k + suffix for k in key_tuple for suffix in _SUFFIXES]
-    return names
-
-
-_quantile_cache: dict[tuple[str, ...], list[str]] = {}
-
-
-def _quantile_names(keys: Sequence[str]) -> list[str]:
-    """``K/p50``, ``K/p90``, ``K/p99`` per key (the all-reduce path only), cached as the aggregate names are."""
-    key_tuple = tuple(keys)
-    names = _quantile_cache.get(key_tuple)
-    if names is None:
-        if len(_quantile_cache) > 64:
-            _quantile_cache.clear()
-        names = _quantile_cache[key_tuple] = [f"{k}/{q}" for k in key_tuple for q in QUANTILE_NAMES]
+        names = _names_cache[at] = [k + suffix for k in at[0] for suffix in suffixes]
     return names
 
 
@@ -56,7 +44,7 @@ def aggregate(keys: Sequence[str], matrix: np.ndarray, nan_is_absent: bool = Fal
     if nan_is_absent:
         absent = np.isnan(matrix)
     # One (keys x 5) block filled in place, so that ravel() needs no copy before tolist().
-    stats = np.empty((matrix.shape[1], len(_SUFFIXES)))
+    stats = np.empty((matrix.shape[1], len(SUFFIXES)))
     if absent is None or not absent.any():
         matrix.max(axis=0, out=stats[:, 0])
         matrix.min(axis=0, out=stats[:, 1])
@@ -78,7 +66,7 @@ def aggregate(keys: Sequence[str], matrix: np.ndarray, nan_is_absent: bool = Fal
         stats[:, 4] = low.argmin(axis=0)
         stats[none, :3] = math.nan
         stats[none, 3:] = -1
-    return dict(zip(_aggregate_names(keys), stats.ravel().tolist(), strict=True))
+    return dict(zip(names_of(keys, SUFFIXES), stats.ravel().tolist(), strict=True))
 
 
 # A rank without a key sends this NaN: its payload tells "absent" from a NaN the caller sent. Gathers

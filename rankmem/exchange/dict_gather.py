@@ -9,7 +9,6 @@ from typing import Any
 
 from rankmem.core.scalars import to_float
 from rankmem.exchange.dist import all_gather_objects, dist_active
-from rankmem.exchange.packed import PackedGather
 
 
 def _as_numbers(value: Any) -> tuple[str, list[float]] | None:
@@ -69,6 +68,8 @@ class VerlDictGather:
     """
 
     def __init__(self, group: Any = None) -> None:
+        from rankmem.exchange.packed import PackedGather  # numpy: not loaded by `import rankmem`
+
         self.group = group
         self._gather = PackedGather(group)
 

@@ -7,43 +7,39 @@ in the same order. With no initialised process group (or a world of one) none of
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 from rankmem.errors import RankmemError
 
 
+def _initialised() -> Any:
+    """torch.distributed when a process group is initialised, else None. A group exists only where its
+    module is loaded: the question imports nothing (torch takes a second or more), and a module still
+    being imported on another thread (the run log's header asks torch's version) has no group yet."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        return dist if dist is not None and dist.is_available() and dist.is_initialized() else None
+    except AttributeError:  # part-imported
+        return None
+
+
 def dist_active(group: Any = None) -> bool:
     """True when torch.distributed is initialised and the group has more than one rank."""
-    try:
-        import torch.distributed as dist
-    except ImportError:
-        return False
-    if not (dist.is_available() and dist.is_initialized()):
-        return False
-    return bool(dist.get_world_size(group) > 1)
+    dist = _initialised()
+    return dist is not None and bool(dist.get_world_size(group) > 1)
 
 
 def rank_and_world(group: Any = None) -> tuple[int, int]:
-    try:
-        import torch.distributed as dist
-    except ImportError:
-        return 0, 1
-    if not (dist.is_available() and dist.is_initialized()):
-        return 0, 1
-    return int(dist.get_rank(group)), int(dist.get_world_size(group))
+    dist = _initialised()
+    return (0, 1) if dist is None else (int(dist.get_rank(group)), int(dist.get_world_size(group)))
 
 
 def launcher_world() -> int | None:
     """The world size the launcher announced (``WORLD_SIZE``: torchrun, Ray Train and rankmem's Ray
     launcher all set it), when it says several ranks and no process group is initialised; else None."""
     raw = os.environ.get("WORLD_SIZE", "")
-    if not raw.strip().isdigit() or int(raw) < 2:
-        return None
-    try:
-        import torch.distributed as dist
-    except ImportError:
-        return int(raw)
-    if dist.is_available() and dist.is_initialized():
+    if not raw.strip().isdigit() or int(raw) < 2 or _initialised() is not None:
         return None
     return int(raw)
 
@@ -102,3 +98,27 @@ def _all_gather_single(out: Any, inp: Any, group: Any) -> None:
 
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     fn(out, inp, group=group)
+
+
+def _env_int(name: str, default: int) -> int:
+    text = os.environ.get(name, "")
+    try:
+        return int(text) if text else default
+    except ValueError:
+        raise RankmemError(f"{name}={text!r}: expected an integer") from None
+
+
+REDUCE_ABOVE = 128
+"""Default crossover world size: above it the aggregates travel by all-reduce (bench/RESULTS.md, "Scale")."""
+DETAIL_EVERY = 100
+"""Default cadence of the per-rank detail on the all-reduce path, in collects."""
+
+
+def reduce_above_default() -> int:
+    """:data:`REDUCE_ABOVE`, or ``$RANKMEM_REDUCE_ABOVE`` (``MonitorConfig.reduce_above``'s default)."""
+    return _env_int("RANKMEM_REDUCE_ABOVE", REDUCE_ABOVE)
+
+
+def detail_every_default() -> int:
+    """:data:`DETAIL_EVERY`, or ``$RANKMEM_DETAIL_EVERY`` (``MonitorConfig.detail_every``'s default)."""
+    return _env_int("RANKMEM_DETAIL_EVERY", DETAIL_EVERY)

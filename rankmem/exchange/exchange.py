@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
+from itertools import repeat
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -22,43 +23,26 @@ from rankmem.core.warnings import WarnOnce
 from rankmem.errors import RankmemError
 from rankmem.exchange.aggregate import (
     ABSENT,
+    QUANTILE_SUFFIXES,
+    SUFFIXES,
     Gathered,
-    _aggregate_names,
-    _quantile_names,
     absent_mask,
     aggregate,
+    names_of,
     union_matrix,
 )
-from rankmem.exchange.dist import all_gather_objects, dist_active, rank_and_world
+from rankmem.exchange.dist import (
+    all_gather_objects,
+    detail_every_default,
+    dist_active,
+    rank_and_world,
+    reduce_above_default,
+)
 from rankmem.exchange.packed import PackedGather, Schema
 from rankmem.exchange.reduce import PackedReduce, Reduced, matrix_quantiles
 
 if TYPE_CHECKING:
     from rankmem.probe.device import DeviceBackend
-
-
-def _env_int(name: str, default: int) -> int:
-    text = os.environ.get(name, "")
-    try:
-        return int(text) if text else default
-    except ValueError:
-        raise RankmemError(f"{name}={text!r}: expected an integer") from None
-
-
-REDUCE_ABOVE = 128
-"""Default crossover world size: above it the aggregates travel by all-reduce (bench/RESULTS.md, "Scale")."""
-DETAIL_EVERY = 100
-"""Default cadence of the per-rank detail on the all-reduce path, in collects."""
-
-
-def reduce_above_default() -> int:
-    """:data:`REDUCE_ABOVE`, or ``$RANKMEM_REDUCE_ABOVE`` (``MonitorConfig.reduce_above``'s default)."""
-    return _env_int("RANKMEM_REDUCE_ABOVE", REDUCE_ABOVE)
-
-
-def detail_every_default() -> int:
-    """:data:`DETAIL_EVERY`, or ``$RANKMEM_DETAIL_EVERY`` (``MonitorConfig.detail_every``'s default)."""
-    return _env_int("RANKMEM_DETAIL_EVERY", DETAIL_EVERY)
 
 
 class Exchange:
@@ -101,6 +85,8 @@ class Exchange:
         self._collects = 0
         self._layout: tuple[str, ...] = ()
         self._layout_set: frozenset[str] = frozenset()
+        self._order: tuple[str, ...] = ()  # the last collect's keys as given, and the layout sent for them
+        self._schema: tuple[str, ...] = ()
         self._warned: set[tuple[str, ...]] = set()
         self._warn_once = WarnOnce()
         self._detail_asked = False
@@ -126,12 +112,13 @@ class Exchange:
         """``detail=True`` on any rank makes this collect carry the per-rank matrix on the reduce path
         (a rank that just recorded an event); the all-gather path always carries it."""
         detail, self._detail_asked = detail or self._detail_asked, False
-        if self._layout_set and self._layout_set.issuperset(values):
-            schema = self._layout
-            row = [values.get(k, ABSENT) for k in schema]
-        else:
-            schema = tuple(sorted(values))
-            row = [values[k] for k in schema]
+        order = tuple(values)
+        if order != self._order:  # new keys: their layout is found once, not sorted at every collect
+            self._order = order
+            in_layout = self._layout_set and self._layout_set.issuperset(order)
+            self._schema = self._layout if in_layout else tuple(sorted(order))
+        schema = self._schema
+        row = list(map(values.get, schema, repeat(ABSENT)))  # no Python frame per key
         step_f = math.nan if step is None else float(step)
         packed = self.packed
         if packed.ready() and packed.world > self.reduce_above:
@@ -166,9 +153,9 @@ class Exchange:
                 self._warn_mixed(keys, counts < world)
         if matrix is not None:
             matrix[absent_mask(matrix)] = math.nan  # downstream (run log, leak watch) reads NaN as absent
-        aggregated = dict(zip(_aggregate_names(keys), stats.ravel().tolist(), strict=True))
+        aggregated = dict(zip(names_of(keys, SUFFIXES), stats.ravel().tolist(), strict=True))
         if quantiles is not None:
-            aggregated.update(zip(_quantile_names(keys), quantiles.ravel().tolist(), strict=True))
+            aggregated.update(zip(names_of(keys, QUANTILE_SUFFIXES), quantiles.ravel().tolist(), strict=True))
         return Gathered(keys, matrix, aggregated, mixed)
 
     def _from_rows(self, schema: tuple[str, ...], schemas: Sequence[Schema], rows: Sequence[np.ndarray],
@@ -180,7 +167,8 @@ class Exchange:
             quantiles = matrix_quantiles(gathered.matrix, absent, bins)
             if absent is not None:  # NaN cells of a mixed matrix may be a caller's NaN: aggregate knows
                 quantiles[np.isnan([gathered.aggregated[k + "/max"] for k in gathered.keys])] = math.nan
-            gathered.aggregated.update(zip(_quantile_names(gathered.keys), quantiles.ravel().tolist(), strict=True))
+            names = names_of(gathered.keys, QUANTILE_SUFFIXES)
+            gathered.aggregated.update(zip(names, quantiles.ravel().tolist(), strict=True))
         return gathered
 
     def _aggregate_rows(self, schema: tuple[str, ...], schemas: Sequence[Schema], rows: Sequence[np.ndarray]
@@ -189,9 +177,9 @@ class Exchange:
             return self._aggregate_matrix(schema, np.vstack(rows) if rows else np.zeros((0, 0)))
         keys, matrix = union_matrix(schemas, rows)
         if len(keys) > self.MAX_LAYOUT:  # keys that never repeat: do not carry them forever
-            self._layout, self._layout_set = (), frozenset()
+            self._layout, self._layout_set, self._order = (), frozenset(), ()
         else:
-            self._layout, self._layout_set = tuple(keys), frozenset(keys)
+            self._layout, self._layout_set, self._order = tuple(keys), frozenset(keys), ()
             # Every rank packs the whole union from now on: make room for it in the same step.
             self.packed.capacity = max(self.packed.capacity, len(keys))
         return self._aggregate_matrix(keys, matrix)

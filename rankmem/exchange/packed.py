@@ -175,14 +175,8 @@ class PackedGather:
 
         ``step`` travels in the header: ranks that meet at different steps are named in a warning.
         """
-        if not self._setup():
-            return [schema], [np.asarray(values, dtype=np.float64)]
-        got = self._gathered(schema, values, step)
-        if isinstance(got, int):
-            return self.fallback(schema, values, got)
-        block, lengths = got
-        rows = block.copy()
-        return [schema] * len(lengths), [rows[r, _HEAD : _HEAD + n] for r, n in enumerate(lengths)]
+        got = self.gather_matrix(schema, values, step)
+        return got if isinstance(got, tuple) else ([schema] * len(got), list(got))
 
     def gather_matrix(self, schema: Schema, values: Sequence[float], step: float = math.nan
                       ) -> np.ndarray | tuple[list[Schema], list[np.ndarray]]:

@@ -85,7 +85,8 @@ class Forensics:
         self._history = max(int(oom_history), 0)
         self._hooked = device is None  # the observer and history wait for the backend's initialisation
         self._tag: tuple[int | None, str | None] | None = None
-        self._where = Where(None, None)
+        self._step: int | None = None  # where the last edge was: the device's observer reads it
+        self._phase: str | None = None
         self._observed: OomEvent | None = None  # what the allocator's observer saw, not yet written
         self._last_failure_id: int | None = None  # only where the exception takes no attribute
         self._snapshots = 0
@@ -95,7 +96,7 @@ class Forensics:
         if device is None and self._heartbeat is not None:
             # On the host alone an edge is its heartbeat (no observer, no history, no OOM to tag): the
             # windows call the heartbeat's own edge, a frame less on every edge of the training thread
-            # (bench/bench_cold.py). ``_where`` serves only the device's observer.
+            # (bench/bench_cold.py). ``_step`` and ``_phase`` serve only the device's observer.
             self.edge = self._heartbeat.edge  # type: ignore[method-assign]
         local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
         if near_oom_watch and self._events is not None and local_rank == 0:
@@ -119,23 +120,23 @@ class Forensics:
                 self._heartbeat.collect_edge()
 
     # ---- WindowListener ----------------------------------------------------------------------------
-    def edge(self, where: Where, rss: int | None, failing: bool = False) -> None:
-        self._where = where
+    def edge(self, step: int | None, phase: str | None, rss: int | None, failing: bool = False) -> None:
+        self._step, self._phase = step, phase
         if self._heartbeat is not None:
-            self._heartbeat.edge(where, rss)
+            self._heartbeat.edge(step, phase, rss)
         if self._device is not None:  # on the host alone an edge is its heartbeat
-            self._device_edge(where, failing)
+            self._device_edge(step, phase, failing)
 
-    def _device_edge(self, where: Where, failing: bool) -> None:
+    def _device_edge(self, step: int | None, phase: str | None, failing: bool) -> None:
         """The observer and history, once the device is initialised; an OOM the observer saw and the
         caller caught inside the window."""
         if not self._hooked:
             self._hook_device()
-        if self._history and self._device is not None and (where.step, where.phase) != self._tag:
-            self._tag = (where.step, where.phase)
+        if self._history and self._device is not None and (step, phase) != self._tag:
+            self._tag = (step, phase)
             tag = self._device.set_metadata_hook()
             if tag is not None:
-                attempt(tag, f"step {where.step} / {where.phase or '-'}", default=None)
+                attempt(tag, f"step {step} / {phase or '-'}", default=None)
         if self._observed is not None and not failing:
             # The allocator failed and the caller caught the error inside the window: still an event.
             observed, self._observed = self._observed, None
@@ -175,9 +176,8 @@ class Forensics:
     def _observer(self, device: int, alloc: int, device_total: int, device_free: int) -> None:
         # Called by the allocator inside the failing allocation, before it raises: keep, do not write
         # yet (the exception leaving the window adds the window's figures to the same event).
-        where = self._where
         self._observed = OomEvent(
-            rank=self.rank, step=where.step, phase=where.phase, where="device",
+            rank=self.rank, step=self._step, phase=self._phase, where="device",
             observer={"device": device, "alloc_bytes": alloc, "device_total_bytes": device_total,
                       "device_free_bytes": device_free},
         )

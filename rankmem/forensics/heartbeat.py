@@ -59,7 +59,6 @@ from rankmem.core.rundir import (
 )
 from rankmem.core.warnings import WarnOnce
 from rankmem.probe import procfs as _procfs
-from rankmem.windows import Where
 
 __all__ = ["ENV_DIR", "HEARTBEAT_DIR", "Heartbeat", "HeartbeatRecord", "heartbeat_dir", "heartbeat_path", "read_heartbeats"]
 
@@ -239,18 +238,13 @@ class Heartbeat:
         self._run = _run_bytes(run_id)
         self._write(0)  # the whole record: a beat stores only the fields that move
 
-    def beat(self, step: int | None, phase: str | None, rss: int | None) -> None:
-        """Record a window edge: ``step`` (None before the first), the innermost open ``phase``, and
-        this process's RSS in bytes (None when unknown)."""
-        self.edge(Where(step, phase), rss)
-
-    def edge(self, where: Where, rss: int | None, failing: bool = False) -> None:
-        """:meth:`beat` as the windows tell a listener of an edge (``WindowListener.edge``): on the host
-        alone, where an edge is nothing but its heartbeat, Forensics hands this method to the windows
-        itself, a Python call less on each of the training thread's edges. Stores into the mapped
-        record, field by field (see :data:`_BEAT_AT`; the header was written whole when it changed)."""
+    def edge(self, step: int | None, phase: str | None, rss: int | None, failing: bool = False) -> None:
+        """Record a window edge: ``step`` (None before the first), the innermost open ``phase``, and this
+        process's RSS in bytes (None when unknown). A ``WindowListener.edge``: on the host alone, where an
+        edge is nothing but its heartbeat, Forensics hands this method to the windows itself, a Python
+        call less on each of the training thread's edges. Stores into the mapped record, field by field
+        (see :data:`_BEAT_AT`; the header was written whole when it changed)."""
         self._seq = seq = self._seq + 1
-        step, phase = where.step, where.phase
         self._step = step = NO_STEP if step is None else step
         self._rss = rss = -1 if rss is None else rss
         views = self._views
@@ -269,6 +263,8 @@ class Heartbeat:
             self._phase_name = phase
             self._phase = views.raw[_PHASE_AT : _PHASE_AT + PHASE_BYTES] = _phase_bytes(phase)
         words[_SEQ_I] = seq
+
+    beat = edge
 
     def collect_edge(self) -> None:
         """Entering or leaving a collect (they alternate): see the module docstring."""

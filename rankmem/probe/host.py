@@ -133,14 +133,17 @@ class LinuxHostProbe:
         Every step's hot path: the reads of :meth:`rss_and_peak` and :meth:`reset_peak` inline."""
         if _forks != self._forks:  # a number compared, not getpid(): a system call, cold on every edge
             self.check_fork()
-        data = None
+        data = b""
         if self._status is not None:
             try:
                 data = os.pread(self._status, _STATUS_BUF, 0)
             except OSError:
                 pass
-        if data is None:
-            rss, peak = self.rss(), None
+        found = _procfs.status_hwm_rss(data)  # the read's whole parse, in one call
+        rss: int | None
+        peak: int | None
+        if found is not None:
+            rss, peak = int(found[2]) << 10, int(found[1]) << 10
         else:
             rss, peak = _procfs.parse_status_rss_hwm(data)
             if rss is None:

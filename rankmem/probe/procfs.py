@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 from dataclasses import dataclass
 
 _KB = 1024
@@ -53,7 +54,14 @@ def parse_status_rss_hwm(data: bytes) -> tuple[int | None, int | None]:
 
     Kernel threads and zombies have neither field; both are then ``None``.
     """
-    return _kb_after(data, b"\nVmRSS:"), _kb_after(data, b"\nVmHWM:")
+    found = status_hwm_rss(data)
+    if found is not None:
+        return int(found[2]) * _KB, int(found[1]) * _KB
+    return _kb_after(data, b"\nVmRSS:"), _kb_after(data, b"\nVmHWM:")  # one of them, or another order
+
+
+status_hwm_rss = re.compile(rb"\nVmHWM:\s*(\d+) kB\nVmRSS:\s*(\d+) kB").search
+"""Both fields in one search, in Linux's order (``task_mem``): the window edge's whole parse."""
 
 
 def _kb_after(data: bytes, tag: bytes) -> int | None:

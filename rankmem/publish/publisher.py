@@ -19,20 +19,20 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from rankmem.core.catalogue import verl_metrics
 from rankmem.core.guard import Guard
 from rankmem.core.records import RunHeader, StepRecord
-from rankmem.exchange.aggregate import Gathered
-from rankmem.fit import prime
 from rankmem.publish import signals as _signals
 from rankmem.publish.handoff import Handoff
 from rankmem.runlog.writer import RunLogWriter
 from rankmem.sinks import SafeSink, Sink
-from rankmem.trend.stats import PAIRS_AT_LEAST, pairs
 
-_Collect = tuple[int, float, Gathered, dict[str, float]]
+if TYPE_CHECKING:
+    from rankmem.exchange.aggregate import Gathered
+
+_Collect = tuple[int, float, "Gathered", dict[str, float]]
 
 
 class RunLogQueue(Handoff):
@@ -107,17 +107,30 @@ class Publisher(Handoff):
         self._last_record: StepRecord | None = None
         self.header: RunHeader | None = None
         """The run header, on every rank once :meth:`start` has been given it."""
+        self._primer: threading.Thread | None = None
         if leak_check:
             # The watches' first judgements leave ~2.7 MiB resident in the logging rank (numpy's code
             # pages and workspaces after a first fit, the leak statistics' index pairs): mid-run, in the
-            # windows the advice fits read. Taken now, on every rank, it is in every baseline and the
-            # ranks stay alike (bench/RESULTS.md). Only memory is at stake: a failure is one warning.
-            with self._guard.contain("prime", "priming the online watches failed"):
-                prime()
-                pairs(PAIRS_AT_LEAST)
+            # windows the advice fits read. Taken before the first collect on every rank, on a thread
+            # while the first step runs, it is in every baseline and the ranks stay alike. Only memory
+            # is at stake: a failure is one warning.
+            self._primer = threading.Thread(target=self._prime, name="rankmem-prime", daemon=True)
+            self._primer.start()
+
+    def _prime(self) -> None:
+        with self._guard.contain("prime", "priming the online watches failed"):
+            import rankmem.exchange.exchange  # noqa: F401  (numpy, for the first collect)
+            from rankmem.fit import prime
+            from rankmem.trend.stats import PAIRS_AT_LEAST, pairs
+
+            prime()
+            pairs(PAIRS_AT_LEAST)
 
     def start(self, header: RunHeader, logging: bool) -> None:
-        """At the first collect, on every rank: keep the header; the logging rank opens its sinks."""
+        """At the first collect, on every rank: keep the header; the logging rank opens its sinks. The
+        priming is over by then (it has had the first step's time to finish)."""
+        if self._primer is not None:
+            self._primer.join(5.0)  # pure computation: a stall here would be a bug, never a wait for a rank
         self.header = header
         if logging:
             self.open(header)

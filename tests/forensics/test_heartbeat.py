@@ -13,7 +13,6 @@ import pytest
 
 from rankmem.forensics import heartbeat as _heartbeat
 from rankmem.forensics.heartbeat import RECORD_SIZE, Heartbeat, heartbeat_dir, read_heartbeats
-from rankmem.windows import Where
 
 
 def test_beat_round_trip(tmp_path: Path) -> None:
@@ -196,7 +195,7 @@ def _store_order() -> list[int]:
                                   last=_Stores(offsets, base=_heartbeat._SEQ3_AT))
     hb = Heartbeat.__new__(Heartbeat)
     hb._seq, hb._phase_name, hb._views = 0, None, views
-    hb.edge(Where(1, "p"), 1)
+    hb.edge(1, "p", 1)
     return offsets
 
 

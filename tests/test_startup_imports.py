@@ -1,0 +1,66 @@
+"""What starting rankmem loads, in a fresh process: the Monitor's modules only, and no command line or
+offline layer; the command's help none of the heavy ones (numpy, the offline layer, the Monitor's)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+HEAVY = ("numpy", "torch", "rankmem.offline", "rankmem.fit", "rankmem.trend.trend")
+
+
+def loaded(code: str) -> set[str]:
+    """The modules a fresh interpreter holds after ``code`` that it did not hold before."""
+    script = (f"import sys; before = set(sys.modules)\n{code}\n"
+              "import json\nprint(json.dumps(sorted(set(sys.modules) - before)))")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    return set(json.loads(proc.stdout.splitlines()[-1]))
+
+
+def heavy(modules: set[str]) -> list[str]:
+    return sorted(m for m in modules if any(m == h or m.startswith(h + ".") for h in HEAVY))
+
+
+def test_import_rankmem_loads_two_small_modules() -> None:
+    assert {m for m in loaded("import rankmem") if m.startswith("rankmem")} == {
+        "rankmem", "rankmem.core", "rankmem.core.version", "rankmem.errors"}
+
+
+def test_the_monitor_loads_no_numpy_cli_or_offline_layer() -> None:
+    got = loaded("from rankmem import Monitor, MonitorConfig, sample, allgather_dict_into_dict")
+    assert "rankmem.monitor" in got
+    assert heavy(got) == []
+    assert not any(m.startswith("rankmem.cli") for m in got)
+    assert "rankmem.exchange.exchange" not in got  # numpy's: built at the first collect
+
+
+def test_building_a_monitor_leaves_the_first_fit_to_its_own_thread() -> None:
+    """Monitor() starts the priming on a thread; by the first collect the fit has run (numpy loaded)."""
+    code = """
+import tempfile, threading
+import rankmem
+m = rankmem.Monitor(out_dir=tempfile.mkdtemp(), device="cpu", near_oom_watch=False)
+names = [t.name for t in threading.enumerate()]
+assert "rankmem-prime" in names, names
+m.collect({"loss": 1.0})
+m.close()
+"""
+    got = loaded(code)
+    assert {"numpy", "rankmem.fit", "rankmem.exchange.exchange"} <= got
+
+
+@pytest.mark.parametrize("command", [[], ["plot"], ["advise"], ["watch"], ["train"], ["doctor"],
+                                     ["completion"]])
+def test_help_loads_nothing_heavy(command: list[str]) -> None:
+    argv = [*command, "--help"]
+    got = loaded(f"from rankmem.cli import main\ntry:\n    main({argv!r})\nexcept SystemExit:\n    pass")
+    assert heavy(got) == []
+    assert "rankmem.monitor" not in got
