@@ -42,7 +42,8 @@ step() {  # step NAME TIMEOUT_S COMMAND...
 
 if [ "$DRY" = 1 ]; then
   step compile 60 "$PY" -m py_compile tests/test_gpu.py tests/dist_scripts/gpu_fresh_process.py bench/bench_probe.py \
-    tests/dist_scripts/gpu_nvml_check.py scripts/gpu_advise_check.py scripts/gpu_anatomy_check.py
+    tests/dist_scripts/gpu_nvml_check.py scripts/gpu_advise_check.py scripts/gpu_anatomy_check.py \
+    scripts/anatomy_tier_a.py
   step advise-check-args 30 "$PY" scripts/gpu_advise_check.py --dry-run
   step anatomy-check-args 30 "$PY" scripts/gpu_anatomy_check.py --dry-run
   step collect 60 "${PYTEST[@]}" --collect-only tests/test_gpu.py
@@ -61,6 +62,8 @@ else
   step advise-vs-device 180 "$PY" scripts/gpu_advise_check.py ${OUT:+--out "$OUT/advise_check"}
   # A sampled window's replay: exact against max_memory_allocated, the logits named, its cost, an OOM.
   step anatomy 90 "$PY" scripts/gpu_anatomy_check.py
+  # The always-on split on the device: params and optimizer exact, the split sums to peak_allocated.
+  step anatomy-tier-a 60 "$PY" scripts/anatomy_tier_a.py
 fi
 
 echo

@@ -167,3 +167,32 @@ def only_new_children() -> Iterator[list[int]]:
     if strays:
         pytest.skip(f"descendants this test did not start are still running: {strays}")
     yield strays
+
+
+TRAIN_STEPS = 20
+"""``rankmem train`` in README's commands runs at most this many steps (``make demo``'s 400 take minutes)."""
+
+
+def command_env() -> dict[str, str]:
+    """A README command's environment: one thread, and a free rendezvous port for torchrun."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PET_MASTER_PORT": str(free_port())}
+
+
+DEMO_COMMAND = f"rankmem train --nproc-per-node 2 --out runs/demo --steps {TRAIN_STEPS}"
+"""How :func:`make_demo_workdir` makes ``runs/demo``; its output is kept in ``train.out`` there."""
+
+
+def make_demo_workdir(work: Path) -> Path:
+    """``work`` as after ``make demo`` in a fresh clone: ``examples/`` and a short ``runs/demo``."""
+    (work / "examples").symlink_to(REPO / "examples")
+    done = subprocess.run([sys.executable, "-m", *DEMO_COMMAND.split()], cwd=work, env=command_env(),
+                          capture_output=True, text=True, timeout=PROCESS_TIMEOUT_S)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (work / "train.out").write_text(done.stdout)
+    return work
+
+
+@pytest.fixture(scope="session")
+def demo_workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One demo directory for the README's commands and the docs' samples (one launch, not two)."""
+    return make_demo_workdir(tmp_path_factory.mktemp("readme"))

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import re
 import shlex
 import subprocess
@@ -32,13 +31,13 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO, free_port, run_at_a_terminal
+from tests.conftest import REPO, TRAIN_STEPS, run_at_a_terminal
+from tests.conftest import command_env as _env
 from tests.runlog_helpers import read_log
 
 README = REPO / "README.md"
 PAGES = [README, *sorted((REPO / "docs").glob("*.md"))]
 """What a user reads: README and the pages under docs/."""
-TRAIN_STEPS = 20
 TIMEOUT_S = 240
 NOT_RUN = ("make", "pip", "git", "bash", "cd", "export", "source")
 
@@ -80,22 +79,6 @@ def _option(words: list[str], flag: str) -> str | None:
     return words[words.index(flag) + 1] if flag in words else None
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PET_MASTER_PORT": str(free_port())}
-
-
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A fresh directory with ``examples/`` and a short ``runs/demo``, as after ``make demo``."""
-    work = tmp_path_factory.mktemp("readme")
-    (work / "examples").symlink_to(REPO / "examples")
-    done = subprocess.run([sys.executable, "-m", "rankmem", "train", "--nproc-per-node", "2", "--steps",
-                           str(TRAIN_STEPS), "--out", "runs/demo"], cwd=work, env=_env(), capture_output=True,
-                          text=True, timeout=TIMEOUT_S)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return work
-
-
 def test_readme_shows_how_to_run_every_example() -> None:
     shown = {w for c in COMMANDS for w in shlex.split(c) if w.startswith("examples/") and w.endswith(".py")}
     assert shown == {f"examples/{p.name}" for p in (REPO / "examples").glob("*.py")}, shown
@@ -103,7 +86,7 @@ def test_readme_shows_how_to_run_every_example() -> None:
 
 
 @pytest.mark.parametrize("command", COMMANDS)
-def test_readme_command_runs_as_shown(command: str, workdir: Path) -> None:
+def test_readme_command_runs_as_shown(command: str, demo_workdir: Path) -> None:
     words = shlex.split(command)
     if words[0] in NOT_RUN:
         pytest.skip(f"sets up a machine: {command}")
@@ -115,9 +98,9 @@ def test_readme_command_runs_as_shown(command: str, workdir: Path) -> None:
         if steps is None or int(steps) > TRAIN_STEPS:
             argv += ["--steps", str(TRAIN_STEPS)]  # argparse keeps the last
     if words[:2] == ["rankmem", "watch"] and "--once" not in words:
-        _live_watch(argv, workdir)
+        _live_watch(argv, demo_workdir)
         return
-    done = subprocess.run(argv, cwd=workdir, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    done = subprocess.run(argv, cwd=demo_workdir, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
     # leaks answers "yes" with exit 1; advise on the demo's fixed micro-batches has no verdict (3), saying why
     ok = {"leaks": (0, 1), "advise": (3,) if "runs/demo" in words else (0,)}.get(words[1], (0,)) \
         if words[0] == "rankmem" else (0,)
@@ -127,7 +110,7 @@ def test_readme_command_runs_as_shown(command: str, workdir: Path) -> None:
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
     script = next((w for w in words if w.startswith("examples/")), None)
     if script is not None:
-        _check_example(Path(script).stem, words, workdir, done.stdout)
+        _check_example(Path(script).stem, words, demo_workdir, done.stdout)
 
 
 def _live_watch(argv: list[str], workdir: Path) -> None:
