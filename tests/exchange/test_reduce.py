@@ -130,7 +130,8 @@ def test_the_crossover_knobs_are_config_fields_the_environment_overrides(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from rankmem import Monitor, MonitorConfig
     from rankmem.errors import RankmemError
-    from rankmem.exchange.exchange import DETAIL_EVERY, REDUCE_ABOVE, Exchange
+    from rankmem.exchange.dist import DETAIL_EVERY, REDUCE_ABOVE
+    from rankmem.exchange.exchange import Exchange
 
     assert (Exchange().reduce_above, Exchange().detail_every) == (REDUCE_ABOVE, DETAIL_EVERY)
     config = MonitorConfig()
