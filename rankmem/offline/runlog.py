@@ -362,7 +362,9 @@ def _series(mapped: mmap.mmap, side: SideFile) -> dict[str, np.ndarray]:
         keys = side.key_sets[key_set]
         cube = np.ndarray((count, side.world, len(keys)), dtype="<f8", buffer=mapped, offset=start,
                           strides=(stride or 8, 8 * len(keys), 8))
-        block = np.ascontiguousarray(cube.transpose(2, 0, 1), dtype=np.float64)
+        # A copy always: ascontiguousarray returns the mapping itself where the transpose is contiguous
+        # already (one collect of one rank), and the mapping closes when this returns.
+        block = np.array(cube.transpose(2, 0, 1), dtype=np.float64, order="C", copy=True)
         del cube
         if count == rows:
             return {key: block[j] for j, key in enumerate(keys)}

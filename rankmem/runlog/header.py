@@ -12,6 +12,7 @@ string) gets its default, its value kept in ``RunHeader.unread``; fields a newer
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Any
@@ -31,12 +32,8 @@ def header_to_json(header: RunHeader, detail: str = DETAIL_NAME) -> dict[str, An
     """The header line's object: this process's versions and schema, ``detail`` the side file's name."""
     from rankmem.core.version import __version__
 
-    try:
-        import torch
-
-        torch_version: str | None = str(torch.__version__)
-    except ImportError:
-        torch_version = None
+    torch = sys.modules.get("torch")  # never imported here: torch takes seconds to load, on the sink thread
+    torch_version = str(torch.__version__) if torch is not None else None
     return {
         "kind": HEADER_KIND,
         "schema": SCHEMA,

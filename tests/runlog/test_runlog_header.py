@@ -48,11 +48,12 @@ def _write(out: Path, header: RunHeader = HEADER) -> Path:
 
 
 def test_the_header_reads_back_as_the_record_it_was_written_from(tmp_path: Path) -> None:
+    torch_version = _torch_version()  # the header names the torch this process has loaded
     _write(tmp_path)
     run = read_run(str(tmp_path))
     assert isinstance(run.header, RunHeader)
     assert run.header == replace(HEADER, schema=3, detail=DETAIL_NAME, rankmem_version=__version__,
-                                 torch_version=_torch_version())
+                                 torch_version=torch_version)
     assert run.header.ranks[0].device_uuid == "GPU-0000" and run.header.ranks[1].peak_rss_scope == "edges"
     assert run.header.extra == {} and run.header.unread == {}
     assert run.world_size == 2 and run.steps.tolist() == [0, 1, 2]
