@@ -95,6 +95,10 @@ class StepWindow:
         if "batches" not in self.framework and isinstance(inputs, Mapping):
             packed = "position_ids" in inputs or "cu_seq_lens_q" in inputs
             self.framework["batches"] = "packed" if packed else "padded"
+            if self.monitor is not None:  # its run_config is its own copy, made when it was built
+                framework = self.monitor.config.run_config.setdefault("framework", {})
+                if isinstance(framework, dict):
+                    framework["batches"] = self.framework["batches"]
 
     def _open_step(self, step: int) -> None:
         """Name the step in progress (``step``: the number its collect will log), then enter the step's
