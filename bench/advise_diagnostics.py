@@ -94,19 +94,23 @@ def q_term(seeds: list[tuple[Run, Run]]) -> None:
     a = np.array(rows)
     print(f"2. c over {len(rows)} rank fits: {a[:, 0].mean():.0f} bytes per squared token, sd {a[:, 0].std():.0f}, "
           f"{a[:, 0].min():.0f}..{a[:, 0].max():.0f}; b {a[:, 1].mean():.1f} KiB per token, sd {a[:, 1].std():.1f}; "
-          f"corr(b, c) {np.corrcoef(a[:, 0], a[:, 1])[0, 1]:+.2f}; corr(c, held-out bias) {np.corrcoef(a[:, 0], a[:, 2])[0, 1]:+.2f}")
+          f"corr(b, c) {np.corrcoef(a[:, 0], a[:, 1])[0, 1]:+.2f}; corr(c, held-out bias) "
+          f"{np.corrcoef(a[:, 0], a[:, 2])[0, 1]:+.2f}")
 
 
 def noise_term(dirs: list[str]) -> None:
     print("3. the interval's run-to-run term, and each rank's coefficients fitted alone:")
-    variants = [(f"relative_noise {noise:.4f}", FitConfig(relative_noise=noise)) for noise in (0.0, 0.0075, 0.015, 0.0225)]
+    variants = [(f"relative_noise {noise:.4f}", FitConfig(relative_noise=noise)) for noise in (0.0, 0.0075, 0.015,
+                                                                                               0.0225)]
     for label, config in variants + [("each rank alone", FitConfig(pool_ranks=False))]:
         rows = [evaluate(out, config) for out in dirs]
         errors = [e for r in rows for e in r["errors"]]
         outside = sum((1 - r["coverage"]) * r["windows"] for r in rows) / sum(r["windows"] for r in rows)
         ratios = [r["advised"] / r["bisected"] for r in rows]
-        print(f"   {label}: worst error {max(errors):.2%}, held-out windows outside {outside:.1%}, seeds whose held-out peak fell "
-              f"outside {sum(not r['peak_inside'] for r in rows)}/{len(rows)}, advised / bisected min {min(ratios):.3f} "
+        print(f"   {label}: worst error {max(errors):.2%}, held-out windows outside {outside:.1%}, seeds whose "
+              "held-out peak fell "
+              f"outside {sum(not r['peak_inside'] for r in rows)}/{len(rows)}, advised / bisected min "
+              f"{min(ratios):.3f} "
               f"median {statistics.median(ratios):.3f}, over the bisected in {sum(r > 1 for r in ratios)}")
 
 
@@ -129,7 +133,8 @@ def resident_split(seeds: list[tuple[Run, Run]]) -> None:
         file = np.mean([(r["bench/rss_file_gib"][i] - r["bench/rss_file_gib"][0]) * 1024 for r in rows])
         before = np.mean([(r["bench/anon_before_gib"][i] - r["bench/anon_before_gib"][0]) * 1024 for r in rows])
         budget = statistics.median(float(r["bench/budget"][i]) for r in rows)
-        print(f"   window {i:2d} (budget {budget:.0f}): anon {anon:+6.2f}, file {file:+6.2f}, anon before {before:+6.2f}")
+        print(f"   window {i:2d} (budget {budget:.0f}): anon {anon:+6.2f}, file {file:+6.2f}, anon before "
+              f"{before:+6.2f}")
 
 
 def shortfall(dirs: list[str], seeds: list[tuple[Run, Run]]) -> None:
@@ -158,7 +163,8 @@ def shortfall(dirs: list[str], seeds: list[tuple[Run, Run]]) -> None:
                          f"(Q {m.c * m.sq_sd_at(advice.max_tokens) * 1024:.1f}, scatter {m.scale * 1024:.1f}), "
                          f"c {m.c * 2**30:.0f} B")
         if parts:  # a seed none of whose ranks has a fit and advice has no bias to show
-            per_seed.append((row["advised"] / row["bisected"], worst, f"{os.path.basename(out)} (bisected {row['bisected']}): "
+            per_seed.append((row["advised"] / row["bisected"], worst,
+                             f"{os.path.basename(out)} (bisected {row['bisected']}): "
                              + "; ".join(parts)))
     if len(per_seed) < 3:
         print("   too few seeds")
@@ -166,7 +172,8 @@ def shortfall(dirs: list[str], seeds: list[tuple[Run, Run]]) -> None:
     b, h = np.array(biases), np.array(halves)
     ratio, worst_bias = np.array([r[0] for r in per_seed]), np.array([r[1] for r in per_seed])
     print(f"   bias over {b.size} rank fits: 5/25/50/75/95th percentiles "
-          f"{' / '.join(f'{v:+.1f}' for v in np.percentile(b, [5, 25, 50, 75, 95]))} MiB; half-width median {np.median(h):.1f} "
+          f"{' / '.join(f'{v:+.1f}' for v in np.percentile(b, [5, 25, 50, 75, 95]))} MiB; half-width median "
+          f"{np.median(h):.1f} "
           f"({np.percentile(h, 5):.1f}..{np.percentile(h, 95):.1f}); corr(advised / bisected, the worse rank's bias) "
           f"{np.corrcoef(ratio, worst_bias)[0, 1]:+.2f}")
     for r, _, text in sorted(per_seed)[:5]:
@@ -183,7 +190,8 @@ def main() -> None:
                    if d.startswith(prefix) and os.path.exists(os.path.join(args.out, d, "bench.json"))),
                   key=lambda d: int(d.rsplit("-", 1)[1]))
     if not dirs:
-        raise SystemExit(f"{args.out} holds no finished {args.attention} seed: run bench/bench_advise.py --out {args.out}")
+        raise SystemExit(f"{args.out} holds no finished {args.attention} seed: run bench/bench_advise.py --out "
+                         f"{args.out}")
     seeds = [(read_run(os.path.join(d, "probe")), read_run(os.path.join(d, "held"))) for d in dirs]
     print(f"{args.attention}: {len(dirs)} seeds from {args.out}")
     shape(seeds)

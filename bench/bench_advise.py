@@ -93,13 +93,16 @@ def worker(args: argparse.Namespace) -> None:
                         leak_check=False)
         w = TrainingWorker(model, cfg, device=torch.device("cpu"), monitor=probe)
         n = args.probe_draws  # steps per probe budget, each on fresh data
-        plan = [(WARMUP_BUDGET, 0), (WARMUP_BUDGET, 1)] + [(b, 2 + n * i + j) for i, b in enumerate(PROBE_BUDGETS[args.attention])
+        plan = [(WARMUP_BUDGET, 0), (WARMUP_BUDGET, 1)] + [(b, 2 + n * i + j) for i,
+                                                           b in enumerate(PROBE_BUDGETS[args.attention])
                                                            for j in range(n)]
         rows = run_steps(w, probe, draw, plan)
         probe.close()
         # Per rank: its lowest between-step RSS after warm-up plus 1.25x its largest rise; the tightest binds.
         usable = max(min(r["mem/host/rss_gib"][k] for r in rows[2:])  # type: ignore[type-var]
-                     + 1.25 * max(r["mem/phase/update/peak_rss_gib"][k] - min(q["mem/host/rss_gib"][k] for q in rows[2:])  # type: ignore
+                     # type: ignore
+                     + 1.25 * max(r["mem/phase/update/peak_rss_gib"][k]
+                                  - min(q["mem/host/rss_gib"][k] for q in rows[2:])
                                   for r in rows[2:]) for k in range(2))
         held = Monitor(out_dir=os.path.join(out, "held"), device="cpu", children=False, near_oom_watch=False,
                        leak_check=False)
@@ -219,7 +222,8 @@ def evaluate(out: str, config: Any = None) -> dict[str, Any]:
         advice = advise_rank(pf, Limit(truth["usable"], "bench", 0.0))
         advised.append(advice.max_tokens if not isinstance(advice, str) else 0)
     return {"naive_max": float(np.max(naive)), "errors": [float(e) for e in errors],
-            "coverage": float(np.mean(inside)), "all_inside": bool(all(inside)), "windows": len(errors), "quadratic": quadratic,
+            "coverage": float(np.mean(inside)), "all_inside": bool(all(inside)), "windows": len(errors),
+            "quadratic": quadratic,
             "peak_inside": bool(all(peak_inside)),
             "advised": min(advised) / overshoot, "bisected": truth["bisected"],
             # The lowest budget a step was seen over the usable memory at: advice there or above is unsafe,

@@ -59,7 +59,8 @@ def main() -> None:
     noise = statistics.stdev(per_step[False]) if args.repeats > 1 else float("nan")
     print(f"steps/run={args.steps} repeats={args.repeats} (one collect per step: logging_steps=1)")
     print(f"off: median {off:.3f} ms/step   on: median {on:.3f} ms/step")
-    print(f"difference: {on - off:+.3f} ms/step ({(on - off) / off:+.2%}); paired median {statistics.median(pairs):+.3f} ms/step")
+    print(f"difference: {on - off:+.3f} ms/step ({(on - off) / off:+.2%}); paired median "
+          f"{statistics.median(pairs):+.3f} ms/step")
     print(f"run-to-run noise (stdev of off runs): {noise:.3f} ms/step ({noise / off:.2%})")
 
 

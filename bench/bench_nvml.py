@@ -52,7 +52,8 @@ def main(quick: bool) -> None:
     print(f"local_metrics without attribution: {best_base:.2f} us/call (1.00x)")
     print(f"local_metrics with the last split:  {best_split:.2f} us/call ({best_split / best_base:.2f}x)")
     assert nvml is not None
-    print(f"NVML calls on the measuring thread: {sum(1 for _, t in nvml.calls if t == __import__('threading').get_ident())}")
+    print(f"NVML calls on the measuring thread: "
+          f"{sum(1 for _, t in nvml.calls if t == __import__('threading').get_ident())}")
     base.close()
     split.close()
 

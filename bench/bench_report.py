@@ -172,7 +172,8 @@ def main() -> None:
         wall = best({"loads": lambda: loads(os.path.join(run, "rankmem.jsonl")), "report": lambda: report_of(run),
                      "cli": lambda: cli_report(run)}, args.repeat)
         print(f"  (a) json.loads of the run log's own lines: {wall['loads']:6.2f} s")
-        print(f"  (b) rankmem report, in process:            {wall['report']:6.2f} s ({wall['report'] / wall['loads']:.2f}x)")
+        print(f"  (b) rankmem report, in process:            {wall['report']:6.2f} s "
+              f"({wall['report'] / wall['loads']:.2f}x)")
         print(f"  (c) rankmem report, the whole command:     {wall['cli']:6.2f} s ({wall['cli'] / wall['loads']:.2f}x)")
         print(f"  target (b)/(a) <= 0.5: {'PASS' if wall['report'] <= 0.5 * wall['loads'] else 'FAIL'}; "
               f"report peak RSS {peak_rss_mib(run):.0f} MiB (fresh process)")

@@ -169,13 +169,15 @@ def model_nccl(world: int, k: int, gamma_us: float, reduce_local_us: float) -> d
     nodes = max(1, world // GPUS_PER_NODE)
     s = 8 * (k + 3)  # one rank's packed vector, bytes
     ring_steps = (nodes - 1) * NCCL_ALPHA_NET_US + (min(world, GPUS_PER_NODE) - 1) * NCCL_ALPHA_NVL_US
-    tree_steps = 2 * math.log2(max(nodes, 1)) * NCCL_ALPHA_NET_US + 2 * math.log2(min(world, GPUS_PER_NODE)) * NCCL_ALPHA_NVL_US
+    tree_steps = (2 * math.log2(max(nodes, 1)) * NCCL_ALPHA_NET_US
+                  + 2 * math.log2(min(world, GPUS_PER_NODE)) * NCCL_ALPHA_NVL_US)
     ag = ring_steps + (world - 1) * s / NCCL_BW_NET * 1e6 + D2H_US + gamma_us * world * k
     ar_bytes = 8 * (6 + 3 * k + (2 + BINS) * k + 3 * k)
     red = 3 * (min(ring_steps * 2, tree_steps) + 2 * ar_bytes / 3 / NCCL_BW_NET * 1e6 + D2H_US) + reduce_local_us
     # Gather to the logging rank: its receive is serial in W (NCCL gather is W-1 sends to one peer);
     # the other ranks still need the aggregates back: one broadcast of 5K floats.
-    one = (world - 1) * (NCCL_ALPHA_NVL_US / 4 + s / NCCL_BW_NET * 1e6) + tree_steps / 2 + D2H_US * 2 + gamma_us * world * k
+    one = ((world - 1) * (NCCL_ALPHA_NVL_US / 4 + s / NCCL_BW_NET * 1e6) + tree_steps / 2 + D2H_US * 2
+           + gamma_us * world * k)
     # Hierarchical: an NVLink all-gather in the node, partial aggregates, an all-gather of those across nodes.
     hier = ((GPUS_PER_NODE - 1) * NCCL_ALPHA_NVL_US + (nodes - 1) * NCCL_ALPHA_NET_US
             + (nodes - 1) * 8 * 5 * k / NCCL_BW_NET * 1e6 + 2 * D2H_US + gamma_us * (GPUS_PER_NODE + nodes) * k)
@@ -187,7 +189,8 @@ def bytes_per_rank(world: int, k: int) -> dict[str, float]:
     s = 8 * (k + 3)
     ar = 8 * (6 + 3 * k + (2 + BINS) * k + 3 * k)
     return {"allgather": (world - 1) * s, "reduce": 2 * (world - 1) / world * ar,
-            "gather_to_one": (world - 1) * s, "hierarchical": (GPUS_PER_NODE - 1) * s + (world // GPUS_PER_NODE) * 40 * k}
+            "gather_to_one": (world - 1) * s,
+            "hierarchical": (GPUS_PER_NODE - 1) * s + (world // GPUS_PER_NODE) * 40 * k}
 
 
 def main() -> None:
@@ -210,7 +213,8 @@ def main() -> None:
     local = measure_local(local_worlds)
     reduce_local = measure_reduce_local()
     print(f"\nlocal CPU, K={KEYS}, us (one process): reduce path's own work {reduce_local:.1f} us at any W")
-    print(f"{'W':>6s} {'aggregate':>10s} {'columns':>10s} {'json full':>10s} {'json agg':>9s} {'line B':>10s} {'agg line B':>11s}")
+    print(f"{'W':>6s} {'aggregate':>10s} {'columns':>10s} {'json full':>10s} {'json agg':>9s} {'line B':>10s} "
+          f"{'agg line B':>11s}")
     for r in local:
         print(f"{int(r['world']):6d} {r['aggregate']:10.1f} {r['columns']:10.1f} {r['json_full']:10.1f} "
               f"{r['json_agg']:9.1f} {int(r['line_bytes']):10d} {int(r['line_agg_bytes']):11d}")
@@ -233,7 +237,8 @@ def main() -> None:
     curves = {w: model_nccl(w, KEYS, gamma, reduce_local) for w in model_ws}
     cross = next((w for w in model_ws if curves[w]["reduce"] < curves[w]["allgather"]), math.inf)
     print(f"NCCL model (assumed constants, see RESULTS.md), K={KEYS}, us per collect:")
-    print(f"{'W':>6s} {'allgather':>10s} {'reduce':>8s} {'to_one':>8s} {'hier':>8s} {'recv B ag':>10s} {'recv B red':>11s}")
+    print(f"{'W':>6s} {'allgather':>10s} {'reduce':>8s} {'to_one':>8s} {'hier':>8s} {'recv B ag':>10s} "
+          f"{'recv B red':>11s}")
     for w in model_ws:
         c, b = curves[w], bytes_per_rank(w, KEYS)
         print(f"{w:6d} {c['allgather']:10.1f} {c['reduce']:8.1f} {c['gather_to_one']:8.1f} {c['hierarchical']:8.1f} "

@@ -133,7 +133,8 @@ def worker(args: argparse.Namespace) -> None:
             continue
         per_step[mode].append((clock.wall, clock.cpu))
         if len(per_step[mode]) == steps:
-            rounds[mode].append(tuple(statistics.median(c) for c in zip(*per_step[mode], strict=True)))  # type: ignore[arg-type]
+            # type: ignore[arg-type]
+            rounds[mode].append(tuple(statistics.median(c) for c in zip(*per_step[mode], strict=True)))
             per_step[mode] = []
     monitor.close()
     gathered: list[Any] = [None] * world
@@ -164,7 +165,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--steps", type=int, default=0, help="steps per mode per round (default 10 at world 2, 4 above)")
+    parser.add_argument("--steps", type=int, default=0,
+                        help="steps per mode per round (default 10 at world 2, 4 above)")
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--worker", action="store_true", help="run as one rank (under torchrun)")

@@ -191,7 +191,8 @@ def main(argv: list[str]) -> int:
                 miss = peak < capacity  # the prediction said it would fit
                 misses += miss
                 print(f"gpu_advise_check: {'MISS' if miss else 'ok'} attention={attention} T={t}: out of memory on "
-                      f"this {capacity:.1f} GiB device; predicted {peak:.2f} GiB ({low:.2f}..{high:.2f}, from {source})")
+                      f"this {capacity:.1f} GiB device; predicted {peak:.2f} GiB ({low:.2f}..{high:.2f}, "
+                      f"from {source})")
                 continue
             error = (peak - real) / real
             fitted = allocated_peak(out, t)

@@ -60,7 +60,10 @@ DIFF = {
     },
     "train_batch": {
         "output = self.engine.train_batch(data, loss_function=self.loss_fn)": [
-            'with self.rankmem.phase("update"):', "    output = self.engine.train_batch(data, loss_function=self.loss_fn)"],
+            'with self.rankmem.phase("update"):',
+                                                                               "    output = "
+                                                                               "self.engine.train_batch(data, "
+                                                                               "loss_function=self.loss_fn)"],
     },
 }
 
@@ -161,7 +164,8 @@ def make_classes() -> tuple[type, type]:
             initialize_global_process_group_ray(timeout_second=120, backend="gloo")  # verl's default asks for NCCL
             if "rankmem_check" not in EngineRegistry._engines.get("language_model", {}):
                 EngineRegistry.register("language_model", "rankmem_check", device=["cuda", "cpu"])(CheckEngine)
-            engine = Cfg(strategy="rankmem_check", forward_only=False, use_dynamic_bsz=False, micro_batch_size_per_gpu=2,
+            engine = Cfg(strategy="rankmem_check", forward_only=False, use_dynamic_bsz=False,
+                         micro_batch_size_per_gpu=2,
                          max_token_len_per_gpu=None, infer_max_token_len_per_gpu=None, infer_micro_batch_size_per_gpu=2)
             super().__init__(Cfg(model_type="language_model", model_config=Cfg(), engine_config=engine,
                                  optimizer_config=Cfg(), checkpoint_config=Cfg(), profiler_config=None))
@@ -263,7 +267,8 @@ def main() -> int:
           f"the Hydra token puts the hook in ray.init's runtime env: {hook['runtime_env_hook']}")
     check(hook["runner"] == {"hook": True, "rankmem_monitor_loaded": False},
           f"the TaskRunner ran the hook and loaded no more of rankmem: {hook['runner']}")
-    check([r["patched"] for r in hook["ranks"]] == [True, True] and [r["patched"] for r in diff["ranks"]] == [False] * 2,
+    check([r["patched"] for r in hook["ranks"]] == [True,
+                                                    True] and [r["patched"] for r in diff["ranks"]] == [False] * 2,
           "each worker RayWorkerGroup made (per-actor env_vars "
           f"{hook['ranks'][1]['env']}) has the patch with the hook, not without")
     for n in range(STEPS):
@@ -297,7 +302,8 @@ def main() -> int:
     check(lines[0]["world_size"] == 2 and len(lines) == 1 + STEPS * 2 and worst == 1,
           f"with RANKMEM_OUT: {prefix}/rankmem.jsonl, {len(lines) - 1} records of world 2 (a collect per "
           f"mini-batch), and verl's metrics name the worst rank: mem/host/rss_gib/max_rank = {worst}")
-    print(f"verl check: {'passed' if not failures else f'{len(failures)} failed'} in {time.monotonic() - started:.1f} s")
+    verdict = "passed" if not failures else f"{len(failures)} failed"
+    print(f"verl check: {verdict} in {time.monotonic() - started:.1f} s")
     return 0 if not failures else 1
 
 

@@ -33,7 +33,8 @@ def write_run(
     keys = sorted(series)
     header = RunHeader(
         world_size=world,
-        ranks=[RankInfo(rank=r, local_rank=r, host="node0", pid=1000 + r, device="none", peak_rss_scope="window") for r in range(world)],
+        ranks=[RankInfo(rank=r, local_rank=r, host="node0", pid=1000 + r, device="none",
+                        peak_rss_scope="window") for r in range(world)],
         config=dict(config) if config is not None else {"test": True},
         started=1.7e9,
     )

@@ -51,4 +51,5 @@ def test_docs_command_runs_as_shown(tmp_path: Path, page: str, command: str) -> 
     assert done.returncode == 0, f"{page}: {command}\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
     assert "Traceback" not in done.stderr
     if "completion bash >" in command:
-        assert (tmp_path / ".local/share/bash-completion/completions/rankmem").read_text().startswith("# bash completion")
+        assert (tmp_path / ".local/share/bash-completion/completions/rankmem").read_text().startswith("# bash "
+                                                                                                      "completion")

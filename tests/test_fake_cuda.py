@@ -145,6 +145,7 @@ def test_snapshot_segments_have_torchs_fields() -> None:
         "segment_type", "segment_pool_id", "blocks",
     }
     assert (segment["total_size"], segment["allocated_size"], segment["segment_type"]) == (20 * MIB, 5 * MIB, "large")
-    assert [(b["state"], b["size"]) for b in segment["blocks"]] == [("active_allocated", 5 * MIB), ("inactive", 15 * MIB)]
+    assert [(b["state"], b["size"]) for b in segment["blocks"]] == [("active_allocated", 5 * MIB), ("inactive",
+                                                                                                    15 * MIB)]
     assert cuda.memory_snapshot() == [segment]
     cuda.free(h)

@@ -72,7 +72,8 @@ def test_pinned_host_memory_and_inactive_split_against_torch() -> None:
     stats = torch.cuda.host_memory_stats()
     assert round(m["mem/host/pinned_gib"] * GIB) == stats["allocated_bytes.current"] >= 96 * MIB
     assert round(m["mem/host/lifetime_peak_pinned_gib"] * GIB) == stats["allocated_bytes.peak"]
-    assert round(m["mem/device/inactive_split_gib"] * GIB) == torch.cuda.memory_stats()["inactive_split_bytes.all.current"]
+    inactive = torch.cuda.memory_stats()["inactive_split_bytes.all.current"]
+    assert round(m["mem/device/inactive_split_gib"] * GIB) == inactive
     del pinned, small
     monitor.close()
 
@@ -186,7 +187,8 @@ def test_forensics_hooks_behave_as_the_fake_models_them() -> None:
     assert len(calls) == 1
     device, alloc, third, free = calls[0]
     assert device == torch.cuda.current_device() and alloc >= 2 * total and third == total and 0 < free < total
-    assert re.match(r"CUDA out of memory\. Tried to allocate \S+ \w+\. GPU \d+ has a total capacity of ", str(err.value))
+    assert re.match(r"CUDA out of memory\. Tried to allocate \S+ \w+\. GPU \d+ has a total capacity of ",
+                    str(err.value))
     assert backend.record_history(1000)
     try:
         kept = torch.empty(300 * MIB, dtype=torch.uint8, device="cuda")

@@ -188,7 +188,8 @@ def test_no_import_cycle_among_rankmem_modules() -> None:
     assert _cycles(GRAPH) == []
     # The check itself finds one, function-level imports included.
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
-    source = "def f():\n    from rankmem.offline.report import build_report\nif TYPE_CHECKING:\n    import rankmem.offline.plot\n"
+    source = ("def f():\n    from rankmem.offline.report import build_report\nif TYPE_CHECKING:\n"
+              "    import rankmem.offline.plot\n")
     visitor = _Imports("rankmem.x", False)
     visitor.visit(ast.parse(source))
     assert visitor.found == {"rankmem.offline.report"}

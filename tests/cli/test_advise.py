@@ -110,7 +110,8 @@ def test_advice_where_capacity_binds_is_below_the_exact_crossing(tmp_path: Path,
     assert 1048 - 200 < binding["max_tokens"] < 1048 - 60
     assert binding["high_gib"] == pytest.approx(1.4, abs=1e-6)
     assert binding["overshoot"] == pytest.approx(3250 / 2048)
-    assert binding["verl"] == {"actor_rollout_ref.actor.ppo_max_token_len_per_gpu": int(binding["max_tokens"] / (3250 / 2048))}
+    budget = int(binding["max_tokens"] / (3250 / 2048))
+    assert binding["verl"] == {"actor_rollout_ref.actor.ppo_max_token_len_per_gpu": budget}
 
 
 def test_at_tokens_predicts_the_peak_and_refuses_past_1_5x(tmp_path: Path, capsys) -> None:
@@ -211,7 +212,8 @@ def test_a_cgroup_s_capacity_leaves_out_what_its_other_processes_hold(tmp_path: 
     others = np.where(np.arange(steps) == 5, 0.25, 0.2)[:, None]
     write_run(tmp_path, {key_of("rss"): rss, key_of("cgroup_limit"): np.full((steps, 1), 2.0),
                          key_of("cgroup_working_set"): rss + others, key_of("cgroup_used"): rss + others + 0.5,
-                         key_of("node_used"): np.full((steps, 1), 9.0), key_of("node_available"): np.full((steps, 1), 7.0)},
+                         key_of("node_used"): np.full((steps, 1), 9.0), key_of("node_available"): np.full((steps, 1),
+                                                                                                          7.0)},
               world=1)
     limit = run_limit(read_run(str(tmp_path)), "host")
     assert limit.capacity == pytest.approx(1.75)
@@ -245,8 +247,9 @@ def test_growth_between_steps_is_named_and_kept_free_to_the_step_asked(tmp_path:
     assert before[0]["growth_mib_per_step"] == 0.0
     assert before[1]["growth_mib_per_step"] == pytest.approx(0.5, rel=0.05)
     rc, text, _ = advise(capsys, *base_args[:-1])
-    assert rc == 0 and any(line.startswith("rank 1: what it holds between steps grows +0.50") and
-                           line.endswith("not kept free; --steps N keeps its growth to step N") for line in text.splitlines())
+    assert rc == 0 and any(line.startswith("rank 1: what it holds between steps grows +0.50")
+                           and line.endswith("not kept free; --steps N keeps its growth to step N")
+                           for line in text.splitlines())
     rc, out, _ = advise(capsys, *base_args, "--steps", "100")
     assert rc == 0
     after = {r["rank"]: r for r in json.loads(out)}

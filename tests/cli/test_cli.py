@@ -52,7 +52,8 @@ def test_bad_logs_exit_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFix
     ]
     assert main([command, str(tmp_path / "missing"), *extra]) == 2
     assert capsys.readouterr().err.splitlines() == [
-        f"rankmem {command}: error: no run log at {tmp_path / 'missing'}: pass a run directory holding rankmem.jsonl, or the .jsonl file"
+        f"rankmem {command}: error: no run log at {tmp_path / 'missing'}: pass a run directory holding rankmem.jsonl, "
+        "or the .jsonl file"
     ]
 
 

@@ -139,8 +139,10 @@ def test_two_ranks_killed_while_torchrun_was_stopping_one() -> None:
     beats = {0: beat(0, 16660, 4, rss=GIB // 2), 1: beat(1, 16661, 4)}
     found = diagnose(text, beats, OomKills(0, 0), OomKills(2, 2), NOW)
     assert [f.line for f in found] == [
-        "rank 0 was killed by SIGKILL at step 4, last RSS 0.5 GiB; its cgroup's own OOM-kill count rose: the kernel OOM killer",
-        "rank 1 was killed by SIGKILL at step 4, last RSS 3.0 GiB; its cgroup's own OOM-kill count rose: the kernel OOM killer",
+        "rank 0 was killed by SIGKILL at step 4, last RSS 0.5 GiB; its cgroup's own OOM-kill count rose: the kernel "
+        "OOM killer",
+        "rank 1 was killed by SIGKILL at step 4, last RSS 3.0 GiB; its cgroup's own OOM-kill count rose: the kernel "
+        "OOM killer",
     ]
 
 

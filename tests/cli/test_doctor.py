@@ -26,7 +26,8 @@ def test_doctor_reports_versions_backend_scope_cgroup_out_dir_and_extras(
     assert lines[1] == (f"torch: {torch.__version__} (CUDA {torch.version.cuda} build)" if torch.version.cuda
                         else f"torch: {torch.__version__} (no CUDA in this build)")
     if not torch.cuda.is_available():
-        assert lines[2] == "device backend: none: torch sees no cuda, npu or xpu device; rankmem reports host memory only"
+        assert lines[2] == ("device backend: none: torch sees no cuda, npu or xpu device; rankmem reports host "
+                            "memory only")
     try:  # the host peak resets per window where this process may write clear_refs
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -53,7 +54,8 @@ def test_doctor_names_a_run_directory_it_cannot_write(tmp_path: Path, capsys: py
     (tmp_path / "file").write_text("")
     assert main(["doctor", "--out", str(tmp_path / "file" / "run")]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("run directory"))
-    assert line == f"run directory {tmp_path}/file/run: NOT writable (not a directory: {tmp_path}/file): choose another --out"
+    assert line == (f"run directory {tmp_path}/file/run: NOT writable (not a directory: {tmp_path}/file): "
+                    "choose another --out")
     if os.geteuid() != 0:  # root writes anywhere
         locked = tmp_path / "locked"
         locked.mkdir(mode=0o500)
@@ -90,7 +92,8 @@ def test_doctor_says_what_the_peak_source_does_to_other_tools(
 def test_doctor_hints_only_what_helps(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
                                       tmp_path: Path) -> None:
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("torch", "verl") else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("torch", "verl") else real(name,
+                                                                                                                  *a))
     assert main(["doctor", "--out", str(tmp_path)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[1] == ("torch: not installed: install the build for your accelerator as "

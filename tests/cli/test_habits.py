@@ -55,7 +55,8 @@ def test_a_mistyped_flag_shows_the_subcommands_usage_and_the_nearest_flag(capsys
 
 def test_a_mistyped_command_gets_the_nearest(capsys: pytest.CaptureFixture[str]) -> None:
     usage = "usage: rankmem [-h] [--version] COMMAND ...\n"
-    assert _cli(capsys, "reprot", "runs/x") == (2, "", usage + "rankmem: error: no command 'reprot'; did you mean 'report'?\n")
+    assert _cli(capsys, "reprot", "runs/x") == (2, "",
+                                                usage + "rankmem: error: no command 'reprot'; did you mean 'report'?\n")
     rc, _, err = _cli(capsys, "xyzzy")
     assert err == usage + ("rankmem: error: no command 'xyzzy'; the commands are: train, report, plot, advise, leaks, "
                            "export, watch, doctor, completion\n")
@@ -91,7 +92,8 @@ def test_warnings_print_as_one_line_with_relative_paths(tmp_path: Path, monkeypa
     lib = str(REPO / "rankmem" / "offline" / "plot.py")
     assert format_warning("odd", UserWarning, lib, 3) == "rankmem: UserWarning: odd (rankmem/offline/plot.py:3)\n"
     # In a process of its own: pytest records warnings, and a recorder keeps what it records.
-    code = ("import os; from rankmem.cli._showwarning import one_line_warnings; from rankmem.core.warnings import warn\n"
+    code = ("import os; from rankmem.cli._showwarning import one_line_warnings; from rankmem.core.warnings import "
+            "warn\n"
             "with one_line_warnings():\n    warn('rankmem: cannot write ' + os.getcwd() + '/runs/a/x')\n")
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60,
                           env={**os.environ, "PYTHONPATH": str(REPO)})

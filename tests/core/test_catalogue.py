@@ -1,4 +1,5 @@
-"""The metric catalogue: docs/metrics.md's key table holds exactly its keys; what derives from it; the phase of a peak."""
+"""The metric catalogue: docs/metrics.md's key table holds exactly its keys; what derives from it; the phase
+of a peak."""
 
 from __future__ import annotations
 
@@ -83,7 +84,8 @@ def test_derived_tables_and_directions() -> None:
                                    "mem/device/engine_residue_gib")
     assert catalogue.PHASE_SUFFIX[catalogue.key_of("peak_reserved")] == "peak_reserved_gib"
     # A leak names its phase through the phase key that holds what each phase left of it behind.
-    assert catalogue.PHASE_DELTA == {"mem/host/rss_gib": "rss_delta_gib", "mem/device/allocated_gib": "allocated_delta_gib"}
+    assert catalogue.PHASE_DELTA == {"mem/host/rss_gib": "rss_delta_gib",
+                                     "mem/device/allocated_gib": "allocated_delta_gib"}
     assert set(catalogue.PHASE_DELTA.values()) <= {p.key for p in PHASE_CATALOGUE}
     assert "min_rank" in catalogue.AGGREGATES and "max_rank" in catalogue.AGGREGATES
     with pytest.raises(KeyError, match="no catalogue key is made from WindowBytes.nope"):
@@ -91,7 +93,8 @@ def test_derived_tables_and_directions() -> None:
     assert catalogue.is_memory_key("mem/host/rss_gib")
     assert not catalogue.is_memory_key("mem/phase/update/peak_rss_gib") and not catalogue.is_memory_key("loss")
     assert catalogue.phase_key("update", "peak_rss_gib") == "mem/phase/update/peak_rss_gib"
-    assert catalogue.phase_names(["mem/phase/b/x_gib", "mem/phase/a/y_gib", "mem/host/rss_gib", "mem/phase/"]) == ["a", "b"]
+    assert catalogue.phase_names(["mem/phase/b/x_gib", "mem/phase/a/y_gib", "mem/host/rss_gib", "mem/phase/"]) == ["a",
+                                                                                                                   "b"]
 
 
 def test_phase_of_peak_names_the_phase_that_equals_the_step_peak() -> None:

@@ -109,7 +109,8 @@ def test_missing_fields_read_as_their_defaults(tmp_path: Path) -> None:
     ('{"kind":"killed","rank":0,"time":2.0,"cgroup_oom_kills":["a",1]}', "cgroup_oom_kills", ["a", 1]),
     ('{"kind":"oom","rank":' + "9" * 40 + ',"time":2.0}', "rank", int("9" * 40)),
 ])
-def test_a_wrong_typed_field_reads_as_its_default_and_is_kept(tmp_path: Path, line: str, name: str, raw: object) -> None:
+def test_a_wrong_typed_field_reads_as_its_default_and_is_kept(tmp_path: Path, line: str, name: str,
+                                                              raw: object) -> None:
     event = _read_one(tmp_path, line)
     default = getattr(type(event)(), name)
     assert getattr(event, name) == default

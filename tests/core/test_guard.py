@@ -94,7 +94,8 @@ def test_every_broad_handler_is_a_documented_boundary() -> None:
     undocumented = {f"{where} (line {', '.join(map(str, lines))})" for where, lines in found.items()
                     if where not in _documented()}
     assert not undocumented, ("a broad handler outside the boundaries rankmem.core.guard's docstring lists: route it "
-                              f"through Guard (or attempt / load_optional), or catch the types that occur: {undocumented}")
+                              f"through Guard (or attempt / load_optional), or catch the types that occur: "
+                              f"{undocumented}")
 
 
 def test_every_documented_boundary_is_in_the_code() -> None:

@@ -62,7 +62,8 @@ def main(n_gib: float) -> int:
                                if k.endswith("_bytes")}, "reasons:", split.reasons)
         ok = True
         off = abs(split.descendants - added)
-        print(f"child added {added / MIB:.0f} MiB; descendants {split.descendants / MIB:.0f} MiB (off {off / MIB:.1f} MiB)")
+        print(f"child added {added / MIB:.0f} MiB; descendants {split.descendants / MIB:.0f} MiB (off {off / MIB:.1f} "
+              "MiB)")
         ok &= off <= 64 * MIB
         if None in parts or split.used is None:
             print("FAIL: a part is unknown:", split.reasons)

@@ -89,7 +89,9 @@ def test_grpo_reward_rises_and_run_log_has_every_key(grpo_run: tuple[str, Path])
         assert ranks[f"mem/phase/{phase}/peak_rss_gib"][0] > 0.05  # a Python + torch process holds >50 MiB
     # A step's peak covers its phases.
     for r in (0, 1):
-        assert ranks["mem/host/peak_rss_gib"][r] >= max(ranks[f"mem/phase/{p}/peak_rss_gib"][r] for p in ("rollout", "log_prob", "update"))
+        assert ranks["mem/host/peak_rss_gib"][r] >= max(ranks[f"mem/phase/{p}/peak_rss_gib"][r] for p in ("rollout",
+                                                                                                          "log_prob",
+                                                                                                          "update"))
     assert metrics["perf/cpu_memory_used_gb"] == metrics["mem/host/rss_gib/max"]
     assert "perf/max_memory_allocated_gb" not in metrics  # no device on a CPU build: absent, not 0
     # Worker metrics, gathered in the same collective.

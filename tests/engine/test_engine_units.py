@@ -135,7 +135,8 @@ def test_train_summary_names_each_keys_worst_rank_at_its_worse_end() -> None:
 
     peak, headroom = "mem/device/peak_reserved_gib", "mem/device/headroom_gib"
     tracker = PeakTracker(SimpleNamespace(last_record=None))  # type: ignore[arg-type]
-    for step, (peak_max, peak_rank, room_min, room_rank) in enumerate([(3.0, 2, 5.0, 0), (2.0, 0, 1.5, 1), (4.0, 1, 2.0, 2)]):
+    for step, (peak_max, peak_rank, room_min, room_rank) in enumerate([(3.0, 2, 5.0, 0), (2.0, 0, 1.5, 1), (4.0, 1, 2.0,
+                                                                                                            2)]):
         tracker.update(step, {f"{peak}/max": peak_max, f"{peak}/max_rank": peak_rank, f"{peak}/min": 0.1,
                               f"{peak}/min_rank": 3, f"{headroom}/max": 9.0, f"{headroom}/max_rank": 3,
                               f"{headroom}/min": room_min, f"{headroom}/min_rank": room_rank})

@@ -192,7 +192,8 @@ def test_advised_budget_runs_in_its_capacity_and_1_3x_is_oom_killed(tmp_path: Pa
     rise = float(peaks.max()) - baseline
     capacity = baseline + CAPACITY_RISE * rise + HEADROOM
     limit = int(capacity) + offset
-    figures = (f"probe: baseline {baseline / MIB:.1f} MiB, update peaks {peaks.min() / MIB:.1f}..{peaks.max() / MIB:.1f} "
+    figures = (f"probe: baseline {baseline / MIB:.1f} MiB, update peaks "
+               f"{peaks.min() / MIB:.1f}..{peaks.max() / MIB:.1f} "
                f"MiB at T {tokens.min():.0f}..{tokens.max():.0f}; offset {offset / MIB:.1f} MiB "
                f"({min(probe.offsets) / MIB:.1f}..{offset / MIB:.1f}, cgroup anon minus processes' "
                f"{min(probe.anon_gap) / MIB:.1f}..{max(probe.anon_gap) / MIB:.1f} MiB); capacity "

@@ -208,7 +208,8 @@ def test_two_jobs_racing_for_one_out_dir_one_is_refused(tmp_path: Path) -> None:
         (["--lr", "nan"], "--lr must be a finite number > 0, got nan"),
         (["--timeout-s", "nan"], "--timeout-s must be a number of seconds in (0, 31536000] (a year), got nan"),
         (["--nnodes", "0"], "--nnodes must be a number of nodes in 1..65536, or MIN:MAX with 1 <= MIN <= MAX; got '0'"),
-        (["--nnodes", "3:2"], "--nnodes must be a number of nodes in 1..65536, or MIN:MAX with 1 <= MIN <= MAX; got '3:2'"),
+        (["--nnodes", "3:2"],
+         "--nnodes must be a number of nodes in 1..65536, or MIN:MAX with 1 <= MIN <= MAX; got '3:2'"),
         (["--node-rank", "1"], "--node-rank must be in 0..0 (--nnodes 1), got 1"),
         (["--seed", "-1"], "--seed must be in 0..4294967295, got -1"),
     ],
@@ -241,7 +242,8 @@ def test_device_cuda_on_a_build_without_cuda_is_one_line(capsys: pytest.CaptureF
     monkeypatch.chdir(tmp_path)
     assert main(["train", "--device", "cuda"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"rankmem train: error: --device cuda, but this torch {torch.__version__} has no CUDA device (")
+    assert err.startswith(f"rankmem train: error: --device cuda, but this torch {torch.__version__} has no CUDA device "
+                          "(")
     assert err.endswith("): use --device cpu, or auto\n") and err.count("\n") == 1
 
 

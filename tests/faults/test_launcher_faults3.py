@@ -143,7 +143,8 @@ def test_a_rank_stopped_between_its_window_and_collect_is_named(tmp_path: Path) 
 
 def test_sizes_no_node_can_hold_are_one_line_and_exit_2(tmp_path: Path) -> None:
     cases = {
-        ("--nproc-per-node", "100000"): "rankmem train: error: --nproc-per-node 100000 is more ranks than this node can hold",
+        ("--nproc-per-node",
+         "100000"): "rankmem train: error: --nproc-per-node 100000 is more ranks than this node can hold",
         ("--nproc-per-node", str(10**30)): "is more ranks than this node can hold",
         ("--batch-size", str(10**12)): "--batch-size asks for 1,000,000,000,000 sequences per rank",
         ("--steps", str(10**12)): "--steps must be at most 1,000,000,000",

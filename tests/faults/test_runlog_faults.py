@@ -51,14 +51,17 @@ def _values(n: int) -> list[str]:
 
 HEADERS = [
     ({**HEADER, "world_size": 0}, "the header's world_size must be the number of ranks (an integer >= 1), got 0"),
-    ({"kind": "header", "schema": 3}, "the header's world_size must be the number of ranks (an integer >= 1), got None"),
+    ({"kind": "header", "schema": 3},
+     "the header's world_size must be the number of ranks (an integer >= 1), got None"),
     ({**HEADER, "world_size": -1}, "the header's world_size must be the number of ranks (an integer >= 1), got -1"),
-    ({**HEADER, "world_size": "two"}, "the header's world_size must be the number of ranks (an integer >= 1), got 'two'"),
+    ({**HEADER, "world_size": "two"},
+     "the header's world_size must be the number of ranks (an integer >= 1), got 'two'"),
     ({**HEADER, "world_size": True}, "the header's world_size must be the number of ranks (an integer >= 1), got True"),
     ({**HEADER, "world_size": 10**9}, "the header's world_size 1000000000 is more than 1048576 ranks"),
     ({**HEADER, "world_size": 10**9, "ranks": [{"rank": 0}, {"rank": 1}]},
      "the header's world_size is 1000000000 but it lists 2 ranks"),
-    ({**HEADER, "world_size": int("9" * 400)}, "the header's world_size 999999999999999999999999999999... (400 characters) "
+    ({**HEADER, "world_size": int("9" * 400)},
+     "the header's world_size 999999999999999999999999999999... (400 characters) "
                                                "is more than 1048576 ranks"),
     ({**HEADER, "ranks": None}, "the header's 'ranks' must be a list of per-rank records, got None"),
 ]
@@ -79,8 +82,9 @@ def test_a_damaged_header_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.
 def test_a_header_nested_past_the_parser_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = _write(tmp_path, _values(3), '{"kind":"header","schema":3,"x":' + "[" * 100_000 + "]" * 100_000 + "}\n")
     assert main(["report", str(path)]) == 2
-    assert capsys.readouterr().err == (f"rankmem report: error: {path} has no header line: its first line must be a "
-                                       'rankmem run log header ({"kind":"header",...}); is this a rankmem.jsonl file?\n')
+    assert capsys.readouterr().err == (
+        f"rankmem report: error: {path} has no header line: its first line must be a "
+        'rankmem run log header ({"kind":"header",...}); is this a rankmem.jsonl file?\n')
 
 
 def test_collect_with_a_step_past_int64_leaves_a_log_the_reader_opens(tmp_path: Path) -> None:

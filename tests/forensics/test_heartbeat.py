@@ -149,7 +149,8 @@ def test_node_siblings_are_the_live_ranks_of_this_node(tmp_path: Path, monkeypat
     # Translated: their namespace PIDs (in this test, all of them this process)
     assert _heartbeat.node_siblings(str(tmp_path), 0, translated=True) == ({os.getpid()}, None)
     monkeypatch.setenv("WORLD_SIZE", "4")
-    assert _heartbeat.node_siblings(None, 0, translated=False)[1] == "no heartbeats to find the sibling ranks by (no out_dir)"
+    assert _heartbeat.node_siblings(None, 0,
+                                    translated=False)[1] == "no heartbeats to find the sibling ranks by (no out_dir)"
 
 
 def test_a_beat_moves_its_own_fields_and_keeps_the_rest(tmp_path: Path) -> None:

@@ -120,11 +120,13 @@ def test_node_available_and_pressure_fire(root: FakeRoot) -> None:
     info = w.check()
     assert info is not None and info.reasons == ("node_available",)
     root.meminfo(available=12 * GIB)
-    root.put(root.job / "memory.pressure", "some avg10=6.00 avg60=1.0 avg300=0.5 total=9\nfull avg10=1.0 avg60=0 avg300=0 total=1\n")
+    root.put(root.job / "memory.pressure",
+             "some avg10=6.00 avg60=1.0 avg300=0.5 total=9\nfull avg10=1.0 avg60=0 avg300=0 total=1\n")
     assert w.check() is None  # 6% stalled: still above half the threshold (5%), so not re-armed yet
     root.put(root.job / "memory.pressure", PSI_CALM)
     assert w.check() is None  # re-armed
-    root.put(root.job / "memory.pressure", "some avg10=25.00 avg60=5.0 avg300=1.0 total=99\nfull avg10=7.5 avg60=0 avg300=0 total=1\n")
+    root.put(root.job / "memory.pressure",
+             "some avg10=25.00 avg60=5.0 avg300=1.0 total=99\nfull avg10=7.5 avg60=0 avg300=0 total=1\n")
     info = w.check()
     assert info is not None and info.reasons == ("pressure",)
     assert info.pressure == {"scope": "cgroup", "some_avg10": 25.0, "some_avg60": 5.0, "full_avg10": 7.5}
@@ -277,7 +279,8 @@ fired, infos = threading.Event(), []
 def on_near_oom(info):
     infos.append(info)
     fired.set()
-watch = NearOomWatch(on_near_oom, NearOomConfig(interval_s=0.02, headroom_bytes=int(sys.argv[1]), psi_some_avg10=None), rank=0)
+watch = NearOomWatch(on_near_oom, NearOomConfig(interval_s=0.02, headroom_bytes=int(sys.argv[1]), psi_some_avg10=None),
+rank=0)
 watch.start()
 chunks, chunk = [], 4 << 20
 while not fired.wait(0.02) and len(chunks) < int(sys.argv[2]):
@@ -296,7 +299,8 @@ def test_fires_on_a_real_memory_cgroup() -> None:
     assert code == 0, f"exit {code} (-9: the limit was reached before the watch fired)\n{err}"
     result = json.loads(out)
     info = result["info"]
-    assert info is not None, f"no event after allocating {result['allocated'] >> 20} MiB under a {limit >> 20} MiB limit"
+    assert info is not None, (f"no event after allocating {result['allocated'] >> 20} MiB under a "
+                              f"{limit >> 20} MiB limit")
     assert info["reasons"] == ["cgroup_headroom"]
     cg = info["cgroup"]
     assert cg["limit_bytes"] == limit and cg["headroom_bytes"] < threshold

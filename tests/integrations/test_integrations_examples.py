@@ -12,6 +12,7 @@ BLOCK = re.compile(r"<!-- example: (\S+) -->\n```python\n(.*?)```\n", re.S)
 
 def test_readme_blocks_equal_example_files() -> None:
     blocks = BLOCK.findall((REPO / "docs" / "integrations.md").read_text())
-    assert {p for p, _ in blocks} >= {"examples/hf_example.py", "examples/lightning_example.py", "examples/verl_example.py"}
+    assert {p for p, _ in blocks} >= {"examples/hf_example.py", "examples/lightning_example.py",
+                                      "examples/verl_example.py"}
     for path, code in blocks:
         assert code == (REPO / path).read_text(), f"docs/integrations.md block differs from {path}"

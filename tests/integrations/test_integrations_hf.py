@@ -242,7 +242,8 @@ def _work_trainer(tmp_path: Path, fed: list[list[int]], as_lists: bool = False, 
     for idx, n in enumerate(HF_LENGTHS):
         ids = torch.randint(0, 127, (HF_WIDTH,))
         mask = (torch.arange(HF_WIDTH) < n).long()
-        examples.append({"idx": idx, "input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
+        examples.append({"idx": idx, "input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0,
+                                                                                                         -100)})
 
     def collate(features: list[dict[str, Any]]) -> dict[str, Any]:
         fed.append([HF_LENGTHS[f["idx"]] for f in features])

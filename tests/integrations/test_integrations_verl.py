@@ -88,7 +88,8 @@ def load_verl_split() -> Any:
     split = {"calculate_workload", "karmarkar_karp", "greedy_partition", "get_seqlen_balanced_partitions",
              "ceildiv", "roundup_divisible", "rearrange_micro_batches"}
     path = str(root / "utils/seqlen_balancing.py")
-    exec(compile(ast.Module(body=functions("utils/seqlen_balancing.py", split), type_ignores=[]), path, "exec"), namespace)
+    exec(compile(ast.Module(body=functions("utils/seqlen_balancing.py", split), type_ignores=[]), path, "exec"),
+         namespace)
     return namespace["rearrange_micro_batches"]
 
 
@@ -98,7 +99,8 @@ def test_reduction_rule_is_verls() -> None:
     from rankmem.integrations.verl import verl_reduction
 
     verl = load_verl_metric_utils()
-    for key in ["loss", "perf/max_memory_allocated_gb", "a/min", "minmax", "mem/phase/admin/peak_rss_gib/mean", "timing/x"]:
+    for key in ["loss", "perf/max_memory_allocated_gb", "a/min", "minmax", "mem/phase/admin/peak_rss_gib/mean",
+                "timing/x"]:
         reduced = verl.reduce_metrics({key: [1.0, 3.0, 2.0]})[key]
         assert reduced == {"max": 3.0, "min": 1.0, "mean": 2.0}[verl_reduction(key)], key
 

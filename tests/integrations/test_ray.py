@@ -125,7 +125,8 @@ def test_a_killed_actor_ends_the_job_naming_its_rank(tmp_path: Path) -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
-    print(f"ray launch killed: exit after {time.monotonic() - killed:.1f} s, whole test {time.monotonic() - started:.1f} s")
+    print(f"ray launch killed: exit after {time.monotonic() - killed:.1f} s, whole test "
+          f"{time.monotonic() - started:.1f} s")
     assert proc.returncode == 1, err[-3000:]
     last = err.strip().splitlines()[-1]
     prefix = f"rankmem train: rank 1 (pid {victim['pid']} on {victim['host']}) died at step "
@@ -158,9 +159,11 @@ def test_how_many_fit() -> None:
     assert how_many_fit(nodes, {"CPU": 3.0, "GPU": 2.0}, {"CPU": 1.0}, one_node=False) == 3  # the rest is taken
     assert how_many_fit(nodes, {"CPU": 10.0, "GPU": 2.0}, {"CPU": 0.1}, one_node=True) == 80  # not 79
     assert how_many_fit(nodes, {"CPU": 10.0, "GPU": 2.0}, {"CPU": 1.0, "GPU": 1.0}, one_node=True) == 2
-    assert fit_message(4, {"CPU": 1.0, "GPU": 1.0}, 2, {"CPU": 10.0, "GPU": 2.0}, {"CPU": 10.0, "GPU": 2.0}, 2, True) == (
+    assert fit_message(4, {"CPU": 1.0, "GPU": 1.0}, 2, {"CPU": 10.0, "GPU": 2.0}, {"CPU": 10.0, "GPU": 2.0}, 2,
+                       True) == (
         "4 ranks of 1 CPU, 1 GPU each do not fit in the Ray cluster (10 CPU (10 free), 2 GPU (2 free) on 2 nodes, "
-        "ranks on one node): 2 fit; use --nproc-per-node 2, or a smaller --ray-gpus-per-actor (fractions share devices)")
+        "ranks on one node): 2 fit; use --nproc-per-node 2, or a smaller --ray-gpus-per-actor "
+        "(fractions share devices)")
 
 
 def _gone(pid: int) -> bool:
@@ -250,7 +253,8 @@ def test_aware_probe_counts_own_workers_and_leaves_out_ray_subtrees() -> None:
         expected = sum(rss_of(c) for c in psutil.Process().children(recursive=True) if c.pid not in ray_tree)
         assert rss_of(psutil.Process(worker.pid)) > 64 << 20
         assert ours is not None and abs(ours - expected) < 8 * 2**20
-        assert everything is not None and everything >= ours + sum(rss_of(psutil.Process(p)) for p in ray_tree) - 8 * 2**20
+        ray_rss = sum(rss_of(psutil.Process(p)) for p in ray_tree)
+        assert everything is not None and everything >= ours + ray_rss - 8 * 2**20
         assert aware.ray_processes_left_out == 1  # the subtree once
     finally:
         for p in (worker, fake_ray):
@@ -286,15 +290,18 @@ def test_bad_input_is_one_line_exit_2(capsys: pytest.CaptureFixture[str], monkey
     assert main(["train", "--ray-address", "10.0.0.1:6379"]) == 2
     assert capsys.readouterr().err == "rankmem train: error: --ray-address and --ray-*-per-actor need --launcher ray\n"
     assert main(["train", "--launcher", "ray", "--rdzv-endpoint", "10.0.0.1:29500"]) == 2
-    assert capsys.readouterr().err == ("rankmem train: error: --rdzv-endpoint is a torchrun option: with --launcher ray "
-                                       "the driver starts every rank from one command (use --nnodes for the node count)\n")
+    assert capsys.readouterr().err == ("rankmem train: error: --rdzv-endpoint is a torchrun option: with --launcher "
+                                       "ray "
+                                       "the driver starts every rank from one command (use --nnodes for the node "
+                                       "count)\n")
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now raises ImportError
     assert main(["train", "--launcher", "ray"]) == 2
     assert capsys.readouterr().err == ("rankmem train: error: rankmem train --launcher ray needs ray, which is not "
                                        "installed: pip install 'rankmem[ray]'\n")
 
 
-# ---- one in-process driver, several checks on its cluster (last: the module's cluster outlives them) ---------------------------------------------
+# ---- one in-process driver, several checks on its cluster (last: the module's cluster outlives them)
+# ---------------------------------------------
 
 BALLAST_MIB = 256
 
@@ -440,4 +447,5 @@ def test_more_ranks_than_the_cluster_holds_is_one_line(cluster: Any) -> None:
     with pytest.raises(RankmemError) as info:
         check_fit(5, {"CPU": 1.0}, one_node=True)
     assert str(info.value) == ("5 ranks of 1 CPU each do not fit in the Ray cluster (2 CPU (2 free) on 1 node): "
-                               "2 fit; use --nproc-per-node 2, or a smaller --ray-cpus-per-actor (fractions share cores)")
+                               "2 fit; use --nproc-per-node 2, or a smaller --ray-cpus-per-actor (fractions share "
+                               "cores)")

@@ -102,7 +102,8 @@ def test_a_ray_worker_built_like_verls_is_patched_when_it_imports_the_engine_wor
     known = _stand_in(tmp_path / "known", ENGINE_WORKERS)
     runs = str(tmp_path / "runs")
     unknown = _stand_in(tmp_path / "unknown", ENGINE_WORKERS.replace("output, *, global", "outputs, *, global")
-                         .replace('= output.pop("metrics")', '= outputs.pop("metrics")'))  # a signature rankmem does not know
+                         # a signature rankmem does not know
+                         .replace('= output.pop("metrics")', '= outputs.pop("metrics")'))
 
     @ray.remote
     class Probe:

@@ -141,7 +141,8 @@ def test_a_leak_names_its_phase_and_when_memory_runs_out(tmp_path: Path) -> None
     assert host.exhaustion.step == pytest.approx(99 + 20 * 1024 / host.slope_mib, abs=1)
     assert host.exhaustion.seconds == pytest.approx(20 * 1024 / host.slope_mib, rel=1e-6)
     assert re.search(r"\+1\.0\d\d MiB/step .*; growth is left behind by phase 'update'; projected to exhaust "
-                     r"the node's available memory at step ~20,[3-7]00 \(~5\.[6-8] h\)$", host.describe()), host.describe()
+                     r"the node's available memory at step ~20,[3-7]00 \(~5\.[6-8] h\)$",
+                     host.describe()), host.describe()
     # Device: 80 - 2 GiB others - ~10.2 GiB allocated, at 2 MiB/step.
     assert device.exhaustion is not None and device.exhaustion.capacity == "device memory (total - other)"
     assert device.exhaustion.headroom_mib == pytest.approx((80 - 2 - 10 - 99 * 2 / 1024) * 1024, abs=2)
@@ -210,7 +211,8 @@ def test_leaks_help_documents_the_exit_statuses(capsys: pytest.CaptureFixture[st
     assert "exit status: 1 a leak was found, 0 none was, 3 no verdict" in text
 
 
-def test_report_lists_the_leaks_worst_first_with_their_outlook(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_report_lists_the_leaks_worst_first_with_their_outlook(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
     _leaking_job(tmp_path)
     assert main(["report", str(tmp_path)]) == 0
     leaks = [line for line in capsys.readouterr().out.splitlines() if line.startswith("LEAK ")]

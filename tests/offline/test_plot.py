@@ -173,7 +173,8 @@ def test_the_legend_covers_no_data_point(tmp_path: Path) -> None:
     rollout, update = rss + 0.3, rss + 0.1
     update[::37, 1] += 1.0
     fig = _figure(tmp_path, {key_of("rss"): rss, key_of("peak_rss"): np.maximum(rollout, update),
-                             phase_key("rollout", "peak_rss_gib"): rollout, phase_key("update", "peak_rss_gib"): update},
+                             phase_key("rollout", "peak_rss_gib"): rollout, phase_key("update",
+                                                                                      "peak_rss_gib"): update},
                   [key_of("rss"), key_of("peak_rss")])
     try:
         fig.canvas.draw()

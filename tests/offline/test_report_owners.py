@@ -11,7 +11,8 @@ GIB = 2**30
 def test_an_oom_event_line_names_each_owner_and_the_unknown_ones() -> None:
     table = {"reserved_bytes": 2 * GIB, "nontorch_bytes": GIB // 2, "siblings_bytes": 0, "descendants_bytes": None,
              "foreign_bytes": None, "unattributed_bytes": GIB,
-             "reasons": {"descendants": "NVML_VALUE_NOT_AVAILABLE for pid 7", "foreign": "NVML_VALUE_NOT_AVAILABLE for pid 7"}}
+             "reasons": {"descendants": "NVML_VALUE_NOT_AVAILABLE for pid 7",
+                         "foreign": "NVML_VALUE_NOT_AVAILABLE for pid 7"}}
     event = OomEvent(rank=1, step=3, phase="update", where="device", error="OutOfMemoryError: x",
                      device={"free_bytes": 0, "total_bytes": 4 * GIB, "attribution": table})
     assert describe_event(event) == (

@@ -140,11 +140,13 @@ def test_keys_that_differ_by_collect_and_collects_without_values(tmp_path: Path)
     header = RunHeader(world_size=2, ranks=[], config={}, started=1.0, run_id="0123456789abcdef")
     writer = RunLogWriter(str(tmp_path / RUN_LOG_NAME))
     writer.open(header)
-    rows = [(("a", "b"), [[1.0, 3.0], [2.0, math.nan]]), (("a",), [[4.0], [5.0]]), (("a", "b"), [[8.0, 6.0], [9.0, 7.0]]),
+    rows = [(("a", "b"), [[1.0, 3.0], [2.0, math.nan]]), (("a",), [[4.0], [5.0]]), (("a", "b"), [[8.0, 6.0], [9.0,
+                                                                                                              7.0]]),
             (("a", "b"), None), (("c",), [[16.0], [17.0]])]
     for step, (keys, matrix) in enumerate(rows):
         metrics = {f"{k}/max": 1.0 for k in keys}
-        writer.write(StepRecord(step, 1.0 + step, metrics, keys=keys, matrix=None if matrix is None else np.array(matrix)))
+        writer.write(StepRecord(step, 1.0 + step, metrics, keys=keys,
+                                matrix=None if matrix is None else np.array(matrix)))
     writer.close()
     run = read_run(str(tmp_path))
     nan = math.nan

@@ -66,7 +66,8 @@ def test_watch_colours_by_share_of_the_limit_and_marks_dead_ranks_at_80_columns(
     frame = Watcher(str(_run(tmp_path))).frame()
     lines, styled = _segments(render_frame(frame))
     assert all(len(line) <= 80 for line in lines), lines
-    assert lines[0].startswith("rankmem watch /tmp") and "…" in lines[0] and " · 3 ranks · 1 host · step 2 (" in lines[0]
+    assert lines[0].startswith("rankmem watch /tmp") and "…" in lines[0]
+    assert " · 3 ranks · 1 host · step 2 (" in lines[0]
     assert lines[0].endswith(" · 1.000 s/step") or lines[0].endswith("…"), lines[0]
     assert lines[1] == "limits: device total 10.0 GiB"
     rows = {line.split()[0]: line for line in lines if line.split() and line.split()[0] in "012"}

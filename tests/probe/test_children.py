@@ -57,7 +57,8 @@ def test_a_kernel_without_smaps_rollup_gives_none(tmp_path: Path) -> None:
     uss.close()
 
 
-WORKER_64_MIB = "import sys, time; b = bytearray(64 << 20); b[::4096] = b'x' * len(b[::4096]); print('ready', flush=True); time.sleep(60)"
+WORKER_64_MIB = ("import sys, time; b = bytearray(64 << 20); b[::4096] = b'x' * len(b[::4096]); "
+                 "print('ready', flush=True); time.sleep(60)")
 
 
 def test_the_logging_rank_starts_no_process_and_counts_a_workers_memory(tmp_path: Path,

@@ -305,7 +305,8 @@ def test_inactive_split_comes_from_the_same_stats_read() -> None:
         mid = cuda.malloc(3 * MIB)  # 3 MiB in use of a 20 MiB segment
     m = monitor.local_metrics()
     assert gib(m, "mem/device/inactive_split_gib") == (2 * MIB - 1024) + (20 * MIB - 3 * MIB)
-    assert gib(m, "mem/device/reserved_gib") - gib(m, "mem/device/allocated_gib") == gib(m, "mem/device/inactive_split_gib")
+    assert gib(m, "mem/device/reserved_gib") - gib(m, "mem/device/allocated_gib") == gib(m,
+                                                                                         "mem/device/inactive_split_gib")
     assert "mem/host/pinned_gib" not in m  # this module has no host allocator stats: absent, never 0
     cuda.free(small)
     cuda.free(mid)

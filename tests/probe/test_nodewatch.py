@@ -123,7 +123,8 @@ def test_a_forked_child_reads_for_itself() -> None:
         _closed(node)
 
 
-WORKER_48_MIB = "import sys; b = bytearray(48 * 2**20); b[::4096] = b'x' * len(b[::4096]); print('ready', flush=True); sys.stdin.read()"
+WORKER_48_MIB = ("import sys; b = bytearray(48 * 2**20); b[::4096] = b'x' * len(b[::4096]); "
+                 "print('ready', flush=True); sys.stdin.read()")
 
 
 def test_a_monitor_sees_a_new_worker_within_the_refreshes_and_says_how_old_its_figures_are() -> None:
@@ -138,7 +139,8 @@ def test_a_monitor_sees_a_new_worker_within_the_refreshes_and_says_how_old_its_f
         assert worker.stdout is not None and worker.stdout.readline() == b"ready\n"
         time.sleep(0.5)
         got = monitor.collect()
-        assert 48 / 1024 <= got["mem/host/children_rss_gib/max"] <= (48 + 32) / 1024, got["mem/host/children_rss_gib/max"]
+        children = got["mem/host/children_rss_gib/max"]
+        assert 48 / 1024 <= children <= (48 + 32) / 1024, children
         assert 0.0 < got["mem/node/age_s/max"] < 0.05 + 0.5
     finally:
         worker.kill()

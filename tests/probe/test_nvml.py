@@ -103,7 +103,8 @@ def test_mig_refusing_per_process_queries_leaves_every_part_unknown() -> None:
     monitor.close()
     _assert_absent(out, KEYS)
     assert set(reasons) == set(KEYS)
-    assert all(r.startswith("per-process figures unsupported under MIG (Insufficient Permissions") for r in reasons.values())
+    mig = "per-process figures unsupported under MIG (Insufficient Permissions"
+    assert all(r.startswith(mig) for r in reasons.values())
     assert "mem/device/used_gib/max" in out  # torch's own figures stay
 
 

@@ -136,10 +136,14 @@ def test_fields_of_a_newer_writer_are_kept_and_the_log_reads(tmp_path: Path) -> 
 # (change, what the one error names): the fields the arrays are shaped by must be right.
 ERRORS = [
     pytest.param(_drop("world_size"), "the header's world_size must be the number of ranks", id="missing world_size"),
-    pytest.param(_set("world_size", "two"), "the header's world_size must be the number of ranks", id="world_size a string"),
-    pytest.param(_set("world_size", math.nan), "the header's world_size must be the number of ranks", id="world_size NaN"),
-    pytest.param(_set("world_size", True), "the header's world_size must be the number of ranks", id="world_size a bool"),
-    pytest.param(_set("world_size", 3), "the header's world_size is 3 but it lists 2 ranks", id="world_size not the ranks"),
+    pytest.param(_set("world_size", "two"), "the header's world_size must be the number of ranks",
+                 id="world_size a string"),
+    pytest.param(_set("world_size", math.nan), "the header's world_size must be the number of ranks",
+                 id="world_size NaN"),
+    pytest.param(_set("world_size", True), "the header's world_size must be the number of ranks",
+                 id="world_size a bool"),
+    pytest.param(_set("world_size", 3), "the header's world_size is 3 but it lists 2 ranks",
+                 id="world_size not the ranks"),
     pytest.param(_set("ranks", {"0": {}}), "the header's 'ranks' must be a list", id="ranks an object"),
     pytest.param(_set("detail", 7), "the header's detail must name the per-rank file", id="detail a number"),
     pytest.param(_set("schema", 4), "has run log schema 4", id="schema from the future"),

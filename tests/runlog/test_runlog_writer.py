@@ -31,7 +31,9 @@ def test_config_with_paths_and_nan_keeps_the_header(tmp_path: Path) -> None:
 def test_a_restart_into_the_same_out_dir_keeps_the_earlier_log(tmp_path: Path) -> None:
     _run(tmp_path)
     first = (tmp_path / "rankmem.jsonl").read_text()
-    with pytest.warns(RuntimeWarning, match=r"was from an earlier run \(a restart into the same out_dir\?\); rotated it to .*rankmem.jsonl.1"):
+    with pytest.warns(RuntimeWarning,
+                      match=r"was from an earlier run \(a restart into the same out_dir\?\); rotated it to "
+                            r".*rankmem.jsonl.1"):
         _run(tmp_path)
     assert (tmp_path / "rankmem.jsonl.1").read_text() == first
     assert (tmp_path / "rankmem.jsonl").read_text().count("\n") == 3

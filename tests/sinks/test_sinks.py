@@ -23,13 +23,15 @@ ODD = "loss(avg)/max"  # characters MLflow and TensorFlow reject
 
 
 def _header() -> RunHeader:
-    ranks = [RankInfo(rank=r, local_rank=r, host="node0", pid=1, device="none", peak_rss_scope="window") for r in range(2)]
+    ranks = [RankInfo(rank=r, local_rank=r, host="node0", pid=1, device="none",
+                      peak_rss_scope="window") for r in range(2)]
     return RunHeader(world_size=2, ranks=ranks, config={}, started=1.7e9)
 
 
 def _records() -> list[StepRecord]:
     return [
-        StepRecord(step=s, time=1.7e9 + s, metrics={RSS_MAX: 1.0 + s / 4, ODD: 0.5 * s, "dead/max": float("nan")}, ranks={})
+        StepRecord(step=s, time=1.7e9 + s, metrics={RSS_MAX: 1.0 + s / 4, ODD: 0.5 * s, "dead/max": float("nan")},
+                   ranks={})
         for s in (0, 5, 10)
     ]
 
@@ -62,7 +64,8 @@ def test_mlflow_sink_local_store_reads_back_with_client(tmp_path: Path, monkeypa
     assert sink.tracking_uri.startswith(("file://", "sqlite:///")) and str(tmp_path) in sink.tracking_uri
     client = MlflowClient(tracking_uri=sink.tracking_uri)
     history = client.get_metric_history(sink.run_id, RSS_MAX)
-    assert [(m.step, m.value, m.timestamp) for m in history] == [(0, 1.0, 1.7e12), (5, 2.25, 1.7e12 + 5000), (10, 3.5, 1.7e12 + 10000)]
+    assert [(m.step, m.value, m.timestamp) for m in history] == [
+        (0, 1.0, 1.7e12), (5, 2.25, 1.7e12 + 5000), (10, 3.5, 1.7e12 + 10000)]
     assert [m.value for m in client.get_metric_history(sink.run_id, "loss_avg_/max")] == [0.0, 2.5, 5.0]
     run = client.get_run(sink.run_id)
     assert run.info.status == "FINISHED" and run.data.tags["rankmem.world_size"] == "2"
@@ -160,7 +163,8 @@ def test_a_sink_that_keeps_failing_is_retried_with_backoff_and_closed() -> None:
 def test_missing_tracker_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
-    with pytest.raises(MissingExtraError, match=r"the wandb sink needs wandb, which is not installed: pip install 'rankmem\[wandb\]'"):
+    with pytest.raises(MissingExtraError,
+                       match=r"the wandb sink needs wandb, which is not installed: pip install 'rankmem\[wandb\]'"):
         make_sink("wandb", "/tmp")
 
 

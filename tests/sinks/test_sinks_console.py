@@ -33,8 +33,10 @@ def test_aggregates_without_min_rank_or_without_a_value_fall_back() -> None:
 def test_sink_prints_header_and_one_line_per_step() -> None:
     out = io.StringIO()
     sink = ConsoleSink(stream=out)
-    ranks = [RankInfo(rank=r, local_rank=r, host=f"node{r}", pid=1, device="none", peak_rss_scope="window") for r in range(2)]
+    ranks = [RankInfo(rank=r, local_rank=r, host=f"node{r}", pid=1, device="none",
+                      peak_rss_scope="window") for r in range(2)]
     sink.open(RunHeader(world_size=2, ranks=ranks, config={}, started=1.7e9))
     sink.write(StepRecord(step=4, time=1.7e9, metrics={f"{RSS}/max": 1.25, f"{RSS}/max_rank": 1.0}, ranks={}))
     sink.close()
-    assert out.getvalue().splitlines() == ["[rankmem] world_size=2 hosts=node0,node1", "[rankmem] step 4 rss=1.250GiB(r1)"]
+    assert out.getvalue().splitlines() == ["[rankmem] world_size=2 hosts=node0,node1",
+                                           "[rankmem] step 4 rss=1.250GiB(r1)"]

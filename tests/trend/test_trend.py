@@ -143,7 +143,8 @@ def test_leak_watch_warns_once_naming_rank_and_rate() -> None:
     watch = LeakWatch(check_every=50, warmup=100)
     rng = np.random.default_rng(4)
     flagged = []
-    with pytest.warns(RuntimeWarning, match=r"possible memory leak on rank 1 mem/host/rss_gib: \+(3\.9|4\.0)\d\d MiB/step") as rec:
+    with pytest.warns(RuntimeWarning,
+                      match=r"possible memory leak on rank 1 mem/host/rss_gib: \+(3\.9|4\.0)\d\d MiB/step") as rec:
         for step in range(300):
             noise = rng.normal(0, 5, 2) * MIB_IN_GIB
             flagged += watch.feed(_record(step, [10.0 + noise[0], 10.0 + step * 4 * MIB_IN_GIB + noise[1]]))
