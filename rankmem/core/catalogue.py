@@ -167,7 +167,6 @@ HEADLINE = tuple((s.headline, s) for s in CATALOGUE if s.headline)
 LOW_IS_BAD = tuple(s.key for s in CATALOGUE if s.worse == "low")
 PHASE_SUFFIX = {s.key: s.phase_suffix for s in CATALOGUE if s.phase_suffix}
 PHASE_DELTA = {s.key: s.phase_delta for s in CATALOGUE if s.phase_delta}
-RISE_SUFFIX = {s.key: s.rise_suffix for s in CATALOGUE if s.rise_suffix}
 VERL_KEYS = {s.verl: f"{s.key}/max" for s in CATALOGUE if s.verl}
 """verl's name -> the aggregated key whose value it carries, with the corrected meaning (DESIGN.md)."""
 

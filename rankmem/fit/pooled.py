@@ -1,25 +1,16 @@
 """One phase's fit across its ranks: the rise per token and per squared length shared, an intercept per rank.
 
-``b`` and ``c`` are the model's bytes per token and per squared length, the same on every rank that runs
-the same model on its own data (data parallel, FSDP); ``a`` is not (an engine, a driver duty, a leak on
-one rank moves only its intercept). A rank's dozen windows pin its own ``b`` and ``c`` loosely (where T
-and Q rise together, the two trade off); fitted on every rank's windows at once, the shared
-coefficients rest on all of them.
+``b`` and ``c`` are the model's, the same on every rank running the same model on its own data; ``a`` is
+not (an engine, a leak on one rank moves only its intercept). Fitted on every rank's windows at once,
+the shared coefficients rest on all of them.
 
-- **Pooled only where the ranks agree**: each rank's own ``(b, c)`` with its covariance, a Wald test that
-  they are one (its statistic matched to a scaled chi-square, each rank's covariance being estimated:
-  :func:`_agree`), at :attr:`FitConfig.homogeneity`. Ranks
-  that run different layers (pipeline stages) or different work differ in their slopes and keep their
-  own fits, as does a rank with no fit of its own (too few windows, flat, noisy).
-- **The fit**: Huber's M-estimator by reweighted least squares as :func:`rankmem.fit.fit_memory`, each
-  rank's windows weighted by its own residual scale (a quiet rank's are not swamped by a noisy one's),
-  with one intercept per rank taken out by weighted centring within the rank (Frisch-Waugh-Lovell: the same
-  solution as a column per rank, without a (ranks x windows, ranks) matrix on the logging rank).
-- **Each rank's interval** is the usual one in its own ``[1, T, Q]``: the shared coefficients' covariance
-  and the intercept's (``1/W_k`` about the rank's weighted means), each rank's own residual scale (a
-  noisier rank keeps a wider interval; Huber-weighted, so that one outlying window does not make it
-  noisy) and the degrees of freedom that scale has. A rank whose pooled fit fails the slope check keeps
-  its own.
+- **Pooled only where the ranks agree**: a Wald test that the ranks' own ``(b, c)`` are one
+  (:func:`_agree`, at :attr:`FitConfig.homogeneity`); ranks that differ (pipeline stages, other work) or
+  have no fit of their own keep their own.
+- **The fit**: Huber IRLS as :func:`rankmem.fit.fit_memory`, each rank weighted by its own residual
+  scale, the per-rank intercepts taken out by weighted centring within the rank.
+- **Each rank's interval** is the usual one in its own ``[1, T, Q]``, with its own residual scale and
+  degrees of freedom. A rank whose pooled fit fails the slope check keeps its own.
 """
 
 from __future__ import annotations
