@@ -131,10 +131,9 @@ def _proc_pid() -> int:
 class FakeNvml:
     """A fake ``pynvml`` module over one :class:`~rankmem.testing.FakeCuda` device (see the module docstring).
 
-    ``own_pid``: the PID the driver reports for this process (the host's; default the outermost PID
-    this process's ``/proc`` shows). ``mig``: the device is a MIG instance, whose per-process query
-    raises ``NVMLError(mig_refusal)``. ``own_not_available``: this process's ``usedGpuMemory`` is
-    ``NVML_VALUE_NOT_AVAILABLE``.
+    ``own_pid``: the PID the driver reports for this process (default the outermost PID ``/proc`` shows).
+    ``mig``: a MIG instance, whose per-process query raises ``NVMLError(mig_refusal)``.
+    ``own_not_available``: this process's ``usedGpuMemory`` is ``NVML_VALUE_NOT_AVAILABLE``.
     """
 
     NVMLError = NVMLError

@@ -94,11 +94,9 @@ class Work:
     """The micro-batches a window was told about: the heaviest by tokens (its tokens and sequences), the
     largest sum of squared lengths of any of them, and the totals.
 
-    The two maxima may come from different micro-batches. With materialised attention the micro-batch
-    with the longer sequences can set the peak while holding a few tokens fewer (in bench/bench_advise.py's
-    packs the micro-batches' tokens are within 1.1% of each other, and in a third of the windows another
-    micro-batch than the heaviest has the larger Q, up to 2.4x it); ``a + b*T + c*Q`` at both maxima
-    bounds every micro-batch's peak, where the heaviest's own Q would not (bench/RESULTS.md)."""
+    The two maxima may come from different micro-batches: with materialised attention the one with the
+    longer sequences can set the peak while holding a few tokens fewer, and ``a + b*T + c*Q`` at both
+    maxima bounds every micro-batch's peak, where the heaviest's own Q would not."""
 
     __slots__ = ("tokens", "sequences", "sq_tokens", "total_tokens", "count")
 

@@ -50,11 +50,7 @@ class FitConfig:
     """Least residual scale, in the response's unit (GiB): 1 MiB."""
     relative_noise: float = 0.02
     """Run-to-run noise as a share of the predicted rise, added to the interval in quadrature: the windows
-    of one run sit closer to their line than later steps do. On the host, with freed heap handed back
-    between steps (:mod:`rankmem.engine.hostheap`), steps repeated at one T in bench/bench_advise.py
-    differ by under 1% of the rise, but the held-out steps after a probe sat above its line by what the
-    heap kept between steps since (+2 to +5 MiB of a ~170 MiB rise, materialised attention): at 1.5%, 4
-    of 50 seeds' held-out peaks fell above their interval, at 2% one (bench/RESULTS.md)."""
+    of one run sit closer to their line than later steps do."""
     pool_ranks: bool = True
     """Fit a phase's rise per token and per squared length on every rank's windows at once, an intercept
     per rank (:func:`rankmem.fit.fit_phase`), where the ranks' own coefficients agree."""
@@ -105,8 +101,7 @@ class Fit:
     def predict(self, tokens: float, sq_tokens: float | None = None) -> tuple[float, float, float]:
         """(rise, low, high) at ``tokens`` (and ``sq_tokens``, else :meth:`sq_at` with its spread). With a
         :attr:`rival`, the interval spans both models': where Q moved with T in the windows seen, a line
-        that leaves it out is off at another Q/T by more than its own interval says (bench/RESULTS.md:
-        the line fits held the worst errors and both advised budgets over the bisected one)."""
+        that leaves it out is off at another Q/T by more than its own interval says."""
         q = sq_tokens if sq_tokens is not None else self.sq_at(tokens)
         x0 = np.array([1.0, tokens, q] if self.quadratic else [1.0, tokens])
         mean = self.a + self.b * tokens + self.c * q
@@ -127,10 +122,7 @@ class Fit:
     def sq_sd_at(self, tokens: float) -> float:
         """The standard deviation of that Q. A micro-batch's Q/T is its token-weighted mean sequence
         length: over n sequences its spread shrinks as 1/sqrt(n), so as 1/sqrt(T), and Q's grows as
-        sqrt(T) (materialised attention in bench/bench_advise.py: Q/T's sd 22.7 at T ~1,100, 18.4 at
-        ~1,900, 15.1 at ~2,700, where 1/sqrt(T) says 14.5). Taking the largest Q/T seen instead, at the
-        small T where it strays most, and the full interval on top of it, put the advice 11% under the
-        bisected budget (bench/RESULTS.md)."""
+        sqrt(T)."""
         t = max(tokens, 0.0)
         return math.sqrt(self.q_sd**2 * t + (self.q_mean_se * t)**2)  # the next draw's, and the mean's
 

@@ -65,11 +65,9 @@ RECORD_SIZE = _RECORD.size
 # fields one by one through typed views of the map, the last copy first, then the middle one, the fields,
 # and the first copy last. A reader copies the record in ascending order (first copy, fields, the later
 # copies): where it saw any field of the new beat, it then sees the later copies new too, and the first
-# copy old or new as it read it; the three agree only where it saw one beat whole. Item stores, not a
-# ``pack_into`` of the record: on the training thread, right after compute, struct's packing path costs
-# ~14 us of cold interpreter and five item stores ~5 us (bench/bench_cold.py). A writer killed between its stores leaves a torn
-# record, each moving field its last beat's or the one before's: the reader keeps it (see
-# :func:`unpack_record`); ``pack_into`` could be torn the same way, if in a shorter window.
+# copy old or new as it read it; the three agree only where it saw one beat whole. Item stores are
+# cheaper than a ``pack_into`` of the record on a cold interpreter. A writer killed between its stores
+# leaves a torn record, which the reader keeps (see :func:`unpack_record`).
 _BEAT_AT = struct.calcsize("<4sHHIi")
 _STEP_AT, _RSS_AT, _TIME_AT, _PHASE_AT = _BEAT_AT + 8, _BEAT_AT + 16, _BEAT_AT + 24, _BEAT_AT + 32
 _SEQ2_AT, _SEQ3_AT = _PHASE_AT + PHASE_BYTES, RECORD_SIZE - 8
@@ -167,9 +165,8 @@ class HeartbeatRecord:
 class Heartbeat:
     """This rank's heartbeat file, held open for the life of the run; never raises.
 
-    The first record is written at construction (step None), so the launcher can map the rank's pid
-    to its rank even when it dies before its first step. A directory that cannot take the file (full,
-    read-only, a FIFO or a directory where the file belongs) gives one warning and no heartbeat.
+    The first record is written at construction (step None), so the launcher can map the rank's pid to its
+    rank even when it dies before its first step. A file that cannot be made gives one warning.
     """
 
     def __init__(self, directory: str, rank: int, run_id: str | None = None, host_pid: int | None = None) -> None:

@@ -131,10 +131,8 @@ class RayAwareHostProbe:
 def actor_monitor(*, out_dir: str | None = None, group: Any = None, **options: Any) -> Monitor:
     """A :class:`rankmem.Monitor` for this Ray actor's rank, with :class:`RayAwareHostProbe`.
 
-    Call it in every actor of the group after ``torch.distributed.init_process_group`` (the rank and
-    world size are the group's); ``out_dir`` must be a path every actor can reach, absolute unless the
-    actors share the driver's working directory (a local cluster does). Other keyword options are
-    :class:`rankmem.MonitorConfig` fields.
+    Call it in every actor of the group after ``torch.distributed.init_process_group``; ``out_dir`` must be
+    a path every actor can reach. Other keyword options are :class:`rankmem.MonitorConfig` fields.
     """
     import torch.distributed as dist
 

@@ -98,10 +98,8 @@ class DeviceBackend:
     """Reads one device through a torch device module (``torch.cuda`` or anything with its API).
 
     The device read is the *current* one at each read (``index`` fixes it instead), so a backend built
-    before ``set_device(local_rank)`` reads this rank's device. Peaks are reset with
-    ``reset_peak_memory_stats``, which resets them for everyone in the process: another caller that
-    resets them shortens our window (the monitor keeps its own running max over the pieces it sees, so
-    a reset by us never shortens a window of ours).
+    before ``set_device(local_rank)`` reads this rank's device. ``reset_peak_memory_stats`` resets peaks for
+    the whole process; the monitor keeps its own running max, so a reset by us never shortens its windows.
     """
 
     def __init__(self, name: str, module: Any, index: int | None = None) -> None:

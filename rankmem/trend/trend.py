@@ -54,8 +54,7 @@ __all__ = ["LEAK_KEYS", "LeakConfig", "Trend", "mann_kendall", "theil_sen", "tre
 _MIB_PER_GIB = 1024.0
 _OWN_MIB = 4.0
 """The least stakes floor where the capacity is known: what rankmem itself settles into on a rank (its
-rings, first fits and caches, ~2.7 MiB of RSS over a loop's first 1,000 collects, measured) is no leak
-of the job's, on a node small enough that a share of it would be less."""
+rings, first fits and caches) is no leak of the job's."""
 
 
 @dataclass(frozen=True)
@@ -177,8 +176,7 @@ few steps: a cache allocated once, or a few; a leak spreads its growth over the 
 _JUMP_SD = 4.0
 """A jump rises this many standard deviations of the noise above the window's median span rise."""
 _DRAWDOWN_WIDTH = 9
-"""The give-back is measured on a running median this wide: it drops spikes of up to 4 steps (a
-narrower one, measured here, costs recall on noisy series more than it gains on sawtooths)."""
+"""The give-back is measured on a running median this wide: it drops spikes of up to 4 steps."""
 _MAX_DEPTH = 3
 """How many times the part after a shift is judged again (each time a shorter part)."""
 _NORMAL_95 = 1.645
@@ -188,9 +186,8 @@ _MAD_SE = 1.167
 
 def regression_axis(steps: np.ndarray, first: int = 0) -> tuple[np.ndarray, str]:
     """What growth is regressed on: the step numbers where they rise through ``steps``, else each
-    collect's place (``first``, ``first + 1``, ...). ``for epoch: for i, batch in enumerate(loader):
-    with monitor.step(i)`` numbers steps per epoch; regressed on those, an 800 MiB leak over three
-    epochs was a saw tooth, and no leak."""
+    collect's place (``first``, ``first + 1``, ...): steps numbered per epoch would turn a leak into a
+    saw tooth."""
     s = np.asarray(steps)
     if s.size < 2 or bool((np.diff(s) > 0).all()):
         return s, "step"
@@ -263,11 +260,10 @@ def _shape(x: np.ndarray, y: np.ndarray, key: str, config: LeakConfig, stakes: f
     """(story, why not): what one would-be leak's window did, in words ("grew +140.0 MiB from step 81
     to 150, then held"), and why it is no leak ("" when it is one). ``x, y``: the window (MiB).
 
-    Read on block medians smoothed by a running median (spikes of a step or a few are dropped, so they
-    can neither make nor hide a ramp), two shapes are not leaks: growth that ended and held for longer
-    than it took (a warm-up, a cache that filled), and growth carried by a few jumps (a cache allocated
-    once, a staircase of a few), which ``_JUMPS_SHARE`` of the rise in the largest 1-3 increments says;
-    the part after the largest jump is then judged again, so a leak that starts after one is flagged."""
+    Read on smoothed block medians, two shapes are not leaks: growth that ended and held for longer than it
+    took, and growth carried by the largest 1-3 jumps (``_JUMPS_SHARE``); the part after the largest jump is
+    then judged again, so a leak that starts after one is flagged.
+    """
     xb, yb = block_medians(x, y[:, None], config.max_points)
     n = yb.shape[0]
     width = min(_DRAWDOWN_WIDTH, n // 8)
@@ -384,10 +380,9 @@ def outlook(found: Sequence[Trend], current_gib: Callable[[Trend], float | None]
     """``found`` with each leak's phase and exhaustion filled in (other trends unchanged).
 
     ``current_gib(t)``: the series' value at ``t.last_step``; ``context(rank)``: that rank's latest
-    capacity figures by key; ``node_of(rank)``: which node it runs on (host memory is shared there);
-    ``pace``: seconds per step; ``phase_deltas(t)``: per phase, the delta key's values over ``t``'s
-    window; ``also_leaking``:
-    leaks found before, which draw on their node's host memory too.
+    capacity figures by key; ``node_of(rank)``: its node; ``pace``: seconds per step; ``phase_deltas(t)``:
+    per phase, the delta key's values over ``t``'s window; ``also_leaking``: leaks found before, which draw
+    on their node's host memory too.
     """
     node_rate: dict[object, float] = {}
     for t in [*found, *also_leaking]:
