@@ -2,28 +2,14 @@
 
 Re-exported as :class:`rankmem.testing.FakeNvml`; pass it in through the public API
 (``Monitor(device_module=cuda, nvml_module=FakeNvml(cuda))``). It mirrors what rankmem calls, with
-pynvml's names, signatures, return types and exceptions (nvidia-ml-py 13.x ``pynvml.py``):
+pynvml's names, signatures, return types, error codes and exceptions (nvidia-ml-py 13.x): calls before
+``nvmlInit`` raise ``NVMLError_Uninitialized``; handles by index or UUID (``MIG-<uuid>`` under
+``mig=True``); a process is listed only while it holds a context, with ``None`` for a figure the driver
+does not know; under MIG the per-process query raises ``mig_refusal``.
 
-- ``nvmlInit()`` / ``nvmlShutdown()``; every other call before ``nvmlInit`` raises
-  ``NVMLError_Uninitialized``, as the library does;
-- ``NVMLError(value)`` builds the subclass of its code (``NVMLError(3)`` is an ``NVMLError_NotSupported``),
-  ``.value`` holds the code, and the ``NVML_ERROR_*`` constants have the library's values;
-- handles by index or UUID (``GPU-<uuid>`` as torch's ``get_device_properties(i).uuid`` gives it;
-  ``MIG-<uuid>`` under ``mig=True``, where the GPU handle is not found by it);
-- ``nvmlDeviceGetComputeRunningProcesses`` returns objects with ``pid``, ``usedGpuMemory``,
-  ``gpuInstanceId``, ``computeInstanceId``; a figure the driver does not know
-  (``NVML_VALUE_NOT_AVAILABLE``) reads ``None``, as pynvml converts it; a process appears only while it
-  holds a context on the device;
-- ``nvmlDeviceIsMigDeviceHandle`` returns a ``ctypes.c_uint``; ``nvmlDeviceGetMigMode`` a list
-  ``[current, pending]``; under MIG the per-process query raises ``mig_refusal``
-  (``NVML_ERROR_NO_PERMISSION`` by default: unprivileged callers get no per-process figures);
-- ``nvmlDeviceGetMemoryInfo`` returns a structure with ``total``, ``free``, ``used``.
-
-What the device holds is FakeCuda's: this process's figure is the context plus the allocator's
-reserved bytes plus ``nontorch`` (NCCL buffers, workspaces); other processes' bytes, ``managed``
-memory (in device used, in no process's ``usedGpuMemory``: pynvml#63) and ``nontorch`` are added to
-FakeCuda's ``other_process``, so that ``mem_get_info`` sees them too. ``calls`` records every call's
-name and thread, so a test can say which thread paid for NVML.
+This process's figure is the context plus the allocator's reserved bytes plus ``nontorch``; other
+processes' bytes, ``managed`` memory and ``nontorch`` join FakeCuda's ``other_process``, so that
+``mem_get_info`` sees them too. ``calls`` records every call's name and thread.
 """
 
 from __future__ import annotations
@@ -145,10 +131,9 @@ def _proc_pid() -> int:
 class FakeNvml:
     """A fake ``pynvml`` module over one :class:`~rankmem.testing.FakeCuda` device (see the module docstring).
 
-    ``own_pid``: the PID the driver reports for this process (the host's; default the outermost PID
-    this process's ``/proc`` shows). ``mig``: the device is a MIG instance, whose per-process query
-    raises ``NVMLError(mig_refusal)``. ``own_not_available``: this process's ``usedGpuMemory`` is
-    ``NVML_VALUE_NOT_AVAILABLE``.
+    ``own_pid``: the PID the driver reports for this process (default the outermost PID ``/proc`` shows).
+    ``mig``: a MIG instance, whose per-process query raises ``NVMLError(mig_refusal)``.
+    ``own_not_available``: this process's ``usedGpuMemory`` is ``NVML_VALUE_NOT_AVAILABLE``.
     """
 
     NVMLError = NVMLError

@@ -202,7 +202,7 @@ def _whole(value: Any) -> bool:
 class _Readouts:
     """The read-only side of a :class:`Monitor`: who this rank is and what the layers know of the run.
     Each property asks the layer that knows and none communicates; kept apart so that the facade holds
-    only what a training loop calls (issue 19)."""
+    only what a training loop calls."""
 
     config: MonitorConfig
     group: Any
@@ -330,14 +330,12 @@ class Monitor(_Readouts):
 
     def micro_batch(self, tokens: float, sequences: float | None = None, sq_tokens: float | None = None) -> None:
         """Tell the innermost open phase about one micro-batch: ``tokens`` it held (padding included if the
-        model computes on it), its ``sequences`` and the sum of its squared sequence lengths ``sq_tokens``
-        (attention's quadratic term). Once per micro-batch, inside a phase (outside, ignored with one warning).
+        model computes on it), its ``sequences`` and the sum of its squared sequence lengths ``sq_tokens``.
+        Once per micro-batch, inside a phase (outside, ignored with one warning).
 
-        The phase keeps its heaviest micro-batch's tokens and sequences, the largest ``sq_tokens`` of any
-        of its micro-batches (with materialised attention the one with the longer sequences can set the
-        peak) and the totals, under ``mem/phase/<name>/`` ``heaviest_mb_tokens``, ``heaviest_mb_sequences``,
-        ``heaviest_mb_sq_tokens``, ``tokens`` and ``micro_batches``: what ``rankmem advise`` fits the
-        phase's peak against. Local; a few float compares.
+        The phase keeps its heaviest micro-batch's tokens and sequences, the largest ``sq_tokens`` and the
+        totals under ``mem/phase/<name>/`` (``heaviest_mb_tokens``, ``heaviest_mb_sequences``,
+        ``heaviest_mb_sq_tokens``, ``tokens``, ``micro_batches``): what ``rankmem advise`` fits against.
         """
         try:
             numbers = work_numbers(tokens, sequences, sq_tokens)

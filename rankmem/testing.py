@@ -1,28 +1,18 @@
 """A faithful fake of the ``torch.cuda`` memory API, for tests on machines without a GPU.
 
 Pass it in through the public API (``Monitor(device_module=FakeCuda())``), never by patching torch.
-It models what rankmem reads, and the side effects of torch that could hurt a rank
-(``torch/cuda/__init__.py``, ``torch/cuda/memory.py``, ``c10/cuda/CUDACachingAllocator.cpp``):
+It models what rankmem reads, and the side effects of torch that could hurt a rank:
 
 - **Lazy initialisation.** ``is_initialized()`` is false until ``init()``, ``current_device()``,
   ``set_device()``, ``get_device_name()``, ``mem_get_info()`` or an allocation; before it
-  ``memory_stats()`` is ``{}``, and ``reset_peak_memory_stats(i)`` raises torch's
-  "Invalid device argument i: did you call init?" (with no device it initialises first, as torch's
-  ``current_device()`` does).
-- **Contexts.** ``set_device(i)`` (CUDA 12's ``cudaSetDevice``), ``mem_get_info(i)`` (``cudaMemGetInfo``
-  under a device guard) and an allocation on ``i`` create device ``i``'s primary context, which holds
-  ``context`` bytes of it. ``contexts_created`` counts them per device, so a test can say "this created
-  no context" and mean it.
-- **A caching allocator per device.** Requests round up to 512 bytes; a new segment is 2 MiB for
-  requests up to 1 MiB (the small pool), 20 MiB up to 10 MiB, else the request rounded up to 2 MiB.
-  Freed segments stay reserved until ``empty_cache()``. A request is served by the smallest cached free
-  segment of its pool that fits, one block per segment (a simplification of torch's splitting); the
-  rest of a segment in use counts as an inactive split block. Peak resets set peaks to the current
-  values; the counters (``num_alloc_retries``, ``num_ooms``) stay cumulative.
-- **The OOM path as torch takes it.** When the device cannot hold a new segment the cache is released
-  and the reservation retried once (``num_alloc_retries``); if that fails, ``num_ooms`` counts it, an
-  ``oom`` entry joins the history, the observers are called with ``(device, alloc_size, device_total,
-  device_free)``, and :class:`FakeOutOfMemoryError` is raised with torch's message.
+  ``memory_stats()`` is ``{}`` and ``reset_peak_memory_stats(i)`` raises as torch does.
+- **Contexts.** ``set_device(i)``, ``mem_get_info(i)`` and an allocation on ``i`` create device ``i``'s
+  primary context (``context`` bytes); ``contexts_created`` counts them per device.
+- **A caching allocator per device** with torch's pools and rounding (one block per segment); freed
+  segments stay reserved until ``empty_cache()``; peak resets set peaks to the current values.
+- **The OOM path as torch takes it**: release the cache and retry once (``num_alloc_retries``), then
+  ``num_ooms``, an ``oom`` history entry, the observers called with ``(device, alloc_size,
+  device_total, device_free)``, and :class:`FakeOutOfMemoryError` with torch's message.
 - **History and snapshots** in the format of ``torch.cuda.memory._snapshot()``.
 
 Real CUDA has some of this only in private entry points. Here they are methods, under the names
@@ -38,11 +28,8 @@ rankmem's backend looks for on a module that is not ``torch.cuda``:
 ``_snapshot()``                     ``torch.cuda.memory._snapshot()``
 ==================================  =================================================
 
-Observers and history settings given before initialisation are lost, as in torch (the allocator has
-no per-device state to keep them yet).
-
-:class:`FakeNvml` (from :mod:`rankmem._fake_nvml`) is the matching fake of ``pynvml`` over a FakeCuda:
-``Monitor(device_module=cuda, nvml_module=FakeNvml(cuda))``.
+:class:`FakeNvml` is the matching fake of ``pynvml``: ``Monitor(device_module=cuda,
+nvml_module=FakeNvml(cuda))``.
 """
 
 from __future__ import annotations

@@ -2,16 +2,13 @@
 
 At every edge (a step or phase entering or leaving) the host and device peaks since the previous
 edge are read into every open window and then reset, so a step's peak is the max over its phases and
-the gaps between them, and the next step does not remember this one. Until the first ``step()`` the
-window is "everything since the last :meth:`Windows.take`" (the implicit window).
+the gaps between them. Until the first ``step()`` the window is "everything since the last
+:meth:`Windows.take`". This layer is local to one rank: no torch.distributed, no files; what happens
+when a window ends or fails is the :class:`WindowListener`'s business.
 
-This layer is local to one rank: no torch.distributed, no files. What happens when a window ends (a
-heartbeat) or fails (an out-of-memory event) is the business of the :class:`WindowListener` passed in.
-
-An edge is the training thread's whole telemetry between collects, so it is kept to the kernel's
-reads plus a handful of Python calls (``bench/bench_probe.py``, the ``windows`` table): the context
-manager *is* the window (one object per step), the fold is inline, and the probe and the listener run
-in plain ``try`` blocks (free in Python 3.11 until something raises) instead of guarded calls.
+An edge is on the training thread, so it is kept to the kernel's reads plus a few Python calls: the
+context manager *is* the window, the fold is inline, and the probe and the listener run in plain
+``try`` blocks instead of guarded calls.
 """
 
 from __future__ import annotations
@@ -97,11 +94,9 @@ class Work:
     """The micro-batches a window was told about: the heaviest by tokens (its tokens and sequences), the
     largest sum of squared lengths of any of them, and the totals.
 
-    The two maxima may come from different micro-batches. With materialised attention the micro-batch
-    with the longer sequences can set the peak while holding a few tokens fewer (in bench/bench_advise.py's
-    packs the micro-batches' tokens are within 1.1% of each other, and in a third of the windows another
-    micro-batch than the heaviest has the larger Q, up to 2.4x it); ``a + b*T + c*Q`` at both maxima
-    bounds every micro-batch's peak, where the heaviest's own Q would not (bench/RESULTS.md)."""
+    The two maxima may come from different micro-batches: with materialised attention the one with the
+    longer sequences can set the peak while holding a few tokens fewer, and ``a + b*T + c*Q`` at both
+    maxima bounds every micro-batch's peak, where the heaviest's own Q would not."""
 
     __slots__ = ("tokens", "sequences", "sq_tokens", "total_tokens", "count")
 

@@ -173,11 +173,9 @@ STOPPED = ("T", "t")
 class RankStates:
     """The scheduler state of each local rank process, sampled by the launcher while the job runs.
 
-    A rank frozen by SIGSTOP and a rank waiting in a collective for it both stop beating, often at the
-    same window edge; only the process state tells them apart, and it must be read while the
-    processes live. The launcher samples once a second (a few small reads per rank). Only descendants
-    of the launched torchrun are read: heartbeat files on a shared file system may name pids of other
-    nodes.
+    A rank frozen by SIGSTOP and a rank waiting in a collective for it both stop beating; only the process
+    state, read while the processes live, tells them apart. The launcher samples once a second, and reads
+    only descendants of the launched torchrun (a shared heartbeat directory may name other nodes' pids).
     """
 
     def __init__(self, proc: str = "/proc") -> None:

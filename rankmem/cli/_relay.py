@@ -27,13 +27,10 @@ HELD_MAX = 20_000  # lines held back in memory at most (all of it goes to the la
 class StderrRelay:
     """Drains torchrun's stderr (its own and every rank's) for the whole job, whatever becomes of ours.
 
-    Every line goes to the launch log (``OUT/torchrun.log``) and the tail is kept for the diagnosis. On
-    the terminal, lines pass through until a failure starts (torchrun's first failure line, a rank's
-    traceback, a signal to the launcher: :meth:`hold`); from there on they are held, so that the
-    diagnosis can be the last thing printed. A held traceback that no failure follows within
-    :data:`HOLD_S` is a rank's logged error in a job that goes on: :meth:`tick` shows it after all.
-    Our stderr may be closed (``2>&-``) or gone (a dead pipe): the relay keeps draining regardless,
-    or torchrun and the ranks would block on a full pipe.
+    Every line goes to the launch log and the tail is kept for the diagnosis. On the terminal, lines pass
+    through until a failure starts (:meth:`hold`), then are held so that the diagnosis is printed last; a
+    held traceback that no failure follows within :data:`HOLD_S` is shown after all (:meth:`tick`). The
+    relay drains even when our stderr is closed, or torchrun would block on a full pipe.
     """
 
     def __init__(self, source: IO[bytes], sink: IO[str] | None, log_path: str | None = None) -> None:

@@ -5,27 +5,16 @@ One node::
     rankmem train --nproc-per-node 2 --task grpo --engine ddp --out runs/demo
 
 Several nodes: run the same line on every node, with ``--nnodes N --node-rank I --rdzv-endpoint
-HOST:PORT`` (HOST is reachable from every node, e.g. node 0's address). The job is
-``python -m torch.distributed.run ... -m rankmem.engine.train ...`` in a subprocess; its exit status is
-ours, so a rank that fails fails the command (torchrun shows that rank's traceback).
+HOST:PORT``. The job is ``python -m torch.distributed.run ... -m rankmem.engine.train ...`` in a
+subprocess; its exit status is ours.
 
-A rank killed by a signal (the kernel OOM killer's SIGKILL) leaves no traceback, and torchrun may
-blame the healthy rank that was waiting for it. So the job runs with ``RANKMEM_HEARTBEAT_DIR=
-OUT/heartbeat`` (each rank's last step, phase, RSS and collect edges) and ``RANKMEM_RUN_ID`` (the
-identity every file of the run carries), and torchrun's stderr passes through this process, which
-drains it whatever becomes of its own stderr (``2>&-``) and copies all of it to ``OUT/torchrun.log``.
-When the job fails, the launcher's diagnosis is the last thing printed: the killed (or stalled) rank,
-also written as an event to ``OUT/events/rank<r>.jsonl``, with the other ranks' fallout and torchrun's
-failure table left in the log; or a rank's own error, its traceback shown once. After a signal the
-user sent, the ranks' and torchrun's tracebacks go to the log only.
-
-The whole job ends with this command: SIGTERM, SIGHUP or SIGINT to it (``kill``, ``timeout``, a
-supervisor, an ssh drop, Ctrl-C) is forwarded to every process of the job (:mod:`rankmem.cli._jobtree`:
-torchrun starts its workers in sessions of their own, out of reach of its process group), which get
-:data:`GRACE_S` to exit before SIGKILL; the command then exits with 128 + the signal's number. Every
-option is checked, and the run directory locked (``OUT/.lock``: one job per ``--out``), before torchrun
-starts: a bad one is one line and exit 2; sizes are bounded by what the node can hold (ranks by its
-available memory, a batch's rows likewise).
+A rank killed by a signal leaves no traceback and torchrun may blame a healthy rank, so the job runs
+with ``RANKMEM_HEARTBEAT_DIR=OUT/heartbeat`` and ``RANKMEM_RUN_ID``, and torchrun's stderr passes through
+this process into ``OUT/torchrun.log``. When the job fails, the launcher's diagnosis is printed last
+(and the killed or stalled rank written as an event). SIGTERM, SIGHUP or SIGINT is forwarded to every
+process of the job (:mod:`rankmem.cli._jobtree`), which get :data:`GRACE_S` before SIGKILL; the command
+then exits with 128 + the signal's number. Every option is checked, and ``OUT/.lock`` taken, before
+torchrun starts: a bad one is one line and exit 2.
 """
 
 from __future__ import annotations

@@ -167,7 +167,6 @@ HEADLINE = tuple((s.headline, s) for s in CATALOGUE if s.headline)
 LOW_IS_BAD = tuple(s.key for s in CATALOGUE if s.worse == "low")
 PHASE_SUFFIX = {s.key: s.phase_suffix for s in CATALOGUE if s.phase_suffix}
 PHASE_DELTA = {s.key: s.phase_delta for s in CATALOGUE if s.phase_delta}
-RISE_SUFFIX = {s.key: s.rise_suffix for s in CATALOGUE if s.rise_suffix}
 VERL_KEYS = {s.verl: f"{s.key}/max" for s in CATALOGUE if s.verl}
 """verl's name -> the aggregated key whose value it carries, with the corrected meaning (DESIGN.md)."""
 
@@ -294,13 +293,11 @@ class PeakPhase:
 def peak_phase(key: str, value: float, rank_values: Mapping[str, float | None]) -> PeakPhase | None:
     """The phase(s) in which one rank's step peak ``value`` of ``key`` was reached by a rise.
 
-    ``rank_values`` is that rank's values on that step by key (None or NaN where absent; other keys
-    ignored). A phase reached the peak when its own peak (``mem/phase/P/<phase_suffix>``) is within the
-    key's :attr:`KeySpec.noise` of ``value``; it raised it when, besides, it rose more than that noise from
-    where it began (``mem/phase/P/<rise_suffix>``). Logs written before the rise keys existed fall back to
-    the phases whose peak is bit-equal to ``value``, one of them named, several a tie. None when ``key`` has
-    no phase counterpart or the step has no phase keys. The one rule of ``rankmem report``, ``rankmem
-    train``'s summary, the plot's markers and the HTML page.
+    ``rank_values`` is that rank's values on that step by key (None or NaN where absent). A phase reached
+    the peak when its own peak is within the key's :attr:`KeySpec.noise` of ``value``, and raised it when it
+    also rose more than that noise from where it began; logs without the rise keys fall back to the phases
+    whose peak equals ``value``. None when ``key`` has no phase counterpart or the step has no phase keys.
+    The one rule of ``rankmem report``, ``rankmem train``'s summary, the plot's markers and the HTML page.
     """
     entry = SPECS.get(key)
     if entry is None or entry.phase_suffix is None:

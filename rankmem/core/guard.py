@@ -1,47 +1,33 @@
 """The failure boundaries: telemetry never kills training.
 
 A boundary is a handler that catches every ``Exception``: where a failure of rankmem's own measuring,
-writing or watching stops, becomes a warning (or a figure marked unavailable) and training goes on.
-There are few, each named below; everywhere else code catches the types it expects (``OSError``,
-``ValueError``, ``pynvml.NVMLError``) and tells errors apart by their type,
-never by their text. A :class:`~rankmem.errors.RankmemError` (a user error every rank meets alike)
-passes the training thread's boundaries; anything that is not an ``Exception`` (KeyboardInterrupt,
-SystemExit) passes them all. ``tests/core/test_guard.py`` finds every broad handler in the package
-(``except Exception``, ``except BaseException``, a bare ``except:``, ``contextlib.suppress(Exception)``)
-and fails for one not listed here.
+writing or watching becomes a warning (or a figure marked unavailable) and training goes on. Everywhere
+else code catches the types it expects and tells errors apart by type, never by text. A
+:class:`~rankmem.errors.RankmemError` (a user error every rank meets alike) passes the training thread's
+boundaries; anything that is not an ``Exception`` passes them all. ``tests/core/test_guard.py`` fails
+for a broad handler in the package not listed here.
 
 The boundaries (``file: function``: where it stands, why):
 
 - ``core/guard.py: Guard.call``, and its ``with`` form :meth:`Guard.scope` (:class:`Scope`): the
-  training thread. The Monitor, the windows, the publisher and the children's pass run their
-  measuring and writing inside one; a failure warns once per topic and yields a fallback. Beside it,
-  :meth:`Guard.contain` is the same scope where no caller could be told, so a RankmemError ends the
-  block too: the threads rankmem starts (device attribution, the near-OOM watch, the launcher's stderr
-  relay), the signal handler's flush, and the clean-up while a framework's own exception propagates
-  (the Hugging Face wrapper).
-- ``windows.py: Windows._edge``: the same rule as :meth:`Guard.call` written inline, for the probe and
-  the listener (heartbeat) at every window edge: the hot path, where a ``with`` scope per call costs
-  more than the edge's own read (bench/bench_probe.py's windows table). A RankmemError passes; any
-  other failure goes to the window's Guard (``failed``), which warns once per topic.
-- ``core/guard.py: attempt``: a call into a foreign probe (torch's allocator, psutil, the driver)
-  whose failure means "not available here", without a warning (psutil's ``wrap_exceptions`` in spirit).
-- ``core/guard.py: load_optional``: importing an installed optional dependency, which a broken install
-  makes raise anything (a numpy it was not built for, a missing shared library), not only
-  ``ImportError``: ``rankmem plot`` turns it into one error line, ``rankmem doctor`` into "broken".
-- ``sinks/__init__.py: SafeSink._call``: the second boundary of the online path, around every call
-  into a sink (a tracker's server down, a full disk): an outage, retried with backoff
-  (:class:`~rankmem.sinks.SafeSink`).
-- ``core/warnings.py: warn``: the warning channel itself (``-W error``, a logging hook that raises):
-  below the Guard, which warns through it.
+  training thread; a failure warns once per topic and yields a fallback. :meth:`Guard.contain` is the
+  same where no caller could be told, so a RankmemError ends the block too: rankmem's own threads, the
+  signal handler's flush, the clean-up while a framework's exception propagates.
+- ``windows.py: Windows._edge``: the same rule as :meth:`Guard.call` written inline for the probe and
+  the listener at every window edge, the hot path; other failures go to the window's Guard.
+- ``core/guard.py: attempt``: a call into a foreign probe whose failure means "not available here".
+- ``core/guard.py: load_optional``: importing an optional dependency, which a broken install makes
+  raise anything, not only ``ImportError``.
+- ``sinks/__init__.py: SafeSink._call``: every call into a sink: an outage, retried with backoff.
+- ``core/warnings.py: warn``: the warning channel itself (``-W error``, a logging hook that raises).
 - ``forensics/sampler.py: HistorySampler._sampled``: a sampled step's allocator history: one warning.
-- ``forensics/sampler.py: HistorySampler._replay``: its replay off the training thread (a torch whose
-  snapshot schema differs): one warning per topic, no ``anatomy`` event, training goes on.
+- ``forensics/sampler.py: HistorySampler._replay``: its replay off the training thread: one warning per
+  topic, no ``anatomy`` event.
 - ``integrations/verl/__init__.py: _never_raise``: Ray's worker-process setup hook and the patch it
-  applies when verl's engine worker is imported: one warning, and the worker starts without rankmem.
+  applies to verl's engine worker: one warning, and the worker starts without rankmem.
 
-Not boundaries: a handler that cleans up and re-raises (``except BaseException: ...; raise``, as in
-``windows.py``, ``core/rundir.py``, ``integrations/hf.py`` and ``ray/cluster.py``) lets everything
-through.
+Not boundaries: a handler that cleans up and re-raises (in ``windows.py``, ``core/rundir.py``,
+``integrations/hf.py`` and ``ray/cluster.py``) lets everything through.
 """
 
 from __future__ import annotations

@@ -42,10 +42,6 @@ class RunDirLock:
     def held(self) -> bool:
         return self._fd is not None
 
-    def held_by_launcher(self) -> bool:
-        """True when the ``rankmem train`` that started this process holds this lock for it."""
-        return os.environ.get(ENV_HELD) == self.path
-
     def acquire(self) -> None:
         """Take the lock, or raise :class:`RankmemError` naming the job that holds it, or why the
         directory cannot be written. A no-op when already held."""

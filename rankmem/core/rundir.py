@@ -11,24 +11,17 @@ earlier run's files.
     OUT/torchrun.log           ``rankmem train``'s launch log
     OUT/.lock                  one job per directory (:mod:`rankmem.core.lock`)
 
-**Identity.** Every file of a run carries its run id (:func:`current_run_id`: 16 hex digits, the same
-on every rank of one attempt, and new for each torchrun restart), so a reader can tell a foreign part
-(an earlier run's events, a side file of another log) from the run's own and name it instead of reading it.
+**Identity.** Every file of a run carries its run id (:func:`current_run_id`, new for each torchrun
+restart), so a reader can tell an earlier run's file from the run's own and name it.
 
-**Rotation, with one number.** An earlier run's files are moved aside together, to
-``rankmem.jsonl.N``, ``rankmem.ranks.f64.N``, ``torchrun.log.N``, ``events.N/`` and ``heartbeat.N/``: one N per earlier run,
-found as the slot that already holds that run's files, else the first number no name uses. Per-rank
-files move only when they are of another run (the log and side file whenever a writer opens), so every rank may rotate its own files when it starts (a library user restarting
-into the same ``out_dir``, a torchrun restart), the logging rank the rest at its first collect, and
-``rankmem train`` everything before the launch, without moving a file the current run is writing. A
-file still empty (being created) is left alone.
+**Rotation.** An earlier run's files are moved aside together, with one number N per earlier run
+(``rankmem.jsonl.N``, ``events.N/``, ...). Per-rank files move only when they are of another run, so
+every rank may rotate its own files when it starts without moving a file the current run is writing;
+a file still empty is left alone.
 
 **Files rankmem writes are regular files.** :func:`open_regular` is the one way rankmem opens a file:
-without blocking (a FIFO where a file is expected would block ``open`` forever), never through a link
-where it writes (``O_NOFOLLOW``: a run directory is often shared, and a planted link would have rankmem
-write its target), refusing anything but a regular file with :class:`NotRegularFile`; modes come from
-the umask. :func:`unlinked` says that a file's directory was deleted under it. Rotation reads each
-kind's run id with the reader its owner passes (the heartbeat's layout is ``forensics``').
+without blocking (a FIFO), never through a link where it writes (``O_NOFOLLOW``), refusing anything but
+a regular file (:class:`NotRegularFile`). :func:`unlinked` says that a file's directory was deleted.
 """
 
 from __future__ import annotations

@@ -43,11 +43,9 @@ def caller_stacklevel() -> int | None:
 def warn(message: str, stacklevel: int = 2) -> None:
     """A ``RuntimeWarning`` that can never raise, shown at the caller's line.
 
-    Under ``-W error`` (or pytest's ``filterwarnings = error``) a warning becomes an exception, and
-    telemetry must not kill training, nor leave the logging rank dead while the others wait in the next
-    collective. The line it names is the first frame outside rankmem, so the user sees their own
-    ``monitor.collect(...)`` rather than rankmem's internals (issue 12); a warning from a thread rankmem
-    runs (the sink thread, the near-OOM watch) has no such line and names ``rankmem:0``, one line.
+    Under ``-W error`` a warning becomes an exception, and telemetry must not kill training. The line it
+    names is the first frame outside rankmem (the user's ``monitor.collect(...)``); a warning from a thread
+    rankmem runs has no such line and names ``rankmem:0``.
     """
     try:
         level = caller_stacklevel()

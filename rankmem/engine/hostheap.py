@@ -1,13 +1,9 @@
 """Hand glibc's freed heap back to the kernel between steps, so that each step's host peak is its own.
 
-A packed micro-batch on the CPU makes many small blocks (per-sequence attention pieces, autograd nodes):
-below the mmap threshold they come from glibc's heap, and when freed they stay resident in its free
-lists. The heap then holds the high-water mark of the largest micro-batch seen: resident memory between
-steps creeps up with it (measured in bench/bench_advise.py: +27 MiB from 2k to 3k tokens on the bench's
-model), and a later, smaller step's peak includes what a larger one left. ``malloc_trim(0)`` returns the
-free pages (also those inside the heap, not only its top) to the kernel; the next step faults them back
-in, inside its own window. Only the reference worker calls it (its token-budget jobs): it takes about a
-millisecond, and what a user's job does with its allocator is theirs.
+The many small blocks of a packed CPU micro-batch stay resident in glibc's free lists once freed, so
+the heap holds the high-water mark of the largest micro-batch seen and a later, smaller step's peak
+includes it. ``malloc_trim(0)`` returns the free pages to the kernel. Only the reference worker calls
+it: what a user's job does with its allocator is theirs.
 """
 
 from __future__ import annotations

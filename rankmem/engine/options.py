@@ -29,12 +29,9 @@ why and how to do the same in a job of your own.
   activations come from the heap and stay resident: a small micro-batch after a large one would show the
   large one's peak RSS. Fixed at one page, every block over 4 KiB (a packed micro-batch's per-sequence
   pieces included) is mmap'd and returned on free; what is left on the heap the worker hands back after
-  each step (:mod:`rankmem.engine.hostheap`). Measured in bench/bench_advise.py: at 64 KiB a later,
-  smaller step's peak carried up to 10 MiB of an earlier, larger one's blocks.
-- oneDNN (torch's CPU kernels) keeps compiled kernels by tensor shape in its primitive cache (1,024 by
-  default), and packed micro-batches have new shapes almost every step. Measured on the reference GRPO
-  job (bench/RESULTS.md): RSS between steps grew 61-64 KiB a step (12 MiB over 200 steps) and 5 KiB with
-  the cache off, at the same step time (50 s against 48 s for 90 steps)."""
+  each step (:mod:`rankmem.engine.hostheap`).
+- oneDNN (torch's CPU kernels) keeps compiled kernels by tensor shape in its primitive cache, and packed
+  micro-batches have new shapes almost every step: RSS between steps grew with the cache on."""
 
 # Options whose default depends on the task (None in the parser until resolve_job_options). GRPO's
 # steps are ``make demo``'s: about two minutes on 2 CPU cores, well past the reward's plateau.

@@ -1,21 +1,12 @@
 """``TrainingWorker``: the reference engine worker, in the shape of verl's.
 
-``train_batch`` runs micro-batches with gradient accumulation, clips gradients (yielding the grad
-norm) and steps the optimizer and LR scheduler; ``infer_batch`` is forward only (log-probs, optional
-loss); ``_postprocess_output`` builds the step's metrics (loss, grad norm, LR, tokens/s, MFU) and
-gathers them together with the memory metrics in the single collective of
-:meth:`rankmem.Monitor.collect`.
-
-Unlike verl, the collective runs after the step window has closed (:meth:`finish_step`), not inside
-``train_batch``: a GRPO step is rollout + log_prob + update, and the step's memory peak must cover all
-three. Without a monitor the same scalars travel in the same kind of collective
-(:func:`rankmem.allgather_dict_into_dict`) with no memory keys: the baseline the overhead benchmark
-compares against.
-
-The engine is DDP or FSDP2 (``fully_shard``) over gloo on CPU or NCCL on GPU. Both average gradients
-over the data-parallel ranks, so each micro-batch's summed loss is scaled by
-``world_size / global_tokens``: the gradient is then that of the token mean over the whole global batch,
-however tokens fall across ranks and micro-batches.
+``train_batch`` runs micro-batches with gradient accumulation, clips gradients and steps the optimizer
+and LR scheduler; ``infer_batch`` is forward only; ``_postprocess_output`` builds the step's metrics and
+gathers them with the memory metrics in the single collective of :meth:`rankmem.Monitor.collect`, after
+the step window has closed (:meth:`finish_step`), so the step's peak covers rollout, log-prob and
+update. Without a monitor the same scalars travel by :func:`rankmem.allgather_dict_into_dict`: the
+overhead benchmark's baseline. The engine is DDP or FSDP2 over gloo or NCCL; each micro-batch's summed
+loss is scaled by ``world_size / global_tokens`` so the gradient is that of the global token mean.
 """
 
 from __future__ import annotations
@@ -384,10 +375,9 @@ class TrainingWorker:
         """The step's metrics, aggregated over ranks in one collective (memory keys included when a
         monitor is attached). Returns ``K/max``, ``K/min``, ``K/mean``, ``K/max_rank`` per key.
 
-        ``loss``: this rank's summed loss times ``world / global_tokens``, so ``loss/mean`` is the exact
-        token mean over the global batch (gloo has no AVG; a mean of these per-rank values is a SUM /
-        world). ``throughput/tokens_per_s`` and ``mfu`` are per rank: the job's total throughput is
-        ``mean * world``, its MFU the ``mean``.
+        ``loss``: this rank's summed loss times ``world / global_tokens``, so ``loss/mean`` is the exact token
+        mean over the global batch. ``throughput/tokens_per_s`` and ``mfu`` are per rank (the job's:
+        ``mean * world``).
         """
         tokens_per_s = out.tokens / out.seconds if out.seconds > 0 else float("nan")
         local: dict[str, float] = {

@@ -35,11 +35,9 @@ def aggregate(keys: Sequence[str], matrix: np.ndarray, nan_is_absent: bool = Fal
               absent: np.ndarray | None = None) -> dict[str, float]:
     """``K/max``, ``K/min``, ``K/mean``, ``K/max_rank``, ``K/min_rank`` per column of a ranks x keys matrix.
 
-    A NaN the caller sent (a diverged loss) propagates to max, min and mean, and both ranks name the
-    first rank holding it, so a bad rank cannot hide behind a healthy mean. ``absent`` (a boolean
-    matrix) marks ranks without a key: they are left out; a key no rank has gives NaN (ranks -1).
-    ``nan_is_absent=True`` takes every NaN as absent (a run log's ``null``). The hot path, every rank
-    with every key, is five numpy reductions and one dict build from cached names.
+    A NaN the caller sent propagates to max, min and mean, and both ranks name the first rank holding it.
+    ``absent`` (a boolean matrix) marks ranks without a key: they are left out; a key no rank has gives NaN
+    (ranks -1). ``nan_is_absent=True`` takes every NaN as absent (a run log's ``null``).
     """
     if nan_is_absent:
         absent = np.isnan(matrix)

@@ -116,10 +116,9 @@ _gathers: weakref.WeakKeyDictionary[Any, VerlDictGather] = weakref.WeakKeyDictio
 def allgather_dict_into_dict(data: Mapping[str, Any], group: Any = None) -> dict[str, list[Any]]:
     """Drop-in for ``verl.utils.torch_functional.allgather_dict_into_dict``: a collective over ``group``.
 
-    Returns, per key, each rank's value in rank order (a scalar per rank, or that rank's list; numbers
-    come back as floats). Numbers travel in one ``all_gather_into_tensor``; values that are not numbers
-    (verl's ``Metric`` objects) make every rank add one pickled gather. Without a process group it
-    returns ``[value]``.
+    Returns, per key, each rank's value in rank order (numbers come back as floats). Numbers travel in one
+    ``all_gather_into_tensor``; values that are not numbers make every rank add one pickled gather. Without
+    a process group it returns ``[value]``.
     """
     if not dist_active(group):
         return VerlDictGather(group)(data)

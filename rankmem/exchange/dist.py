@@ -78,10 +78,9 @@ def all_gather_objects(obj: Any, group: Any = None) -> list[Any]:
 def _check_local_device(device: str, index: int, count: int) -> str | None:
     """A warning when a device collective would run on a device that is not ``LOCAL_RANK``'s.
 
-    NCCL ranks that gather on the same GPU fail ("Duplicate GPU") or hang: ranks that never called
-    ``set_device`` all sit on device 0. ``index`` is the device the gather uses, so the check holds
-    however that device was found. With one visible device per rank (``CUDA_VISIBLE_DEVICES``) every
-    rank is on device 0 by design, and nothing is said.
+    NCCL ranks that gather on the same GPU fail or hang (ranks that never called ``set_device`` all sit on
+    device 0). ``index`` is the device the gather uses; with one visible device per rank every rank is on
+    device 0 by design, and nothing is said.
     """
     local = os.environ.get("LOCAL_RANK")
     if local is None or count < 2 or not local.isdigit() or index == int(local) % count:

@@ -48,27 +48,18 @@ if TYPE_CHECKING:
 class Exchange:
     """The one collective of a collect: pack, gather, detect mixed keys, fall back, aggregate.
 
-    :meth:`gather_aggregate` is a collective over ``group``: every rank calls it, on the same steps.
-    With no process group (or a world of one) nothing is communicated.
-
-    Ranks that disagree on keys take one pickled gather together; from then on every rank packs the
-    agreed union of keys (:data:`ABSENT` where it lacks one), so keys that come and go per rank stay on
-    the one-tensor path and only a key never seen before costs a pickled gather. The union is capped at
-    :data:`MAX_LAYOUT` keys (beyond it, it restarts from the current step's keys), and the mixed-keys
-    warning is given for at most :data:`MAX_KEY_WARNINGS` different key sets.
+    :meth:`gather_aggregate` is a collective over ``group``: every rank calls it, on the same steps. With no
+    process group (or a world of one) nothing is communicated. Ranks that disagree on keys take one pickled
+    gather together; from then on every rank packs the agreed union of keys (:data:`ABSENT` where it lacks
+    one), capped at :data:`MAX_LAYOUT`; the mixed-keys warning is given for at most :data:`MAX_KEY_WARNINGS`
+    key sets.
 
     Worlds larger than ``reduce_above`` ranks (default :data:`REDUCE_ABOVE`, or ``RANKMEM_REDUCE_ABOVE``)
-    take :class:`rankmem.exchange.reduce.PackedReduce` instead: three all-reduces whose size does not grow with
-    the world, and the per-rank matrix gathered to ``detail_rank`` only, every ``detail_every`` collects
-    (``RANKMEM_DETAIL_EVERY``) or when any rank passes ``detail=True``; on the other collects
-    :attr:`Gathered.matrix` is None. That path adds ``K/p50``, ``K/p90``, ``K/p99`` across ranks, exact to
-    one of ``quantile_bins`` buckets over ``[K/min, K/max]`` (0: none). Every rank must be given the same knobs (torchrun passes the same
-    environment to all).
-
-    A collect takes :attr:`turn` around everything it does, :meth:`start` at the first collect and
-    :meth:`gather_aggregate` at every one; the misuse that would corrupt or hang the group (two
-    collects at once, a forked child, a rank outside the group) is refused there, before any
-    communication.
+    take :class:`rankmem.exchange.reduce.PackedReduce`: the per-rank matrix reaches ``detail_rank`` only,
+    every ``detail_every`` collects or when a rank passes ``detail=True`` (else :attr:`Gathered.matrix`
+    is None), and ``K/p50``, ``K/p90``, ``K/p99`` are added. Every rank must be given the same knobs.
+    A collect takes :attr:`turn` around everything it does; misuse that would corrupt or hang the group
+    (two collects at once, a forked child, a rank outside the group) is refused before any communication.
     """
 
     MAX_LAYOUT = 4096

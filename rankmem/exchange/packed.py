@@ -30,12 +30,9 @@ class PackedGather:
     """Gathers one flat float64 vector per rank in a single ``all_gather_into_tensor``.
 
     Each rank sends ``[signature, n, step, v_0 .. v_{n-1}, NaN padding]`` of an agreed capacity. Every rank
-    receives the same matrix, so every rank sees whether all signatures and lengths agree: if they do,
-    the fast path is done; if not (ranks with different keys, or more values than the capacity), every
-    rank falls back to one pickled gather of the layouts and values and raises the capacity for the
-    next call. No rank can wait on a collective the others skip, so disagreement cannot hang.
-
-    The first call always takes the fallback (the capacity starts at 0), which also learns the layout.
+    receives the same matrix, so all see whether signatures and lengths agree; if not, every rank falls back
+    to one pickled gather and raises the capacity for the next call, so disagreement cannot hang. The first
+    call always takes the fallback (the capacity starts at 0), which also learns the layout.
     """
 
     def __init__(

@@ -1,14 +1,12 @@
 """The large-world collective: aggregates by all-reduce, per-rank detail gathered to one rank now and then.
 
-Past a few hundred ranks the all-gather costs every rank ``W x K`` floats received and ``W x K`` of
-numpy work per collect, to produce ``5 x K`` numbers. Here each rank sends and receives ``O(K)``
-whatever ``W`` (see ``bench/RESULTS.md``, "Scale: the collective's cost model"):
+Each rank sends and receives ``O(K)`` floats whatever the world size ``W``, where an all-gather costs
+``W x K``:
 
 1. all-reduce MAX of ``[sig, -sig, n, step, -step, detail, v, -v, isnan]`` (absent or NaN -> -inf in
    ``v``/``-v``): max, min, whether the layouts agree, whether any rank wants the detail;
 2. all-reduce SUM of ``[v, present, histogram]`` (absent or NaN -> 0): mean, and p50/p90/p99 across
-   ranks from a histogram of ``bins`` buckets per key over ``[min, max]`` (so a quantile is exact to
-   one bucket, ``(max - min) / bins``: the upper edge of the bucket holding the nearest-rank value);
+   ranks from a histogram of ``bins`` buckets per key over ``[min, max]`` (exact to one bucket);
 3. all-reduce MIN of ``[r if v == max, r if v == min, r if isnan]`` (else ``W``): the ranks.
 
 Every rank decides from the same reduced vectors, so all take the same branch: a disagreement seen

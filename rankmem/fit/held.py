@@ -13,11 +13,9 @@ def held_state(low: np.ndarray | None, high: np.ndarray | None,
     """(per window, GiB to take off the rise; GiB to add to the baseline in its place), from each window's
     ``anatomy`` gradient range and optimizer state at its peak; (0, 0) without them.
 
-    Gradients: with accumulation a micro-batch after the first peaks higher by the gradients present, noise
-    against tokens. Those surely present (the range's low end) leave the rise, and the most that can be
-    (the high end's largest) joins the baseline: a window whose peak came while gradients were still being
-    made is then predicted as if they all were. Optimizer state: a baseline read between steps holds it
-    once it exists; a window that peaked before it did (the first step) gets it back."""
+    Gradients surely present (the range's low end) leave the rise, and the most that can be (the high end's
+    largest) joins the baseline. A window that peaked before the optimizer state existed gets it back.
+    """
     if low is None or high is None or optimizer is None:
         return 0.0, 0.0
     g = np.where(np.isfinite(low), low, 0.0)

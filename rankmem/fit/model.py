@@ -1,32 +1,22 @@
 """Fit ``rise = a + b*T (+ c*Q)`` robustly, with a prediction interval; T tokens, Q sum of squared lengths.
 
-``rise`` is a window's peak above its baseline (on the host the phase's peak RSS over the step's
-resident memory; on a device the phase's peak allocated over the step's allocated), ``T`` the tokens
-of the window's heaviest micro-batch and ``Q`` the sum of its squared sequence lengths. Activations are
-linear in T; materialised attention adds scores linear in Q. The method:
+``rise`` is a window's peak above its baseline, ``T`` the tokens of the window's heaviest micro-batch and
+``Q`` the sum of its squared sequence lengths: activations are linear in T, materialised attention adds
+scores linear in Q. The method:
 
-- **Robust line** by Huber's M-estimator (k = 1.345, 95% efficiency under normal noise), fitted by
-  iteratively reweighted least squares with the residual scale re-estimated each round from the median
-  absolute deviation: a window where the allocator kept a previous micro-batch's blocks (an outlier
-  above the line) is down-weighted instead of bending the fit.
-- **The quadratic term only where the data reject a line**: ``c*Q`` enters when Q varies
-  independently of T (its ratio to T spreads by more than :attr:`FitConfig.q_spread`) and its
-  coefficient's t statistic is above :attr:`FitConfig.t_quadratic` (a one-sided test at about 0.1%).
-  Where a phase runs on several ranks, :func:`rankmem.fit.quadratic_across` tests it once on every
-  rank's windows (an intercept per rank, the rise per token and per squared length shared: they are
-  the model's); each rank's fit then keeps the term as that test says, where its own coefficient is
-  positive, and :func:`rankmem.fit.fit_phase` fits the shared coefficients on them all. A
-  line kept where Q varies apart from T carries the quadratic fit as its :attr:`Fit.rival`, whose
-  interval it joins: the data could not tell the two apart.
+- **Robust line** by Huber's M-estimator (IRLS, MAD scale), so that a window where the allocator kept a
+  previous micro-batch's blocks is down-weighted instead of bending the fit.
+- **The quadratic term only where the data reject a line**: Q must vary apart from T
+  (:attr:`FitConfig.q_spread`) and its t statistic pass :attr:`FitConfig.t_quadratic`; across ranks
+  :func:`rankmem.fit.quadratic_across` decides it once. A line kept where Q varies carries the quadratic
+  fit as its :attr:`Fit.rival`, whose interval it joins.
 - **Prediction interval** ``yhat +- t(n - p) * sqrt(s^2 (1 + x0' (X'WX)^-1 x0) + (r * yhat)^2)``, ``s``
-  the robust scale (1.4826 MAD, small-sample corrected, at least :attr:`FitConfig.noise_floor`), ``r``
-  the run-to-run noise (:attr:`FitConfig.relative_noise`, 2%): windows at distinct T understate how
-  much one step repeated varies.
-- **Verdicts instead of fits** (:class:`NoFit`): too few windows, T that barely varies (flat), or a
-  slope that is not above its noise (noisy).
+  the robust scale (at least :attr:`FitConfig.noise_floor`), ``r`` the run-to-run noise
+  (:attr:`FitConfig.relative_noise`).
+- **Verdicts instead of fits** (:class:`NoFit`): too few windows, flat T, or a slope within its noise.
 
-At a T never seen, Q is not known: it is predicted as T times the mean Q/T seen, and its spread (Q/T's
-shrinking as 1/sqrt(T), :meth:`Fit.sq_sd_at`) goes into the interval in quadrature.
+At a T never seen, Q is predicted as T times the mean Q/T seen, its spread (:meth:`Fit.sq_sd_at`) added
+to the interval in quadrature.
 """
 
 from __future__ import annotations
@@ -60,11 +50,7 @@ class FitConfig:
     """Least residual scale, in the response's unit (GiB): 1 MiB."""
     relative_noise: float = 0.02
     """Run-to-run noise as a share of the predicted rise, added to the interval in quadrature: the windows
-    of one run sit closer to their line than later steps do. On the host, with freed heap handed back
-    between steps (:mod:`rankmem.engine.hostheap`), steps repeated at one T in bench/bench_advise.py
-    differ by under 1% of the rise, but the held-out steps after a probe sat above its line by what the
-    heap kept between steps since (+2 to +5 MiB of a ~170 MiB rise, materialised attention): at 1.5%, 4
-    of 50 seeds' held-out peaks fell above their interval, at 2% one (bench/RESULTS.md)."""
+    of one run sit closer to their line than later steps do."""
     pool_ranks: bool = True
     """Fit a phase's rise per token and per squared length on every rank's windows at once, an intercept
     per rank (:func:`rankmem.fit.fit_phase`), where the ranks' own coefficients agree."""
@@ -115,8 +101,7 @@ class Fit:
     def predict(self, tokens: float, sq_tokens: float | None = None) -> tuple[float, float, float]:
         """(rise, low, high) at ``tokens`` (and ``sq_tokens``, else :meth:`sq_at` with its spread). With a
         :attr:`rival`, the interval spans both models': where Q moved with T in the windows seen, a line
-        that leaves it out is off at another Q/T by more than its own interval says (bench/RESULTS.md:
-        the line fits held the worst errors and both advised budgets over the bisected one)."""
+        that leaves it out is off at another Q/T by more than its own interval says."""
         q = sq_tokens if sq_tokens is not None else self.sq_at(tokens)
         x0 = np.array([1.0, tokens, q] if self.quadratic else [1.0, tokens])
         mean = self.a + self.b * tokens + self.c * q
@@ -137,10 +122,7 @@ class Fit:
     def sq_sd_at(self, tokens: float) -> float:
         """The standard deviation of that Q. A micro-batch's Q/T is its token-weighted mean sequence
         length: over n sequences its spread shrinks as 1/sqrt(n), so as 1/sqrt(T), and Q's grows as
-        sqrt(T) (materialised attention in bench/bench_advise.py: Q/T's sd 22.7 at T ~1,100, 18.4 at
-        ~1,900, 15.1 at ~2,700, where 1/sqrt(T) says 14.5). Taking the largest Q/T seen instead, at the
-        small T where it strays most, and the full interval on top of it, put the advice 11% under the
-        bisected budget (bench/RESULTS.md)."""
+        sqrt(T)."""
         t = max(tokens, 0.0)
         return math.sqrt(self.q_sd**2 * t + (self.q_mean_se * t)**2)  # the next draw's, and the mean's
 

@@ -1,10 +1,8 @@
 """The caching allocator's overhead at a phase's peak: reserved over allocated, as a ratio.
 
-A device window's peak reserved holds the phase's peak allocation plus what the allocator keeps beside
-it (block rounding, segments cut for other sizes). Only the windows that grew the pool show what a
-window of their size needs (one served from segments earlier, larger windows left shows their slack),
-and what it needs grows with the allocation: a ratio carries to a larger T where a difference does not
-(bench/RESULTS.md, the GPU check). Pure numpy, shared by ``rankmem advise`` and the online watch.
+Only the windows that grew the pool show what a window of their size needs, and that grows with the
+allocation, so a ratio carries to a larger T where a difference does not. Pure numpy, shared by
+``rankmem advise`` and the online watch.
 """
 
 from __future__ import annotations

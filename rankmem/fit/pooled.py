@@ -1,25 +1,16 @@
 """One phase's fit across its ranks: the rise per token and per squared length shared, an intercept per rank.
 
-``b`` and ``c`` are the model's bytes per token and per squared length, the same on every rank that runs
-the same model on its own data (data parallel, FSDP); ``a`` is not (an engine, a driver duty, a leak on
-one rank moves only its intercept). A rank's dozen windows pin its own ``b`` and ``c`` loosely (where T
-and Q rise together, the two trade off); fitted on every rank's windows at once, the shared
-coefficients rest on all of them.
+``b`` and ``c`` are the model's, the same on every rank running the same model on its own data; ``a`` is
+not (an engine, a leak on one rank moves only its intercept). Fitted on every rank's windows at once,
+the shared coefficients rest on all of them.
 
-- **Pooled only where the ranks agree**: each rank's own ``(b, c)`` with its covariance, a Wald test that
-  they are one (its statistic matched to a scaled chi-square, each rank's covariance being estimated:
-  :func:`_agree`), at :attr:`FitConfig.homogeneity`. Ranks
-  that run different layers (pipeline stages) or different work differ in their slopes and keep their
-  own fits, as does a rank with no fit of its own (too few windows, flat, noisy).
-- **The fit**: Huber's M-estimator by reweighted least squares as :func:`rankmem.fit.fit_memory`, each
-  rank's windows weighted by its own residual scale (a quiet rank's are not swamped by a noisy one's),
-  with one intercept per rank taken out by weighted centring within the rank (Frisch-Waugh-Lovell: the same
-  solution as a column per rank, without a (ranks x windows, ranks) matrix on the logging rank).
-- **Each rank's interval** is the usual one in its own ``[1, T, Q]``: the shared coefficients' covariance
-  and the intercept's (``1/W_k`` about the rank's weighted means), each rank's own residual scale (a
-  noisier rank keeps a wider interval; Huber-weighted, so that one outlying window does not make it
-  noisy) and the degrees of freedom that scale has. A rank whose pooled fit fails the slope check keeps
-  its own.
+- **Pooled only where the ranks agree**: a Wald test that the ranks' own ``(b, c)`` are one
+  (:func:`_agree`, at :attr:`FitConfig.homogeneity`); ranks that differ (pipeline stages, other work) or
+  have no fit of their own keep their own.
+- **The fit**: Huber IRLS as :func:`rankmem.fit.fit_memory`, each rank weighted by its own residual
+  scale, the per-rank intercepts taken out by weighted centring within the rank.
+- **Each rank's interval** is the usual one in its own ``[1, T, Q]``, with its own residual scale and
+  degrees of freedom. A rank whose pooled fit fails the slope check keeps its own.
 """
 
 from __future__ import annotations
@@ -120,11 +111,9 @@ def quadratic_across(groups: Sequence[Group], config: FitConfig | None = None) -
     """Whether one phase's windows on several ranks (``(T, rise, Q)`` per rank) reject a line: one robust
     fit of ``rise = a_rank + b*T + c*Q`` over all of them, Q kept where it varies apart from T and its
     coefficient's t statistic is above :attr:`FitConfig.t_quadratic`. None where fewer than two ranks
-    have windows enough, each with Q (each rank then tests its own).
-
-    A rank's dozen windows rarely show ``c`` above its noise though it is there (materialised attention
-    in bench/bench_advise.py, 50 seeds: the term kept on 54 of 100 rank fits alone, 84 of 100 pooled),
-    and a line left where the peak follows Q is off in a way its interval does not cover."""
+    have windows enough, each with Q (each rank then tests its own). A rank's dozen windows alone rarely
+    show ``c`` above its noise though it is there.
+    """
     cfg = config or FitConfig()
     kept = [g for g in (usable_windows(*group) for group in groups) if g[0].size >= cfg.min_windows and np.isfinite(g[2]).all()]
     if len(kept) < 2:
@@ -210,12 +199,10 @@ def _agree(columns: Sequence[np.ndarray], ys: Sequence[np.ndarray], cfg: FitConf
     """Whether the ranks' own coefficients are one: the Wald statistic of each rank's own fit about their
     precision-weighted mean, at :attr:`FitConfig.homogeneity`.
 
-    Each rank's covariance is estimated from its own dozen windows, not known: each term is then a
-    ``p F(p, nu)`` rather than a chi-square on ``p``, whose heavier tail made a chi-square test on
-    ``p (K - 1)`` reject identical ranks 1.6% of the time at K = 2 and 18% at K = 32 (12 windows a rank,
-    nominal 1%). The sum is matched to a scaled chi-square by its mean and variance (Satterthwaite),
-    nu the ranks' median degrees of freedom: 0.3-2.8% at K = 2 to 32 and 8 to 20 windows, and a rank
-    given 1.3x the slope told apart in 97-100% of seeds from 12 windows."""
+    Each rank's covariance is estimated from its own windows, so each term is a ``p F(p, nu)`` rather than a
+    chi-square, whose heavier tail a plain chi-square test would read as disagreement: the sum is matched
+    to a scaled chi-square by its mean and variance (Satterthwaite), nu the ranks' median degrees of freedom.
+    """
     betas, precisions, dofs = [], [], []
     for x, y in zip(columns, ys, strict=True):
         solved = huber_fit(np.column_stack([np.ones(y.size), x]), y, cfg)
@@ -245,10 +232,8 @@ def chi2_quantile(p: float, dof: int) -> float:
 def prime() -> None:
     """Fit made-up windows once, each kind a judge makes (a line with its quadratic rival, the pooled Q
     test and the pooled fit): a process's first fit leaves ~2 MiB resident for good (numpy's code pages
-    and workspaces: 2.2 MiB measured in a fresh process). The online watches fit in the logging rank's
-    own process, whose memory the fits read; the publisher calls this on every rank when the monitor is
-    made, so that the rank's baseline does not step up in the middle of the windows at the watches'
-    first judgements (2.3-3.0 MiB at the advice watch's, 1.8 MiB at the leak watch's: bench/RESULTS.md)."""
+    and workspaces). The publisher calls this on every rank when the monitor is made, so that the rank's
+    baseline does not step up in the middle of the windows at the online watches' first judgements."""
     t = np.arange(8.0, 16.0)
     q = t * t * (1.0 + 0.1 * (t % 3))
     rise = 1e-3 * (t + 1e-3 * q) + 1e-6 * (t % 2)

@@ -51,10 +51,8 @@ def encode_event(event: Event) -> bytes:
 class EventWriter:
     """Appends this rank's events to ``<out_dir>/events/rank<rank>.jsonl``; never raises, never blocks.
 
-    The file is opened on the first event (most runs have none, and then leave no file), without
-    blocking and only if it is a regular file (a FIFO there would block ``open`` forever). A directory
-    that cannot be written (full, read-only, deleted under it) gives one ``RuntimeWarning`` and disables
-    the writer: training goes on.
+    The file is opened on the first event, without blocking and only if it is a regular file. A directory
+    that cannot be written gives one ``RuntimeWarning`` and disables the writer: training goes on.
     """
 
     def __init__(self, out_dir: str, rank: int, run_id: str | None = None) -> None:
@@ -129,12 +127,9 @@ def oom_where(exc: BaseException) -> str | None:
     """``"host"`` for a host allocation that failed, ``"device"`` for an accelerator's out-of-memory
     error, else None.
 
-    Host: ``MemoryError`` (Python, numpy); torch's CPU allocator, which raises a plain ``RuntimeError``
-    ("DefaultCPUAllocator: can't allocate memory: you tried to allocate N bytes", torch 2.13); and an
-    ``OSError`` with ``ENOMEM`` (a ``fork`` for a DataLoader worker, an ``mmap``). Device:
-    ``torch.OutOfMemoryError`` (alias ``torch.cuda.OutOfMemoryError``, also raised by XPU) is a
-    ``RuntimeError`` subclass, matched by class name so that this needs no torch import; torch_npu and
-    older builds raise a plain ``RuntimeError`` whose text says "out of memory".
+    Host: ``MemoryError``, torch's CPU allocator's ``RuntimeError`` ("DefaultCPUAllocator: can't allocate
+    memory"), an ``OSError`` with ``ENOMEM``. Device: ``torch.OutOfMemoryError``, matched by class name (no
+    torch import), or a plain ``RuntimeError`` whose text says "out of memory" (torch_npu, older builds).
     """
     if isinstance(exc, MemoryError):
         return "host"

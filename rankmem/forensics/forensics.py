@@ -1,20 +1,13 @@
 """Forensics on every rank: the moment a rank runs out of memory, and the trail it leaves before.
 
 - a heartbeat at every window edge (``rankmem train`` reads it after the kernel has killed the rank);
-- an ``oom`` event when ``torch.OutOfMemoryError`` (or an accelerator's equivalent) or ``MemoryError``
-  leaves a step or phase window, with the figures at that instant; on CUDA, the allocator's
-  out-of-memory observer adds the requested size and free memory as the allocator saw them, and with
-  ``oom_history`` on, a snapshot file of the allocation history next to the event;
-- the node's near-OOM watch (one per node: the lowest local rank), which writes ``near_oom`` events;
-- in every ``oom`` and ``near_oom`` event, the device used split by owner (``device.attribution``),
-  taken fresh by the attribution thread (:mod:`rankmem.probe.nvmlwatch`) within half a second, or the
-  last split, whose ``time`` says how old it is.
+- an ``oom`` event when an out-of-memory error leaves a step or phase window, with the figures at that
+  instant (on CUDA also the allocator observer's figures, and with ``oom_history`` a history snapshot);
+- the node's near-OOM watch (the lowest local rank), which writes ``near_oom`` events;
+- in every ``oom`` and ``near_oom`` event, the device used split by owner (``device.attribution``).
 
-No collective and no device synchronisation on these paths: the other ranks may be inside one, and a
-rank that runs out of memory must not wait for them. The user's exception always goes on unchanged
-(the windows re-raise it); nothing here may raise: the window edges run inside the windows' guard,
-and what the facade calls (:meth:`Forensics.collect_edge`, ``adopt``, ``record``, ``close``) inside
-the guard it is given.
+No collective and no device synchronisation on these paths, and nothing here may raise: the user's
+exception goes on unchanged, and the facade's calls run inside the guard it is given.
 """
 
 from __future__ import annotations

@@ -3,14 +3,10 @@ after the rank is gone.
 
 A rank killed by SIGKILL (the kernel OOM killer's signal) runs no code, so what it was doing must
 already be in the file: each window edge overwrites one fixed-size binary record in ``<dir>/rank<r>.hb``
-through a shared memory map of the file (``os.pwrite`` where the file cannot be mapped); an edge
-stores the fields that move (seq, step, RSS, time, phase where it changed, the seq copies) one by one
-through typed views of the map; the rest is written whole when it changes. The page
-cache holds the mapped page, so the record outlives the process. No system call: a ``pwrite`` costs
-~1 us in a loop but ~40 us right after a training step's compute has pushed the kernel's paths out of
-the caches, the stores into the map ~5 us of cold interpreter (``bench/bench_cold.py``).
-The launcher sets ``RANKMEM_HEARTBEAT_DIR`` so that it knows where to look; a rank whose sequence
-counter stopped while the others moved on is the one that hung.
+through a shared memory map of the file (``os.pwrite`` where the file cannot be mapped), storing only the
+fields that move; the page cache keeps the record after the process. The launcher sets
+``RANKMEM_HEARTBEAT_DIR``; a rank whose sequence counter stopped while the others moved on is the one
+that hung.
 
 Record layout (little-endian, :data:`RECORD_SIZE` bytes; version 3 appends to version 2's)::
 
@@ -20,21 +16,12 @@ Record layout (little-endian, :data:`RECORD_SIZE` bytes; version 3 appends to ve
     run id 16 ASCII bytes (:mod:`rankmem.core.rundir`), collect marks u64, host_pid u32 (0: not mapped),
     boot_id 16 bytes (zeros: unknown), seq u64 a third time
 
-``seq`` repeats: a reader that sees different values read the record while it was being written (a
-store into the page is not atomic against a concurrent ``read``) and reads again after a pause (a writer
-preempted between its stores finishes the beat only when it runs again); a record that stays
-so was left by a writer stopped mid-beat, and is read as torn (:attr:`HeartbeatRecord.torn`). ``collect marks``
-count the collect edges passed (entering collect k makes it 2k+1, leaving it 2k+2): a rank stopped
-after its step window closed and before ``collect()`` is behind one that entered the collect and waits
-there, though both beat last at the same window edge.
-
-The host PID (where this rank can see it, :mod:`rankmem.probe.pidmap`) and the node's
-``/proc/sys/kernel/random/boot_id`` (one per booted machine, shared by its containers) let device
-attribution tell a sibling rank's GPU memory from a stranger's, matching only ranks of this node.
-
-The file is written with its blocks allocated (``posix_fallocate``, then a ``pwrite`` of the whole
-record) before it is mapped: a store into a hole of a memory map on a full file system is SIGBUS,
-which no ``except`` catches. Numbers read back are bounded before use (a rank, a pid, a time).
+``seq`` repeats so that a reader can tell a record read mid-write (it reads again after a pause; one
+that stays so is torn: :attr:`HeartbeatRecord.torn`). ``collect marks`` count the collect edges passed
+(entering collect k makes it 2k+1, leaving it 2k+2), so a rank stopped before ``collect()`` is told from
+one waiting inside it. The host PID and the node's boot id let device attribution match only ranks of
+this node. The file's blocks are allocated before it is mapped (a store into a hole on a full file
+system is SIGBUS), and numbers read back are bounded before use.
 """
 
 from __future__ import annotations
@@ -68,8 +55,6 @@ VERSION = 3
 NO_STEP = -(2**63)
 """The step field before the first step (version 1 used -1, which hid negative steps)."""
 PHASE_BYTES = 32
-MAX_RANKS = 1 << 20
-"""Highest rank a heartbeat may name, as many as a run log's header may claim."""
 _CLEAN = 1
 _COLLECTING = 2
 _V2 = struct.Struct(f"<4sHHIiQqqd{PHASE_BYTES}sQ")
@@ -80,11 +65,9 @@ RECORD_SIZE = _RECORD.size
 # fields one by one through typed views of the map, the last copy first, then the middle one, the fields,
 # and the first copy last. A reader copies the record in ascending order (first copy, fields, the later
 # copies): where it saw any field of the new beat, it then sees the later copies new too, and the first
-# copy old or new as it read it; the three agree only where it saw one beat whole. Item stores, not a
-# ``pack_into`` of the record: on the training thread, right after compute, struct's packing path costs
-# ~14 us of cold interpreter and five item stores ~5 us (bench/bench_cold.py). A writer killed between its stores leaves a torn
-# record, each moving field its last beat's or the one before's: the reader keeps it (see
-# :func:`unpack_record`); ``pack_into`` could be torn the same way, if in a shorter window.
+# copy old or new as it read it; the three agree only where it saw one beat whole. Item stores are
+# cheaper than a ``pack_into`` of the record on a cold interpreter. A writer killed between its stores
+# leaves a torn record, which the reader keeps (see :func:`unpack_record`).
 _BEAT_AT = struct.calcsize("<4sHHIi")
 _STEP_AT, _RSS_AT, _TIME_AT, _PHASE_AT = _BEAT_AT + 8, _BEAT_AT + 16, _BEAT_AT + 24, _BEAT_AT + 32
 _SEQ2_AT, _SEQ3_AT = _PHASE_AT + PHASE_BYTES, RECORD_SIZE - 8
@@ -182,9 +165,8 @@ class HeartbeatRecord:
 class Heartbeat:
     """This rank's heartbeat file, held open for the life of the run; never raises.
 
-    The first record is written at construction (step None), so the launcher can map the rank's pid
-    to its rank even when it dies before its first step. A directory that cannot take the file (full,
-    read-only, a FIFO or a directory where the file belongs) gives one warning and no heartbeat.
+    The first record is written at construction (step None), so the launcher can map the rank's pid to its
+    rank even when it dies before its first step. A file that cannot be made gives one warning.
     """
 
     def __init__(self, directory: str, rank: int, run_id: str | None = None, host_pid: int | None = None) -> None:

@@ -93,11 +93,9 @@ class _Reading:
 class NearOomWatch:
     """Polls memory headroom and pressure on a daemon thread; calls ``on_near_oom(info)`` once per episode.
 
-    ``info`` is the :class:`~rankmem.core.events.NearOomEvent` to write: ``step``/``phase`` of this process
-    (from its heartbeat), ``reasons``, ``cgroup``/``node``/``pressure`` figures (bytes, percent) and
-    ``processes``, the per-node table (see :func:`process_table`). The callback runs on the watch
-    thread; an exception in it warns once and the watch goes on. ``proc`` and ``cgroup_root`` point the
-    watch at other files (tests use a fake root).
+    ``info`` is the :class:`~rankmem.core.events.NearOomEvent` to write (this process's step and phase,
+    ``reasons``, the figures and the per-node :func:`process_table`). The callback runs on the watch thread;
+    an exception in it warns once. ``proc`` and ``cgroup_root`` point the watch at other files.
     """
 
     def __init__(
@@ -274,11 +272,9 @@ def _row(pid: int, rank: int | None, parent: int | None, proc: str, page: int) -
 
 def _private_memory(rows: list[dict[str, Any]], proc: str) -> dict[str, Any] | None:
     """Read USS (``smaps_rollup``) only where it decides which process holds the most private memory;
-    return that row. ``smaps_rollup`` walks the whole memory map under the process's mmap lock (~1 ms per
-    large process), and a rank's window edge (the clear_refs write) waits for that lock: 2.3 us alone,
-    6.3 ms median while another process reads its smaps_rollup (issue 22). USS <= RSS, so in order of
-    RSS, once the best USS found is at least the next RSS no later process can beat it: typically one
-    or two reads, however many ranks and workers the node runs."""
+    return that row. ``smaps_rollup`` walks the whole memory map under the process's mmap lock, which a
+    rank's window edge (the clear_refs write) waits for. USS <= RSS, so in order of RSS, once the best USS
+    found is at least the next RSS no later process can beat it: typically one or two reads."""
     best: dict[str, Any] | None = None
     for row in sorted(rows, key=lambda r: r["rss_bytes"] or 0, reverse=True):
         if best is not None and (row["rss_bytes"] or 0) <= best["uss_bytes"]:
@@ -293,15 +289,11 @@ def _private_memory(rows: list[dict[str, Any]], proc: str) -> dict[str, Any] | N
 def process_table(
     heartbeats: dict[int, HeartbeatRecord], own_rank: int | None = None, proc: str = "/proc"
 ) -> list[dict[str, Any]]:
-    """Every live rank process on this node and its descendants: ``pid``, ``rank`` (a child carries its
-    rank's), ``parent_pid`` (None for a rank process), ``name``, ``rss_bytes`` (``statm``), ``uss_bytes``
-    (private memory, ``Private_Clean + Private_Dirty``; read only for the processes that decide which
-    holds the most of it, see :func:`largest_private`, None for the others), ``step`` and ``phase``
-    (ranks only, from the heartbeat).
-
-    Ranks come from ``heartbeats``; a heartbeat whose process exited cleanly, is gone, or whose pid was
-    reused by a process started after the last beat is skipped. This process is always listed. It runs
-    when the watch fires, never per poll.
+    """Every live rank process on this node and its descendants: ``pid``, ``rank``, ``parent_pid`` (None
+    for a rank process), ``name``, ``rss_bytes``, ``uss_bytes`` (read only where :func:`largest_private`
+    needs it, else None), ``step`` and ``phase`` (ranks only, from the heartbeat). Ranks come from
+    ``heartbeats``; one whose process exited cleanly, is gone, or whose pid was reused is skipped. This
+    process is always listed. It runs when the watch fires, never per poll.
     """
     page = os.sysconf("SC_PAGE_SIZE")
     ticks = os.sysconf("SC_CLK_TCK")

@@ -3,36 +3,18 @@
     from rankmem.integrations.hf import RankmemCallback
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[RankmemCallback()])
 
-What is measured: each optimizer step (``on_step_begin`` .. ``on_step_end``) is the phase
-``train_step`` (keys ``mem/phase/train_step/...``); the window keys (``mem/host/peak_rss_gib``, ...) cover
-the steps since the last collect, gaps included, so a spike in evaluation or checkpointing is not missed.
+Each optimizer step is the phase ``train_step``; the window keys cover the steps since the last collect,
+gaps included. A collect runs at ``on_step_end`` of every optimizer step (every ``every_n_steps``) and at
+``on_train_end``; the Trainer calls both on every process after the same steps, which makes the
+collective safe there. ``on_log`` adds the last collect's aggregates to ``logs`` and to the matching
+``state.log_history`` entry; an ``evaluate()`` outside training collects at its ``on_log``.
 
-When: at ``on_step_end`` of every optimizer step (every ``every_n_steps``), whatever ``logging_steps``
-is, and at ``on_train_end`` for steps left over: one collect per step, logged at its ``global_step``.
-The Trainer calls both hooks on every process after the same steps, which makes the collective in
-:meth:`rankmem.Monitor.collect` safe there. ``on_log`` collects nothing during training: it adds the
-last collect's aggregates (``K/max``, ``K/min``, ``K/mean``, ``K/max_rank``) to ``logs`` and to the
-matching ``state.log_history`` entry (the final summary's too); an ``evaluate()`` outside training
-collects at its ``on_log``.
-
-Work: :func:`attach` also wraps ``trainer.training_step``, which the Trainer calls once per
-micro-batch (gradient accumulation included) with the collated inputs; no callback hook sees them.
-A micro-batch's work is what the model computes on: every position of its 2-D ``input_ids`` (else
-``attention_mask``), padding included, since every layer runs on the padded width (SDPA and eager
-attention too). The ``train_step`` phase keeps the heaviest (``mem/phase/train_step/heaviest_mb_tokens``
-and the rest, for ``rankmem advise``), read from the shapes: no device synchronisation. Inputs that are
-not a mapping of tensors are passed through untouched, with one warning. The run log's header names
-the framework and whether the batches are padded or packed (``position_ids``): ``rankmem advise`` then
-says ``per_device_train_batch_size`` at the longest padded length, or tokens per packed micro-batch.
-
-Ordering: the Trainer runs its ``report_to`` trackers' callbacks before the ones passed in
-``callbacks=``, so those trackers would miss the keys; :func:`attach` puts the callback ahead of them.
-
-Failures: heartbeats and events name the step in progress as its collect will (``global_step`` + 1).
-The Trainer calls no callback when ``train()`` raises, so :func:`attach` also wraps ``trainer.train``
-and ``trainer.training_step``: an out-of-memory error leaving either becomes an ``oom`` event
-(``rankmem report`` lists it) at its step and phase, once, also when ``auto_find_batch_size`` catches
-it and retries with a smaller batch; a failure leaving ``train()`` closes the callback's own monitor.
+:func:`attach` also wraps ``trainer.training_step`` (once per micro-batch) to read each micro-batch's
+work from its inputs' shapes (every position of a 2-D ``input_ids``, else ``attention_mask``, padding
+included), for ``rankmem advise``; it puts the callback ahead of the ``report_to`` trackers so they see
+the keys; and it wraps ``trainer.train``, so an out-of-memory error becomes an ``oom`` event at its step
+and phase, once, also when ``auto_find_batch_size`` retries, and a failure closes the callback's
+monitor.
 """
 
 from __future__ import annotations
@@ -62,13 +44,9 @@ class RankmemCallback(StepWindow, TrainerCallback):  # type: ignore[misc]
     """Adds rankmem's cross-rank memory aggregates to the Trainer's logs.
 
     ``monitor``: a :class:`rankmem.Monitor` you built (on every rank); by default one is built at
-    ``on_train_begin``, after the Trainer has initialised the process group, from ``monitor_options``
-    (e.g. ``out_dir="runs/x", sinks=("jsonl",)`` to also write the run log; default: no sinks).
-    ``step_phase``: the phase name for each optimizer step, or ``None`` to skip per-step probing.
-    ``log_keys``: ``fnmatch`` patterns of the aggregated keys added to the Trainer's logs (every key has
-    ``/max``, ``/min``, ``/mean``, ``/max_rank``, ``/min_rank``: ~36 keys, ~2 KB per log line); default
-    all. ``("mem/host/peak_rss_gib/*", "mem/device/peak_reserved_gib/max*")`` keeps a few; the run log
-    keeps them all.
+    ``on_train_begin`` from ``monitor_options`` (e.g. ``out_dir="runs/x", sinks=("jsonl",)``; default: no
+    sinks). ``step_phase``: the phase name for each optimizer step, or ``None``. ``log_keys``: ``fnmatch``
+    patterns of the aggregated keys added to the Trainer's logs (default all; the run log keeps them all).
     ``every_n_steps``: optimizer steps between collects (default 1: every step), whatever ``logging_steps``.
     """
 
@@ -139,10 +117,9 @@ def ranks_as_ints(metrics: Mapping[str, float]) -> dict[str, float | int]:
 def attach(trainer: Any, callback: RankmemCallback | None = None, **options: Any) -> RankmemCallback:
     """Add ``callback`` (or a new one from ``options``) to ``trainer`` ahead of its tracker callbacks.
 
-    Placed right after the Trainer's flow callback, so W&B, TensorBoard, MLflow and the progress bar
-    all see the memory keys in the same ``logs``. ``trainer.train`` is wrapped so that an exception
-    leaving it is seen: an out-of-memory error becomes an ``oom`` event at its step and phase (the
-    Trainer has no exception hook, so a callback passed in ``callbacks=`` alone cannot record one).
+    Placed right after the Trainer's flow callback, so every tracker sees the memory keys in the same
+    ``logs``. ``trainer.train`` is wrapped so that an out-of-memory error leaving it becomes an ``oom``
+    event at its step and phase (the Trainer has no exception hook for a callback).
     """
     cb = callback if callback is not None else RankmemCallback(**options)
     callbacks: list[Any] = trainer.callback_handler.callbacks

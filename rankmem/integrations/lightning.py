@@ -3,20 +3,14 @@
     from rankmem.integrations.lightning import RankmemCallback
     trainer = L.Trainer(callbacks=[RankmemCallback()], ...)
 
-Each training batch (``on_train_batch_start`` .. ``on_train_batch_end``) is the phase ``train_step``;
-the window keys cover the whole interval between collects. After every optimizer step (every
-``every_n_steps`` of them; with ``accumulate_grad_batches`` the batches of a step are its micro-batches)
-every rank calls :meth:`rankmem.Monitor.collect`, a collective: the hooks run on every rank and DDP
-ranks run the same number of batches (the distributed sampler pads), so the ranks agree on when. The
-step is the one Lightning's own logging uses for that batch; the run log has every collect. On
-Lightning's logging steps (``log_every_n_steps``) the aggregates are also logged with ``log_dict``,
-unreduced (``on_epoch=False``, ``sync_dist=False``: every rank holds the same), so they leave in the same
-``log_metrics`` call as the batch's ``self.log`` values: the loss and the memory on one CSV row.
+Each training batch is the phase ``train_step``; the window keys cover the whole interval between
+collects. After every optimizer step (every ``every_n_steps``) every rank calls
+:meth:`rankmem.Monitor.collect`, a collective: the hooks run on every rank on the same batches. On
+Lightning's logging steps the aggregates are also logged with ``log_dict`` (unreduced: every rank holds
+the same), in the same ``log_metrics`` call as the batch's own values.
 
-Work: each batch is a micro-batch, and its work is what the model computes on: every position of a
-2-D ``input_ids`` (else ``attention_mask``) of a mapping batch, padding included; or what
-``tokens_from(batch)`` returns (tokens, or ``(tokens, sequences, sum of squared lengths)``) for any
-other batch. ``rankmem advise`` then sizes ``DataLoader.batch_size`` for padded batches.
+Work: each batch is a micro-batch; its work is every position of a 2-D ``input_ids`` (else
+``attention_mask``) of a mapping batch, padding included, or what ``tokens_from(batch)`` returns.
 """
 
 from __future__ import annotations
@@ -49,13 +43,11 @@ def logging_step(trainer: Any) -> int:
 class RankmemCallback(StepWindow, Callback):  # type: ignore[misc]
     """Logs rankmem's cross-rank memory aggregates through the Trainer's loggers.
 
-    ``monitor``: a :class:`rankmem.Monitor` you built on every rank; by default one is built at
-    ``setup``, after the strategy has initialised the process group, from ``monitor_options``
-    (default: no sinks). ``every_n_steps``: optimizer steps between collects (default 1, every one).
-    ``step_phase``: the phase name per batch, or ``None`` to skip it. ``log_keys``: ``fnmatch``
-    patterns of the aggregated keys sent to the loggers (default all; the run log keeps them all).
-    ``tokens_from``: ``batch -> tokens`` or ``(tokens, sequences, sq_tokens)``, a micro-batch's work
-    where the batch is no mapping with ``input_ids`` / ``attention_mask``.
+    ``monitor``: a :class:`rankmem.Monitor` you built on every rank; by default one is built at ``setup``
+    from ``monitor_options`` (default: no sinks). ``every_n_steps``: optimizer steps between collects
+    (default 1). ``step_phase``: the phase name per batch, or ``None``. ``log_keys``: ``fnmatch`` patterns
+    of the aggregated keys sent to the loggers (default all). ``tokens_from``: ``batch -> tokens`` or
+    ``(tokens, sequences, sq_tokens)``, where the batch is no mapping with ``input_ids``/``attention_mask``.
     """
 
     def __init__(

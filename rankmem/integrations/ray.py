@@ -5,26 +5,15 @@ In each actor of your worker group, after the actor has joined its ``torch.distr
     from rankmem.integrations.ray import actor_monitor
     monitor = actor_monitor(out_dir="/shared/runs/exp1")  # every actor; rank 0 writes the run log
 
-Rank and world size come from the process group, as everywhere in rankmem; ``LOCAL_RANK`` (set by
-verl's ``Worker`` and by :class:`rankmem.ray.rank.RankActor`) goes into the run log header beside each
-rank's host, so ``rankmem report`` says how many ranks share a node. Node figures (``mem/node/*``)
-are the node's, read by every rank on it: they are aggregated by max/min/mean, never summed, so
-actors that share a node do not double-count them.
+Rank and world size come from the process group; ``LOCAL_RANK`` goes into the run log header beside each
+rank's host. Node figures are aggregated by max/min/mean, never summed, so actors sharing a node do not
+double-count them.
 
-Children: a process that started a local Ray cluster (``ray.init()`` without an address) is the
-parent of ``gcs_server``, ``raylet`` and Ray's Python helpers, and through the raylet the grandparent
-of every Ray worker, actors included. Counted as "children" they would read as dataloader workers
-holding gigabytes. :class:`RayAwareHostProbe` leaves out every process Ray titles ``ray::...`` (its
-workers and agents) or runs from the ``ray`` package (raylet, gcs_server, log monitor, dashboard),
-and everything below them; your own workers (a ``DataLoader``'s, a ``multiprocessing`` pool's) still
-count. A Ray actor itself has no Ray helpers below it (checked with Ray 2.60), so inside actors the
-filter changes nothing; it matters for a Monitor in the driver.
-
-What Ray charges a worker: Ray's memory monitor, which picks the worker to kill when the node runs
-short, weighs each worker by its USS (``Private_*`` of ``/proc/PID/smaps_rollup``), not its RSS;
-:func:`ray_charged_bytes` reads the same figure so you can put it beside ``mem/host/rss_gib``. RSS is
-larger by the pages the worker shares: the Python, torch and Ray libraries mapped by every worker,
-and any object-store pages it has read.
+Children: a process that started a local Ray cluster is the ancestor of Ray's daemons and workers, which
+would read as dataloader workers holding gigabytes. :class:`RayAwareHostProbe` leaves out every process
+Ray titles ``ray::...`` or runs from the ``ray`` package, and everything below them; your own workers
+still count. :func:`ray_charged_bytes` reads the USS that Ray's memory monitor weighs a worker by, to put
+beside ``mem/host/rss_gib``.
 """
 
 from __future__ import annotations
@@ -142,10 +131,8 @@ class RayAwareHostProbe:
 def actor_monitor(*, out_dir: str | None = None, group: Any = None, **options: Any) -> Monitor:
     """A :class:`rankmem.Monitor` for this Ray actor's rank, with :class:`RayAwareHostProbe`.
 
-    Call it in every actor of the group after ``torch.distributed.init_process_group`` (the rank and
-    world size are the group's); ``out_dir`` must be a path every actor can reach, absolute unless the
-    actors share the driver's working directory (a local cluster does). Other keyword options are
-    :class:`rankmem.MonitorConfig` fields.
+    Call it in every actor of the group after ``torch.distributed.init_process_group``; ``out_dir`` must be
+    a path every actor can reach. Other keyword options are :class:`rankmem.MonitorConfig` fields.
     """
     import torch.distributed as dist
 

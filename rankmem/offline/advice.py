@@ -60,11 +60,10 @@ def _hosts(run: Run) -> list[str]:
 
 def baseline_growth(run: Run, rank: int, warmup: int, kind: str, capacity_gib: float | None = None) -> Trend | None:
     """Growth of what ``rank`` holds between steps after warm-up (RSS on the host, allocated on the
-    device): the trend where the leak test (``rankmem leaks``' statistics and bar, against
-    ``capacity_gib``, over every step after warm-up rather than the run's second half) calls it growth,
-    else None; None too where the step numbers do not rise (per-epoch numbering), which leaves no step
-    to project to. The fit takes the baseline as it was seen; a run that goes on growing needs that
-    growth free too, which ``rankmem advise --steps`` keeps."""
+    device): the trend where the leak test, over every step after warm-up, calls it growth, else None (also
+    where the step numbers do not rise). A run that goes on growing needs that growth free too, which
+    ``rankmem advise --steps`` keeps.
+    """
     key = key_of("allocated") if kind == "device" else key_of("rss")
     series = run.series.get(key)
     rows = slice(min(warmup, run.steps.size), None)

@@ -1,20 +1,14 @@
 """``rankmem plot``: one panel per key, one line per rank against step, drawn with matplotlib (Agg).
 
-- **Which phase**: where memory rose to a rank's step peak inside one phase (the rule of
-  :func:`rankmem.core.catalogue.peak_phase`, the report's too), a marker sits on that rank's line,
-  filled in the rank's colour, one shape per phase (the legend shows each shape, hollow); where no phase
-  raised it (held from before) or several tie, a grey marker says so and names none. On each rank's
-  :data:`MARKS_PER_RANK` highest steps only, no two closer than :data:`MARK_GAP_PX` pixels, so a run of
-  400+ steps shows which phase made its spikes instead of a solid bar of markers.
-- **Legends outside the data**: to the right of each panel, so no rank's line is covered.
-- **How close to OOM**: the capacity that bounds the key (:mod:`rankmem.fit.capacity`: device total,
-  node total, cgroup limit) is a dashed line. Within :data:`NEAR` times the data the panel runs from
-  0 to just above it; further away it would flatten the data into the floor, so it stays off the
-  panel and its legend entry says so.
-- **No staircases**: the y range spans at least :data:`MIN_SPAN_GIB` (12 MiB of drift is a ripple,
-  not a cliff), and a panel widened so says the data's actual range in MiB.
-- The worst rank (highest peak; lowest for headroom) is drawn thicker and named in the legend;
-  events are red vertical lines at their step.
+- **Which phase**: on each rank's :data:`MARKS_PER_RANK` highest steps (no two closer than
+  :data:`MARK_GAP_PX` pixels), a marker in the rank's colour, one shape per phase, names the phase that
+  raised the peak (:func:`rankmem.core.catalogue.peak_phase`); a grey marker where none or several did.
+- **Legends outside the data**, to the right of each panel.
+- **How close to OOM**: the capacity that bounds the key (:mod:`rankmem.fit.capacity`) is a dashed line,
+  drawn on the panel where it is within :data:`NEAR` times the data, else only named in the legend.
+- **No staircases**: the y range spans at least :data:`MIN_SPAN_GIB`, and a panel widened so says the
+  data's actual range in MiB.
+- The worst rank is drawn thicker and named in the legend; events are red vertical lines at their step.
 
 matplotlib is imported only here: ``pip install 'rankmem[plot]'``.
 """

@@ -1,17 +1,10 @@
 """``rankmem watch``: a live per-rank view of a running job, built from the files the job writes.
 
-Three sources, all read without touching the job:
-
-- the run log's newest line (per-rank vectors): each rank's memory at its last collect, read from
-  the end of the file by :class:`rankmem.offline.follow.Follower`, never whole;
-- the heartbeats (``RUN/heartbeat/rank<r>.hb``): each rank's current step and phase, and how long
-  ago it last passed a window edge (a rank that stopped beating is the one to look at);
-- the events (``RUN/events/rank<r>.jsonl``): OOMs, near-OOMs and kills, as they are written.
-
-:func:`build_frame` turns them into a :class:`Frame` (plain data, tested directly);
-:mod:`rankmem.offline.watchview` draws it, and ``rankmem.cli._watch`` redraws that with ``rich.live``.
-The worst rank of each column is the catalogue's (:func:`rankmem.core.catalogue.worse`): the highest
-value, or the lowest where low is the danger (headroom).
+Three sources, read without touching the job: the run log's newest line (each rank's memory at its
+last collect, read from the end by :class:`rankmem.offline.follow.Follower`); the heartbeats (each
+rank's step, phase and time since its last window edge); the events (OOMs, near-OOMs, kills).
+:func:`build_frame` turns them into a :class:`Frame`; :mod:`rankmem.offline.watchview` draws it. The
+worst rank of each column is the catalogue's (:func:`rankmem.core.catalogue.worse`).
 """
 
 from __future__ import annotations

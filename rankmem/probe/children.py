@@ -1,13 +1,11 @@
 """Private memory (USS) of this process's descendants, read off the training thread.
 
-A forked dataloader worker maps its parent's pages copy-on-write, and its RSS counts every one of them
-it touches, so summed child RSS counts the parent's memory once per worker (issue 10 measured 1924 MiB
-for workers that added ~100 MiB). What a worker adds is its private memory, ``Private_Clean +
-Private_Dirty`` of ``/proc/PID/smaps_rollup`` (Linux >= 4.14). The kernel walks every mapping of the
-process to produce it (~2.5 ms for a child mapping 200 MiB), too slow for the training thread, so a
-daemon thread re-reads the descendants every ``refresh_s`` seconds and a collect only picks up the
-last sum. The first read happens on the caller's thread, once, so that every rank reports the key
-from its first collect on (a key that appears later on some ranks would change the gathered layout).
+A forked dataloader worker's RSS counts every parent page it touches copy-on-write, so summed child RSS
+counts the parent once per worker. What a worker adds is its private memory (``Private_*`` of
+``/proc/PID/smaps_rollup``), which the kernel computes by walking every mapping: too slow for the
+training thread, so a daemon thread re-reads it every ``refresh_s`` seconds and a collect picks up the
+last sum. The first read is on the caller's thread, once, so every rank reports the key from its first
+collect on (a key appearing later on some ranks would change the gathered layout).
 """
 
 from __future__ import annotations

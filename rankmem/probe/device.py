@@ -1,18 +1,14 @@
 """Device memory through the torch device module of one backend (cuda, npu, xpu), chosen once.
 
-Reading must never create a CUDA context. torch initialises CUDA lazily, and ``current_device()``,
-``mem_get_info()`` and the peak reset each initialise it, the last two on the current device: cuda:0
-before the rank's ``set_device``, hundreds of MiB on another rank's GPU. So the device is resolved at
-every read, not when the backend is built: only once the training code has initialised the backend,
-and only where a primary context already exists on the current device. Until then the figures are
-``None`` (an edge before the first CUDA call reads nothing).
+Reading must never create a CUDA context: ``current_device()``, ``mem_get_info()`` and the peak reset
+each initialise CUDA, the last two on the current device (cuda:0 before the rank's ``set_device``). So
+the device is resolved at every read, and read only once the training code has initialised the backend
+and a primary context exists on the current device; until then the figures are ``None``.
 
 One call per read supplies every allocator figure: the nested stats of the C binding
-(``torch._C._cuda_memoryStats``, or ``memory_stats_as_nested_dict`` where a module has no binding).
-``memory_stats()`` flattens and sorts ~120 keys of that dict in Python on every call, and
-``memory_allocated()`` and friends each build the flat dict again (``bench/bench_probe.py`` measures
-both). Modules with neither nested form fall back to ``memory_stats()``. On CUDA a second call reads
-the caching *host* allocator (pinned memory, ``torch._C._cuda_hostMemoryStats``), where torch has it.
+(``torch._C._cuda_memoryStats``, or ``memory_stats_as_nested_dict``), cheaper than ``memory_stats()``,
+which flattens ~120 keys on every call; modules with neither fall back to it. On CUDA a second call
+reads the caching *host* allocator (``torch._C._cuda_hostMemoryStats``), where torch has it.
 """
 
 from __future__ import annotations
@@ -102,10 +98,8 @@ class DeviceBackend:
     """Reads one device through a torch device module (``torch.cuda`` or anything with its API).
 
     The device read is the *current* one at each read (``index`` fixes it instead), so a backend built
-    before ``set_device(local_rank)`` reads this rank's device. Peaks are reset with
-    ``reset_peak_memory_stats``, which resets them for everyone in the process: another caller that
-    resets them shortens our window (the monitor keeps its own running max over the pieces it sees, so
-    a reset by us never shortens a window of ours).
+    before ``set_device(local_rank)`` reads this rank's device. ``reset_peak_memory_stats`` resets peaks for
+    the whole process; the monitor keeps its own running max, so a reset by us never shortens its windows.
     """
 
     def __init__(self, name: str, module: Any, index: int | None = None) -> None:

@@ -41,9 +41,8 @@ class LinuxHostProbe:
     """Reads ``/proc`` and cgroup files through descriptors kept open for the life of the probe.
 
     Children: the descendant list is rebuilt from ``/proc/PID/task/*/children`` at most every
-    ``children_refresh_s`` seconds (a walk costs ~100 us per process; a psutil scan of all of ``/proc``
-    ~0.7 ms); each known child's ``statm`` is read through a cached descriptor on every call. Their
-    private memory (USS) is summed at the same cadence on a daemon thread (:class:`ChildrenUss`).
+    ``children_refresh_s`` seconds; each known child's ``statm`` is read through a cached descriptor on
+    every call, and their USS summed at the same cadence on a daemon thread (:class:`ChildrenUss`).
     """
 
     def __init__(self, children: bool = True, children_refresh_s: float = 5.0, proc: str = "/proc",

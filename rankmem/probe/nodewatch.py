@@ -1,14 +1,10 @@
 """The node, cgroup and children figures, read on a thread of their own and handed over with their age.
 
-These figures describe the node and this rank's workers, not the window: no window edge reads them,
-only a collect, and there they cost ~85 us of the training thread's CPU right after a step's compute
-(``/proc/meminfo``, the cgroup's files, every child's ``statm``; bench/RESULTS.md). Here a daemon
-thread reads them every ``refresh_s`` seconds and a collect takes the last reading, a few attribute
-reads; ``mem/node/age_s`` says how old it was. The per-window peaks stay exact: the edges read them.
-
-The caller's thread reads for itself, as before, where no reading can be handed over: the first
-collect (the thread starts then), a forked child (the thread did not come with it), a reading that
-failed (its error reaches the caller's guard, as an inline read's did) and ``refresh_s=None``.
+These figures describe the node and this rank's workers, not the window, so no edge reads them: a
+daemon thread reads them every ``refresh_s`` seconds and a collect takes the last reading;
+``mem/node/age_s`` says how old it was. The caller's thread reads for itself where no reading can be
+handed over: the first collect, a forked child, a reading that failed (its error reaches the caller's
+guard) and ``refresh_s=None``.
 """
 
 from __future__ import annotations

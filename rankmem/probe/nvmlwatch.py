@@ -56,7 +56,6 @@ class DeviceAttribution:
         self.status: str = "not started (the device has no context yet)"
         """What attribution does here, or why not: ``rankmem doctor`` and the docs say the same."""
         self.view: PidView | None = None
-        self.costs: list[float] = []
         """Wall time of recent process enumerations (seconds, the last 256)."""
 
     # ---- training thread: a few attribute reads ----------------------------------------------------
@@ -158,7 +157,6 @@ class DeviceAttribution:
         owners = self._owners(listing.processes or [], figures.reserved)
         result = split(figures.used, figures.reserved, listing.processes, owners, refused=listing.refused,
                        time=time.time(), step=step, phase=phase, cost_s=cost)
-        self.costs = (self.costs + [cost])[-256:]
         if phase is not None and result.descendants is not None:
             self.phase_descendants[phase] = result.descendants
         with self._done:
@@ -191,10 +189,3 @@ class DeviceAttribution:
         return Owners(own, hosts, unmapped, sibling_pids - {own}, unknown,
                       mapping=TRANSLATED if translated else view.method)
 
-    # ---- figures ------------------------------------------------------------------------------------
-    def cost_quantiles(self) -> tuple[float, float] | None:
-        """p50 and p99 of the enumeration's wall time (seconds), over the recent samples."""
-        costs = sorted(self.costs)
-        if not costs:
-            return None
-        return costs[len(costs) // 2], costs[min(len(costs) - 1, int(len(costs) * 0.99))]

@@ -1,22 +1,15 @@
 """Which PID the GPU driver knows a process by: host and container PIDs joined through ``/proc``.
 
-NVML reports PIDs of the host's PID namespace (the driver's). Inside a container with a PID namespace
-of its own ``os.getpid()`` is another number, and a lookup of it silently misses: read as 0, the miss
-over-sized a KV pool by ~11.9 GiB (sglang-omni#1685) and a KV budget by 76.5% (vllm-omni#6249). What
-``/proc`` can tell, in order:
+NVML reports PIDs of the host's PID namespace. Inside a container with its own, ``os.getpid()`` is
+another number, and a lookup of it silently misses. What ``/proc`` can tell, in order:
 
-- this process is in the initial PID namespace (``/proc/self/ns/pid`` is the kernel's fixed
-  ``PROC_PID_INIT_INO``): its PIDs are the host's;
-- ``NSpid`` in ``/proc/<pid>/status`` (Linux >= 4.1) lists a PID in every namespace from the one
-  ``/proc`` was mounted for down to the process's own. With more than one entry, ``/proc`` belongs to
-  an ancestor namespace (the host's, when the host's PIDs are visible: ``hostPID``, or a nested
-  namespace under the host's ``/proc``) and its first entry is the PID there;
-- one entry and another namespace: ``/proc`` is the container's own and the host PID is invisible.
-  Unless the driver translates PIDs into the caller's namespace (checked against NVML's own list by
+- in the initial PID namespace (``/proc/self/ns/pid`` is ``PROC_PID_INIT_INO``) PIDs are the host's;
+- ``NSpid`` in ``/proc/<pid>/status`` with more than one entry: ``/proc`` belongs to an ancestor
+  namespace and its first entry is the PID there;
+- otherwise the host PID is invisible: unless the driver translates PIDs (checked by
   :mod:`rankmem.probe.attribution`), the PIDs are *not mapped*, and that is said, never guessed.
 
-Every PID that ``/proc`` lists (``/proc/PID/task/*/children``) is a PID of the namespace ``/proc``
-belongs to, so a descendant found there maps as the process that found it does.
+A descendant found through ``/proc`` maps as the process that found it does.
 """
 
 from __future__ import annotations

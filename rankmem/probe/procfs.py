@@ -250,13 +250,9 @@ def find_cgroup_files(proc_self_cgroup: str, root: str = "/sys/fs/cgroup", tight
                       ) -> CgroupFiles | None:
     """Locate the memory files of the cgroup named in ``/proc/self/cgroup``; v2 first, then v1.
 
-    Inside a container with a cgroup namespace the path is ``/`` and the mount root is the
-    container's own cgroup, so the mount root is tried after the full path.
-
-    ``tightest``: the cgroup on the path from this one up to the mount root with the smallest limit
-    (a Slurm step or a systemd slice with ``MemoryMax`` is often limited while the task's own cgroup
-    says ``max``). It is usually the one whose limit the OOM killer enforces; an ancestor with a larger
-    limit but less room left (siblings) can bind first. ``False``: this process's own cgroup.
+    Inside a cgroup namespace the path is ``/``, so the mount root is tried after the full path.
+    ``tightest``: the cgroup from this one up to the mount root with the smallest limit (a Slurm step or a
+    systemd slice is often limited while the task's own cgroup says ``max``). ``False``: this process's own.
     """
     files = _own_cgroup_files(proc_self_cgroup, root)
     return _tightest(files, root) if files is not None and tightest else files

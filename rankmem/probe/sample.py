@@ -50,11 +50,9 @@ class MemorySample:
 def sample(device: str = "auto", device_module: Any = None, children: bool = True) -> MemorySample:
     """Read this process, its children, its node and its device now.
 
-    ``peak_rss`` and the device peaks are whatever the kernel and allocator hold (usually lifetime
-    peaks, unless something reset them): windowed peaks need a :class:`rankmem.Monitor`.
-    Opens and closes its descriptors on every call: for a per-step reading use a Monitor. Before the
-    program's first CUDA call the device figures are ``None`` (``device.before_init``): reading them
-    would create a CUDA context.
+    ``peak_rss`` and the device peaks are whatever the kernel and allocator hold (usually lifetime peaks):
+    windowed peaks, and per-step readings, need a :class:`rankmem.Monitor`. Before the program's first CUDA
+    call the device figures are ``None`` (``device.before_init``): reading them would create a context.
     """
     host = make_host_probe(children=children)
     try:

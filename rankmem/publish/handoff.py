@@ -1,25 +1,16 @@
 """How a collect's record leaves the training thread: a bounded queue and one background thread.
 
-After the collective, the caller needs only the aggregated dict. Building the per-rank record,
-encoding it, writing the sinks and the leak watch run on one background thread fed by a bounded
-queue. If the sinks fall behind (a tracker in a network stall), the oldest pending record is dropped,
-counted and warned about once: training is never blocked. :meth:`Handoff.flush` waits for the queue
-to drain; ``close()`` and interpreter exit flush.
+After the collective the caller needs only the aggregated dict; building the record, encoding it, the
+sinks and the leak watch run on one background thread. If the sinks fall behind, the oldest pending
+record is dropped, counted and warned about once: training is never blocked.
 
-Nothing collected is lost at a signal: the training thread wakes the thread at every collect (a
-futex wake, ~20-120 us of the caller's time on a 2-core machine, bench/RESULTS.md: the price of a
-record on disk within a write's time of its collect rather than up to a polling period later), the
-next collect first waits, briefly (:data:`Handoff.SETTLE_S`), until the previous record is written,
-and SIGTERM / SIGINT / SIGHUP flush before they act (:mod:`rankmem.publish.signals`, which also says what a
-SIGKILL can still cost). A sink slower than that wait (a tracker in a network stall) is not waited
-for again until it has caught up: training never runs at a tracker's pace.
-
-What becomes of an item is the subclass's business (:class:`rankmem.publish.publisher.Publisher`):
-this module knows queues, threads and forks, not sinks.
-
-:meth:`Handoff.flush` and :meth:`Handoff.close` each wait at most :data:`Handoff.FLUSH_TIMEOUT_S` (5 s) in
-all, whatever stalls underneath: a writer that makes no progress (a hung mount, a stopped thread) cannot
-be stopped in-process, so close() then leaves it, a daemon thread, and says what was not written.
+Nothing collected is lost at a signal: every collect wakes the thread, the next collect first waits
+briefly (:data:`Handoff.SETTLE_S`) for the previous record (a sink slower than that is not waited for
+again until it catches up), and SIGTERM / SIGINT / SIGHUP flush before they act
+(:mod:`rankmem.publish.signals`). What becomes of an item is the subclass's business
+(:class:`rankmem.publish.publisher.Publisher`). :meth:`Handoff.flush` and :meth:`Handoff.close` wait at
+most :data:`Handoff.FLUSH_TIMEOUT_S` in all; a writer that makes no progress is left, a daemon thread,
+and close() says what was not written.
 """
 
 from __future__ import annotations

@@ -81,23 +81,13 @@ class _LeakRing:
 class LeakWatch:
     """Online leak check on the logging rank: feed it every collect; it warns once per rank and key.
 
-    Keeps the last ``capacity`` values of each baseline series (and of the phase deltas that name a
-    leaking phase) in numpy ring buffers, and each rank's latest capacity figures. The first ``warmup``
-    collects are never part of a window: online we cannot see a warm-up level off. Every series is
-    judged on the window the offline verdict would take at this point (the last half of the collects
-    so far, within what the buffer holds), from the first collect where that window lies wholly after
-    the warm-up (collect 100 with the defaults): then all at once, so that a 100-step run gets the
-    verdict ``rankmem leaks`` would give it. After that each (key, rank) series is re-tested every
-    ``max(1, min(check_every, window / 4))`` collects, often while the window is short and growing,
-    rarely once it is long, and the tests are spread evenly over the collects instead of all falling on
-    one, because the other ranks wait at the next collective for whatever a collect costs here.
-    ``bench/bench_leaks.py`` times it. :meth:`check` still tests everything now.
-
-    Online, a cache that fills for longer than the window seen so far looks like growth until it is
-    freed: a cycle of P collects can be flagged before collect ~2P.
-
-    Host memory is shared on a node: ranks ``r`` with the same ``r // ranks_per_node`` (torchrun numbers
-    ranks node by node; default ``LOCAL_WORLD_SIZE``, else 1) draw on one headroom.
+    Keeps the last ``capacity`` values of each series in numpy ring buffers; the first ``warmup`` collects
+    are never part of a window. Every series is judged on the window the offline verdict would take at this
+    point, first all at once when that window lies wholly after the warm-up, then each (key, rank) again
+    every ``max(1, min(check_every, window / 4))`` collects, spread evenly over the collects.
+    :meth:`check` tests everything now. Online, a cache that fills for longer than the window seen so far
+    looks like growth until it is freed. Ranks with the same ``r // ranks_per_node`` (default
+    ``LOCAL_WORLD_SIZE``, else 1) draw on one host headroom.
     """
 
     def __init__(

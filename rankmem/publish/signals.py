@@ -1,18 +1,12 @@
 """At SIGTERM, SIGINT or SIGHUP, the logging rank's pending records reach disk before the process ends.
 
-SIGTERM is what torchrun sends the survivors of a failed rank, and what Slurm and Kubernetes send at
-preemption; its default action ends the process at once, with the record of the last collect still
-in memory. While a publisher is open, the logging
-rank's main thread handles SIGTERM, SIGINT and SIGHUP: it flushes every open publisher (bounded by
-:data:`FLUSH_S`), then does what the signal did before: the previous Python handler is called, and a
-default SIGTERM is delivered again with its default action restored, so the process still dies by
-SIGTERM (its exit status, torchrun's view of it, unchanged). A handler the caller installed is kept
-and called after the flush; an ignored signal stays ignored.
-
-Python runs a signal handler on the main thread between bytecodes: a main thread blocked inside a
-collective runs it when the collective returns (or times out). The sink thread is woken at every
-collect, so by then the records are normally on disk already. SIGKILL runs no code: what it can
-cost is the record of a collect returned less than one sink write (~0.1 ms) before it.
+While a publisher is open, the logging rank's main thread handles these signals: it flushes every open
+publisher (bounded by :data:`FLUSH_S`), then does what the signal did before: the previous Python
+handler is called, and a default SIGTERM is delivered again with its default action restored, so the
+process still dies by SIGTERM. An ignored signal stays ignored. Python runs the handler on the main
+thread between bytecodes, so a main thread blocked in a collective runs it when the collective returns;
+the sink thread is woken at every collect, so the records are normally on disk by then. SIGKILL runs no
+code: it can cost the record of a collect returned less than one sink write before it.
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
 """The driver's side of a Ray worker group: one actor per rank, called together, failures named by rank.
 
-The shape of verl's ``RayWorkerGroup``: the ranks' resources are reserved as one placement group
-(one bundle per rank), each actor is pinned to its bundle and told its rank, the world size and its
-local rank on its node, and rank 0's node address with a free port becomes every rank's
-``MASTER_ADDR``/``MASTER_PORT``. :meth:`WorkerGroup.call` then calls one method on every actor and
-gathers the results in rank order, as verl's ``execute_all`` + ``ray.get`` do.
-
-Unlike a plain ``ray.get`` over the list, :meth:`WorkerGroup.gather` waits for whichever rank
-finishes first. When a rank fails, the others are usually blocked in a collective waiting for it
-(an actor whose method raised stays alive, so its peers see no closed connection), so the group
-waits a short grace period for further failures, then raises :class:`RankFailed` naming the rank
-that caused it: an actor that died (killed, out of memory) before one whose collective merely lost
-its peer. :meth:`WorkerGroup.shutdown` first asks every actor to flush its telemetry (the logging rank
-writes the records its sink thread still holds: ``ray.kill`` runs no exit handler), then kills every
-actor and frees the placement group, which also releases the blocked ranks.
-
-ray is imported inside the methods: importing this module needs neither ray nor torch.
+The shape of verl's ``RayWorkerGroup``: one placement group bundle per rank, each actor told its rank,
+world size and local rank, rank 0's address and a free port as ``MASTER_ADDR``/``MASTER_PORT``.
+:meth:`WorkerGroup.call` calls one method on every actor and gathers the results in rank order.
+:meth:`WorkerGroup.gather` waits for whichever rank finishes first; when one fails, the others are
+usually blocked in a collective, so after a short grace it raises :class:`RankFailed` naming the rank
+that caused it. :meth:`WorkerGroup.shutdown` asks every actor to flush its telemetry, then kills them
+and frees the placement group. ray is imported inside the methods.
 """
 
 from __future__ import annotations

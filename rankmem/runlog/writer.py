@@ -72,9 +72,8 @@ def _matrix(rec: StepRecord) -> tuple[Sequence[str], Any]:
 class RunLogWriter:
     """Appends whole records to ``path`` and its side file; the headers are written by :meth:`open`.
 
-    :meth:`open` raises ``OSError`` when the disk refuses the header (call it again to start over).
-    A log whose file was deleted under it (the run directory removed mid-run) raises
-    :class:`~rankmem.errors.RankmemError`. The run directory's lock and the rotation of an earlier run
+    :meth:`open` raises ``OSError`` when the disk refuses the header (call it again to start over); a log
+    whose file was deleted under it raises :class:`~rankmem.errors.RankmemError`. The lock and the rotation
     are the caller's (:class:`rankmem.sinks._jsonl.JsonlSink`).
     """
 

@@ -104,11 +104,9 @@ class SafeSink:
     """Telemetry never kills training, and a brief outage never ends a sink's run.
 
     An exception from a sink starts an outage: the record is lost, and the sink is tried again after
-    skipping 1, then 2, 4, ... up to :data:`MAX_SKIP` records (a full disk, a tracker's server down).
-    When a try succeeds, one warning reports the outage's span and the steps lost; the first outage
-    also warns when it starts, so that a long one is not silent. A sink whose ``open`` failed is opened
-    again (with the same header) at its next try. A :class:`RankmemError` is a configuration error,
-    not an outage: it warns once and disables the sink (another job's lock on the run directory, say).
+    skipping 1, 2, 4, ... up to :data:`MAX_SKIP` records, with a warning when the first outage starts and
+    one when each ends (the steps lost); a sink whose ``open`` failed is opened again at its next try. A
+    :class:`RankmemError` is a configuration error: it warns once and disables the sink.
     """
 
     MAX_SKIP = 64

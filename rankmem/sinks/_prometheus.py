@@ -1,17 +1,14 @@
 """The ``prometheus`` sink: a ``/metrics`` endpoint for the job, beside DCGM's, or Ray's metrics agent.
 
 The training thread pays nothing: :meth:`PrometheusSink.write` runs on the publisher's thread and only
-keeps a reference to the record; the endpoint's own threads build the exposition from the last record
-at each scrape (``prometheus_client``'s registry and WSGI app, on a threading server whose connections
-time out after ``timeout_s``: a scraper that connects and never reads holds one thread that long,
-never the training loop). Names, labels and the series bound: :mod:`rankmem.sinks._promfigures` and
-docs/prometheus.md.
+keeps a reference to the record; the endpoint's own threads (``prometheus_client``, on a threading
+server whose connections time out after ``timeout_s``) build the exposition at each scrape. Names,
+labels and the series bound: :mod:`rankmem.sinks._promfigures` and docs/prometheus.md.
 
 Options (``sink_options={"prometheus": {...}}``, or ``rankmem train --sink-option prometheus.KEY=VALUE``):
 ``port`` (default :data:`DEFAULT_PORT`; 0 takes a free one, read back as :attr:`PrometheusSink.port`),
-``bind`` (default loopback: exposing it is a choice), ``top_k`` (per-rank series per key), ``job``
-(the ``job`` label; default the run directory's name), ``timeout_s``, and ``ray``: inside a Ray actor,
-publish through ``ray.util.metrics`` instead of opening a port.
+``bind`` (default loopback), ``top_k`` (per-rank series per key), ``job`` (default the run directory's
+name), ``timeout_s``, and ``ray``: inside a Ray actor, publish through ``ray.util.metrics`` instead.
 """
 
 from __future__ import annotations

@@ -1,19 +1,16 @@
 """What the ``prometheus`` sink exposes, as plain families of samples: the one place its names are made.
 
-Shared by the HTTP endpoint (:mod:`rankmem.sinks._prometheus`, through ``prometheus_client``) and the
-Ray path (:mod:`rankmem.sinks._raymetrics`, through ``ray.util.metrics``), so both show the same figures.
-
-The naming scheme (docs/prometheus.md): a per-rank key ``mem/<area>/<name>_gib`` becomes the gauge
-``rankmem_<area>_<name>_bytes`` in bytes (``x 2**30``); a phase key ``mem/phase/<P>/<name>_gib`` becomes
-``rankmem_phase_<name>_bytes{phase="<P>"}``; ``..._s`` seconds become ``..._seconds``; a count keeps its
-name without a unit; a caller's scalar
-``K`` becomes ``rankmem_scalar_<K>`` (characters outside ``[a-zA-Z0-9_]`` as ``_``); label values and
-help text are made printable UTF-8 (:func:`rankmem.core.text.printable`). Per key:
+Shared by the HTTP endpoint (:mod:`rankmem.sinks._prometheus`) and the Ray path
+(:mod:`rankmem.sinks._raymetrics`), so both show the same figures. The naming scheme (docs/prometheus.md):
+``mem/<area>/<name>_gib`` becomes the gauge ``rankmem_<area>_<name>_bytes`` in bytes; a phase key
+``mem/phase/<P>/<name>_gib`` becomes ``rankmem_phase_<name>_bytes{phase="<P>"}``; ``..._s`` becomes
+``..._seconds``; a count keeps its name; a caller's scalar ``K`` becomes ``rankmem_scalar_<K>``
+(characters outside ``[a-zA-Z0-9_]`` as ``_``); label values and help text are made printable. Per key:
 
 - ``<name>{stat="max"|"min"|"mean"}``: the cross-rank aggregates of the last collect (and ``p50``,
-  ``p90``, ``p99`` across ranks where the collect has them: above 128 ranks);
-- ``rankmem_worst_rank{metric="<name>"}``: the rank holding the worst value (max, or min where low is
-  bad: headroom, available memory), as the run log's ``max_rank`` / ``min_rank``;
+  ``p90``, ``p99`` where the collect has them);
+- ``rankmem_worst_rank{metric="<name>"}``: the rank holding the worst value, as ``max_rank`` /
+  ``min_rank``;
 - ``rankmem_rank_<name-without-rankmem_>{rank, local_rank, node, UUID}``: the values of at most
   ``top_k`` worst ranks, from the last collect that carried per-rank detail.
 
@@ -134,8 +131,7 @@ def worst_ranks(keys: Sequence[str], matrix: Any, k: int) -> list[list[int]]:
     np.nan_to_num(badness, copy=False, nan=-np.inf)
     kk = min(k, m.shape[0])
     if kk <= 8:
-        # k passes of argmax beat a partition of every row (16,384 ranks x 20 keys: ~7 ms against ~18 ms
-        # on a loaded 2-core machine, bench/RESULTS.md): a scrape stays well under its target.
+        # k passes of argmax beat a partition of every row: a scrape stays well under its target.
         cols, found = np.arange(len(keys)), []
         for _ in range(kk):
             at = badness.argmax(axis=1)

@@ -1,19 +1,15 @@
 """What a leak is growing into: the capacity it will exhaust, when, and which phase leaves it behind.
 
-Used by the online watch and by the offline verdicts alike, on plain arrays (this is online code: it
-imports neither the run-log reader nor the report).
+Shared by the online watch and the offline verdicts, on plain arrays (online code: it imports neither
+the run-log reader nor the report).
 
-- **Capacity.** A device series grows into its device: ``total - other`` (what the driver leaves this
-  process's allocator, colocated engines and the CUDA context taken off). A host series grows into the
-  memory its node or container has left: ``cgroup limit - working set`` where a limit applies, else the
-  node's ``MemAvailable``. Host memory is shared: every rank on the node draws on the same headroom, so
-  it runs out at the summed rate of the node's leaking host series, not at one rank's.
-- **Time to exhaustion** is the headroom at the last step over that rate, in steps, and in seconds at
-  the run's own pace over the examined window. A straight-line projection: a leak that accelerates
-  arrives sooner.
-- **The phase that leaks**: each phase records what it leaves behind (``mem/phase/P/rss_delta_gib``,
-  ``allocated_delta_gib``). A phase is named when what it leaves, counted robustly to spikes (median-based),
-  carries at least half the series' growth over the window.
+- **Capacity.** A device series grows into its device (``total - other``); a host series into what
+  its node or container has left, shared by every rank on the node, so it runs out at the summed rate of
+  the node's leaking host series.
+- **Time to exhaustion**: the headroom at the last step over that rate, in steps and in seconds at the
+  run's own pace; a straight-line projection.
+- **The phase that leaks**: a phase is named when what it leaves behind (its ``..._delta_gib``,
+  counted robustly) carries at least half the series' growth over the window.
 """
 
 from __future__ import annotations
@@ -158,11 +154,10 @@ def leaking_phase(deltas_gib: Mapping[str, np.ndarray], growth_mib: float) -> st
     (GiB, nan where the phase did not run) over the examined rows; ``growth_mib`` is the series' growth
     over them. None when no phase clearly carries it.
 
-    What a phase leaves is counted robustly, as the larger of two counts, and it must reach
-    ``_PHASE_SHARE`` of the growth: the median delta times the rows (a step end's +-40 MiB spikes, which a
-    phase sees one side of, move it no more than the sum's sign), and, for a leak that lands in chunks
-    every few steps (a median delta of 0), the median of ``_PHASE_BLOCKS`` block sums times the blocks,
-    counted only where three blocks in four gained (spikes make blocks fall as often as rise)."""
+    What a phase leaves is counted robustly, as the larger of the median delta times the rows and, for a
+    leak that lands in chunks, the median of ``_PHASE_BLOCKS`` block sums times the blocks (only where
+    three blocks in four gained); it must reach ``_PHASE_SHARE`` of the growth.
+    """
     best: tuple[float, str] | None = None
     for phase, values in deltas_gib.items():
         d = values[np.isfinite(values)] * MIB_PER_GIB

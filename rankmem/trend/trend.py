@@ -1,55 +1,27 @@
 """Leak verdicts: is a rank's memory still growing, steadily, after warm-up?
 
-For each rank and each baseline series (the catalogue's ``LEAK_KEYS``: host RSS, dataloader-worker RSS,
-device allocated) we look at the last part of the run only (by default its second half), so a warm-up
-that levels off is not flagged, and ask (the statistics are in :mod:`rankmem.trend.stats`):
+For each rank and each baseline series (the catalogue's ``LEAK_KEYS``) we look at the last part of the run
+only (by default its second half), so a warm-up that levels off is not flagged, and ask (the statistics
+are in :mod:`rankmem.trend.stats`):
 
-- **Does it grow?** Theil–Sen slope (median of all pairwise slopes: robust to spikes such as a
-  checkpoint save) with Sen's 95% interval, and a one-sided Mann–Kendall test (rank-based, no noise
-  model assumed) below ``alpha``.
+- **Does it grow?** Theil–Sen slope with Sen's 95% interval, and a one-sided Mann–Kendall test below
+  ``alpha``: both robust to spikes and assume no noise model.
 - **Is the growth large against the noise and against what is at stake?** The growth over the window
-  (slope x steps spanned) must clear a bar of ``noise_factor`` noise standard deviations plus a stakes
-  floor. This replaces a fixed 64 MiB floor, which dismissed a statistically certain 1 MiB/step leak
-  (49 MiB over the last 50 of 100 steps: 10 GiB over a 10,000-step run) while a noisy series could
-  wander past it. Why these two terms:
+  must clear ``noise_factor`` noise standard deviations (memory series wander, so Mann–Kendall alone is
+  over-confident) plus a floor: a share (``capacity_fraction``) of the memory the series grows into,
+  else ``min_growth_mib``.
+- **No give-back**: the largest persistent fall must stay under half the growth, so a sawtooth is not
+  flagged.
+- **The shape of the window**: growth that ended and then held is a warm-up or a filled cache; growth
+  carried by 1-3 jumps is a cache allocated once or a few. A leak is growth spread over the steps, and
+  :attr:`Trend.story` says what it did.
+- **Refreshed figures are judged on their refreshes**: a figure read on its own cadence repeats its last
+  reading between refreshes, so only the collects where its value changes are judged.
 
-  * *Evidence.* Memory series are autocorrelated (allocator caches and arenas wander), so Mann–Kendall
-    alone is over-confident: a wander of 10 MiB tests "significant" over 50 steps. What a wander cannot
-    do is move the series by several times its own spread in one direction. The noise is the larger of
-    the robust spread around the fitted line and the step-to-step spread (MAD of first differences),
-    so one spike does not inflate it and a slow wander does not shrink it, taken at the upper end of
-    its 95% interval: a short window can underestimate it, and the online watch re-tests short windows.
-  * *Stakes.* A clean, certain drift of a few KiB per step is not worth an alarm on an 80 GiB device,
-    and a floor that is right for a 16 GiB node is not for a 2 TiB one. So the floor is a share
-    (``capacity_fraction``, 1e-4: 8 MiB of an 80 GiB GPU) of what the series grows into: the device's
-    memory, or this rank's share of its cgroup limit or node memory. Where that is unknown (a series
-    judged alone) it is ``min_growth_mib``.
-
-- **No give-back**: a leak never returns memory, a cache that fills and empties does. The largest
-  persistent fall (after a 9-step running median that drops one-step spikes) must stay under half the
-  growth, so a sawtooth is not flagged.
-- **The shape of the window**, read on a running median of its block medians (spikes of a step or a
-  few, such as a step end's +-40 MiB, are dropped, so they neither make nor hide a ramp): growth that
-  ended and then held for longer than it took is a warm-up or a cache that filled; growth whose largest
-  1-3 increments carry over half of it is a cache allocated once or a few (the part after the largest
-  jump is judged again: a leak that starts after one is flagged). A leak is growth spread over the
-  steps, and :attr:`Trend.story` says what it did: "grew +140.0 MiB from step 81 to 150, then held".
-- **Refreshed figures are judged on their refreshes.** A figure read on its own cadence (the children's
-  RSS, read every 0.5 s on the node thread) repeats its last reading at every collect in between:
-  a steady leak is then a staircase, a jump every ~22 steps of 10 ms. Only the collects where such a
-  figure's value changes, its refreshes, are judged (at least ``_MIN_REFRESHES`` in the window).
-
-Long windows are first reduced to at most ``max_points`` block medians, which bounds the O(n²)
-pairwise work at ~32k pairs per series and damps the short-range autocorrelation that makes
-Mann–Kendall over-confident. Ranks with the same steps are judged together, in one numpy pass.
-
-A flagged series is then placed in its context by :mod:`rankmem.trend.outlook`: the phase that leaves the
-growth behind, and the step (and wall time) at which the memory it grows into runs out.
-``bench/bench_leaks.py`` measures recall and false alarms over generated series, online and offline.
-
-:class:`LeakWatch` is fed each collect's gathered values on the logging rank and warns once per rank
-and series; :func:`rankmem.offline.leaks.detect_leaks` runs the same verdicts offline over a run log. This
-module is online code: it imports neither the run-log reader nor the report.
+Long windows are reduced to at most ``max_points`` block medians, which bounds the O(n²) pairwise work.
+A flagged series is placed in its context by :mod:`rankmem.trend.outlook`. :class:`LeakWatch` runs these
+verdicts online; :func:`rankmem.offline.leaks.detect_leaks` offline over a run log. This module is online
+code: it imports neither the run-log reader nor the report.
 """
 
 from __future__ import annotations
@@ -82,8 +54,7 @@ __all__ = ["LEAK_KEYS", "LeakConfig", "Trend", "mann_kendall", "theil_sen", "tre
 _MIB_PER_GIB = 1024.0
 _OWN_MIB = 4.0
 """The least stakes floor where the capacity is known: what rankmem itself settles into on a rank (its
-rings, first fits and caches, ~2.7 MiB of RSS over a loop's first 1,000 collects, measured) is no leak
-of the job's, on a node small enough that a share of it would be less."""
+rings, first fits and caches) is no leak of the job's."""
 
 
 @dataclass(frozen=True)
@@ -205,8 +176,7 @@ few steps: a cache allocated once, or a few; a leak spreads its growth over the 
 _JUMP_SD = 4.0
 """A jump rises this many standard deviations of the noise above the window's median span rise."""
 _DRAWDOWN_WIDTH = 9
-"""The give-back is measured on a running median this wide: it drops spikes of up to 4 steps (a
-narrower one, measured here, costs recall on noisy series more than it gains on sawtooths)."""
+"""The give-back is measured on a running median this wide: it drops spikes of up to 4 steps."""
 _MAX_DEPTH = 3
 """How many times the part after a shift is judged again (each time a shorter part)."""
 _NORMAL_95 = 1.645
@@ -216,9 +186,8 @@ _MAD_SE = 1.167
 
 def regression_axis(steps: np.ndarray, first: int = 0) -> tuple[np.ndarray, str]:
     """What growth is regressed on: the step numbers where they rise through ``steps``, else each
-    collect's place (``first``, ``first + 1``, ...). ``for epoch: for i, batch in enumerate(loader):
-    with monitor.step(i)`` numbers steps per epoch; regressed on those, an 800 MiB leak over three
-    epochs was a saw tooth, and no leak."""
+    collect's place (``first``, ``first + 1``, ...): steps numbered per epoch would turn a leak into a
+    saw tooth."""
     s = np.asarray(steps)
     if s.size < 2 or bool((np.diff(s) > 0).all()):
         return s, "step"
@@ -291,11 +260,10 @@ def _shape(x: np.ndarray, y: np.ndarray, key: str, config: LeakConfig, stakes: f
     """(story, why not): what one would-be leak's window did, in words ("grew +140.0 MiB from step 81
     to 150, then held"), and why it is no leak ("" when it is one). ``x, y``: the window (MiB).
 
-    Read on block medians smoothed by a running median (spikes of a step or a few are dropped, so they
-    can neither make nor hide a ramp), two shapes are not leaks: growth that ended and held for longer
-    than it took (a warm-up, a cache that filled), and growth carried by a few jumps (a cache allocated
-    once, a staircase of a few), which ``_JUMPS_SHARE`` of the rise in the largest 1-3 increments says;
-    the part after the largest jump is then judged again, so a leak that starts after one is flagged."""
+    Read on smoothed block medians, two shapes are not leaks: growth that ended and held for longer than it
+    took, and growth carried by the largest 1-3 jumps (``_JUMPS_SHARE``); the part after the largest jump is
+    then judged again, so a leak that starts after one is flagged.
+    """
     xb, yb = block_medians(x, y[:, None], config.max_points)
     n = yb.shape[0]
     width = min(_DRAWDOWN_WIDTH, n // 8)
@@ -412,10 +380,9 @@ def outlook(found: Sequence[Trend], current_gib: Callable[[Trend], float | None]
     """``found`` with each leak's phase and exhaustion filled in (other trends unchanged).
 
     ``current_gib(t)``: the series' value at ``t.last_step``; ``context(rank)``: that rank's latest
-    capacity figures by key; ``node_of(rank)``: which node it runs on (host memory is shared there);
-    ``pace``: seconds per step; ``phase_deltas(t)``: per phase, the delta key's values over ``t``'s
-    window; ``also_leaking``:
-    leaks found before, which draw on their node's host memory too.
+    capacity figures by key; ``node_of(rank)``: its node; ``pace``: seconds per step; ``phase_deltas(t)``:
+    per phase, the delta key's values over ``t``'s window; ``also_leaking``: leaks found before, which draw
+    on their node's host memory too.
     """
     node_rate: dict[object, float] = {}
     for t in [*found, *also_leaking]:

@@ -76,13 +76,10 @@ _GATHER_NAMES_KEPT = 4096
 def tell_micro_batches(monitor: Monitor, micro_batches: Sequence[Any], *, seqlens: Any = None) -> None:
     """Tell ``monitor`` the work of every micro-batch of a split, in one call inside the phase.
 
-    Either verl's micro-batches (``micro_batches, indices = rearrange_micro_batches(...)``: TensorDicts,
-    ``DataProto``s or dicts holding nested ``input_ids``, whose offsets give the lengths, or a 2-D
-    ``attention_mask``, whose row sums do; rows of length 0, verl's padding, are no sequences), or, with
-    ``seqlens=``, its index lists: ``micro_batches`` is then
-    ``indices`` and ``seqlens`` this rank's per-sequence lengths in the batch's order (a list, or the
-    batch's 2-D attention mask). verl's ``global_token_num`` lists every data-parallel rank's
-    sequences after its gather, so pass this rank's own. Lengths from a list cost no device copy.
+    Either verl's micro-batches (TensorDicts, ``DataProto``s or dicts whose nested ``input_ids`` or 2-D
+    ``attention_mask`` give the lengths; rows of length 0 are padding), or, with ``seqlens=``, its index
+    lists, ``seqlens`` being this rank's own per-sequence lengths in the batch's order (a list, or the
+    batch's 2-D attention mask). Lengths from a list cost no device copy.
     """
     if seqlens is None:
         for micro_batch in micro_batches:
