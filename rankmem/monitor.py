@@ -67,7 +67,8 @@ class MonitorConfig:
     device: str = "auto"
     """Device backend: ``auto`` (cuda, npu, xpu, in that order, if available), a backend name, or ``cpu``."""
     sinks: Sequence[str | Sink] | None = None
-    """Sink names (``console``, ``jsonl``/``file``, ``tensorboard``, ``wandb``, ``mlflow``, ``prometheus``) or sink objects.
+    """Sink names (``console``, ``jsonl``/``file``, ``tensorboard``, ``wandb``, ``mlflow``, ``prometheus``) or sink
+    objects.
     Default: the run log (``jsonl``) when ``out_dir`` is set, nothing otherwise."""
     sink_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     """Keyword options of named sinks, by name: ``{"prometheus": {"port": 9465, "top_k": 3}}``."""
@@ -138,7 +139,8 @@ class MonitorConfig:
         object.__setattr__(self, "sinks", tuple(sinks))
         object.__setattr__(self, "run_config", plain_config(self.run_config))  # once: never the log's failure
         if not isinstance(self.sink_options, Mapping):
-            raise RankmemError(f"sink_options must be a dict of sink name -> dict of options, got {self.sink_options!r}")
+            raise RankmemError(f"sink_options must be a dict of sink name -> dict of options, "
+                               f"got {self.sink_options!r}")
         check_sink_specs(self.sinks or (), self.out_dir, self.sink_options)
         object.__setattr__(self, "sink_options", {k: dict(v) for k, v in self.sink_options.items()})
         if not _whole(self.log_rank) or self.log_rank < 0:

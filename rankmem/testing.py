@@ -153,7 +153,8 @@ class _Allocator:
         return self.stats[name]["all"].current
 
     def nested(self) -> dict[str, Any]:
-        out: dict[str, Any] = {name: {pool: s.as_dict() for pool, s in stat.items()} for name, stat in self.stats.items()}
+        out: dict[str, Any] = {name: {pool: s.as_dict() for pool, s in stat.items()} for name,
+                               stat in self.stats.items()}
         out.update(
             num_alloc_retries=self.retries, num_ooms=self.ooms, num_sync_all_streams=0,
             num_device_alloc=self.stats["segment"]["all"].allocated,
@@ -437,7 +438,8 @@ class FakeCuda:
         if isinstance(enabled, bool):  # torch's legacy form
             enabled = "all" if enabled else None
         if enabled not in _HISTORY_LEVELS or context not in _HISTORY_LEVELS:
-            raise ValueError(f"enabled and context must be None, 'state', 'alloc' or 'all'; got {enabled!r}, {context!r}")
+            raise ValueError(f"enabled and context must be None, 'state', 'alloc' or 'all'; got {enabled!r}, "
+                             f"{context!r}")
         if not self._initialized:  # lost, as in torch
             return
         for dev in self._devices:

@@ -26,8 +26,10 @@ from rankmem.errors import RankmemError
 # name -> (module, one-line help)
 COMMANDS = {
     "train": ("rankmem.cli._train", "launch the reference engine worker under torchrun or Ray"),
-    "report": ("rankmem.cli._report", "summarise a run log: events, leaks, the worst rank per key and per phase, capacity and headroom"),
-    "plot": ("rankmem.cli._plot", "plot per-rank memory against step, capacity drawn, to a PNG (default RUN/rankmem.png)"),
+    "report": ("rankmem.cli._report",
+               "summarise a run log: events, leaks, the worst rank per key and per phase, capacity and headroom"),
+    "plot": ("rankmem.cli._plot",
+             "plot per-rank memory against step, capacity drawn, to a PNG (default RUN/rankmem.png)"),
     "advise": ("rankmem.cli._advise", "per phase, the largest tokens per micro-batch that fit (verl's config names)"),
     "leaks": ("rankmem.cli._leaks", "detect steadily growing memory per rank (exit 1 when found)"),
     "export": ("rankmem.cli._export", "write the per-rank values as a Parquet table (the parquet extra)"),
@@ -84,7 +86,8 @@ def _run(args: argparse.Namespace) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except RankmemError as exc:
-        print("\n".join(map(printable, f"rankmem {args.command}: error: {exc}".split("\n"))), file=sys.stderr)  # it may quote the run's keys
+        # it may quote the run's keys
+        print("\n".join(map(printable, f"rankmem {args.command}: error: {exc}".split("\n"))), file=sys.stderr)
         return 2
     except (FileNotFoundError, IsADirectoryError, PermissionError) as exc:
         print(printable(f"rankmem {args.command}: error: {exc.strerror}: {exc.filename}"), file=sys.stderr)

@@ -53,7 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=None, metavar="N",
                         help="the run the advice is for ends at step N: where the memory held between steps grows "
                              "(by rankmem leaks' test), its growth to step N is kept free too (default: none kept)")
-    parser.add_argument("--warmup", type=int, default=2, metavar="N", help="leave out the first N logged steps (default 2)")
+    parser.add_argument("--warmup", type=int, default=2, metavar="N",
+                        help="leave out the first N logged steps (default 2)")
     parser.add_argument("--memory", choices=("auto", "host", "device"), default="auto",
                         help="fit the device's peak allocated or the host's peak RSS (default: device where measured)")
     parser.add_argument("--json", action="store_true", help="print a JSON list, one object per phase and rank")
@@ -65,7 +66,8 @@ def _check(args: argparse.Namespace) -> None:
             raise RankmemError(f"{flag} must be a finite number > 0, got {value}")
     if args.seq_len is not None:
         if args.at_tokens is None:
-            raise RankmemError("--seq-len goes with --at-tokens T: the length of the sequences a micro-batch of T holds")
+            raise RankmemError("--seq-len goes with --at-tokens T: the length of the sequences a micro-batch "
+                               "of T holds")
         if not (math.isfinite(args.seq_len) and 1 <= args.seq_len <= args.at_tokens):
             raise RankmemError(f"--seq-len must be a number of tokens from 1 to --at-tokens ({args.at_tokens:g}), "
                                f"got {args.seq_len}")
@@ -95,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
     if args.phase:
         unknown = [p for p in args.phase if p not in phases]
         if unknown:
-            raise RankmemError(f"--phase {unknown[0]}: no such phase with micro-batches in the run; it has: {', '.join(phases)}")
+            raise RankmemError(f"--phase {unknown[0]}: no such phase with micro-batches in the run; it has: "
+                               f"{', '.join(phases)}")
         phases = [p for p in phases if p in args.phase]
     kind = None if args.memory == "auto" else args.memory
     fits = {p: fit_ranks(the_run, p, args.warmup, kind=kind) for p in phases}
@@ -243,7 +246,8 @@ def _phase_advice(run: Run, phase: str, per_rank: list[PhaseFit], advised: list[
         lines.append(f"  capped at {binding.cap} = 1.5x the largest T seen: run a step at T={binding.cap} first "
                      f"to advise beyond")
     if budget is not None:
-        lines.append(f"  realised micro-batches up to {over:.3f}x the budget {budget}: budget = {binding.max_tokens} / {over:.3f}")
+        lines.append(f"  realised micro-batches up to {over:.3f}x the budget {budget}: budget = {binding.max_tokens} / "
+                     f"{over:.3f}")
     else:
         lines.append("  no configured budget known (--budget TOKENS names it): overshoot not applied")
     names = verl_names(phase)

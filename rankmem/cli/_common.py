@@ -97,7 +97,8 @@ def add_leak_options(parser: argparse.ArgumentParser) -> None:
                    help=f"the growth over the window must exceed K noise standard deviations plus the stakes "
                         f"floor (default {d.noise_factor:g})")
     g.add_argument("--capacity-fraction", type=float, default=d.capacity_fraction, metavar="F",
-                   help=f"the stakes floor: this share of the memory a series grows into (default {d.capacity_fraction:g})")
+                   help=f"the stakes floor: this share of the memory a series grows into (default "
+                        f"{d.capacity_fraction:g})")
     g.add_argument("--min-growth", type=float, default=d.min_growth_mib, metavar="MIB",
                    help=f"the stakes floor where that capacity is not in the log, MiB (default {d.min_growth_mib:g})")
     g.add_argument("--alpha", type=float, default=d.alpha,
@@ -130,7 +131,8 @@ def require_steps(run: Run, command: str) -> None:
     if run.steps.size == 0 and (run.logged is None or run.logged.steps.size == 0):
         raise RankmemError(
             f"{run.path} has no logged steps: the run stopped, or its jsonl sink failed, before its first "
-            f"collect() was written; see the job's output for why, and run rankmem {command} on a run log that has steps"
+            f"collect() was written; see the job's output for why, and run rankmem {command} on a run log that has "
+            "steps"
         )
 
 

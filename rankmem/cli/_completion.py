@@ -35,7 +35,8 @@ def bash_script(parser: argparse.ArgumentParser) -> str:
             if a.option_strings and a.choices:
                 opts = "|".join(a.option_strings)
                 choice_cases.append(f"        {name}:{opts.replace('|', f'|{name}:')}) "
-                                    f"COMPREPLY=($(compgen -W {_words([str(c) for c in a.choices])} -- \"$cur\")); return ;;")
+                                    f"COMPREPLY=($(compgen -W {_words([str(c) for c in a.choices])} -- \"$cur\")); "
+                                    "return ;;")
     commands = list(sub.choices)
     return "\n".join([
         "# bash completion for rankmem: eval \"$(rankmem completion bash)\"",

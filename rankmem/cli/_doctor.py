@@ -263,7 +263,8 @@ def extra_lines(found: dict[str, dict[str, Any]]) -> list[str]:
         elif extra in NO_HINT:
             lines.append(f"  {extra:<12} not installed: nothing to install here; {what}")
         else:
-            lines.append(f"  {extra:<12} missing {', '.join(info['missing'])}: pip install 'rankmem[{extra}]' for {what}")
+            lines.append(f"  {extra:<12} missing {', '.join(info['missing'])}: pip install 'rankmem[{extra}]' for "
+                         f"{what}")
     return lines
 
 

@@ -58,7 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     launch.add_argument("--nproc-per-node", type=int, default=2, help="ranks on this node (default 2)")
     launch.add_argument("--nnodes", default="1", help="number of nodes, or MIN:MAX (default 1)")
     launch.add_argument("--node-rank", type=int, default=0, help="this node's rank (default 0)")
-    launch.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the c10d rendezvous, the same on every node")
+    launch.add_argument("--rdzv-endpoint", default=None,
+                        help="HOST:PORT of the c10d rendezvous, the same on every node")
     launch.add_argument("--rdzv-id", default="rankmem", help="job id shared by the nodes (default rankmem)")
     launch.add_argument("--timeout-s", type=float, default=None, help="stop the launch after this many seconds")
     ray_options.add_arguments(parser.add_argument_group("ray (with --launcher ray)"))
@@ -108,7 +109,8 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
         cmd.append("--standalone")  # a local rendezvous on a free port
     else:
         if args.rdzv_endpoint is None:
-            raise RankmemError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT, the same on every node (e.g. node 0's address:29500)")
+            raise RankmemError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT, the same on every node (e.g. node 0's "
+                               "address:29500)")
         cmd += ["--nnodes", str(args.nnodes), "--node-rank", str(args.node_rank), "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", args.rdzv_endpoint, "--rdzv-id", args.rdzv_id]
     return [*cmd, "-m", ENTRY, *job_argv(args)]
@@ -125,7 +127,8 @@ def check_local_device(args: argparse.Namespace) -> None:
     if not torch.cuda.is_available():
         if args.device != "cuda":
             return
-        build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}, no device visible"
+        cuda = torch.version.cuda
+        build = "a CPU-only build" if cuda is None else f"built for CUDA {cuda}, no device visible"
         raise RankmemError(f"--device cuda, but this torch {torch.__version__} has no CUDA device ({build}): "
                            "use --device cpu, or auto")
     devices = torch.cuda.device_count()

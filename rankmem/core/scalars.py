@@ -49,7 +49,8 @@ def scalar_items(metrics: Any, warn_once: Callable[[str, str], None]) -> dict[st
     if metrics is None:
         return {}
     if not isinstance(metrics, Mapping):
-        warn_once("metrics-type", f"collect() takes a dict of metrics, got {type(metrics).__name__}; its values are left out")
+        warn_once("metrics-type",
+                  f"collect() takes a dict of metrics, got {type(metrics).__name__}; its values are left out")
         return {}
     # Floats under string keys outside rankmem's namespace, the common case: in C, no frame per key.
     if _FLOAT.issuperset(map(type, metrics.values())) and _STR.issuperset(map(type, metrics)) \

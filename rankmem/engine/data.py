@@ -107,7 +107,8 @@ def group_normalised_advantages(rewards: torch.Tensor, group_size: int, eps: flo
     """GRPO's advantage: each reward minus its group's mean, over the group's standard deviation. A
     group whose rewards agree gets 0; a group of one has no deviation, so ``group_size`` must be >= 2."""
     if group_size < 2:
-        raise RankmemError(f"group_size must be >= 2, got {group_size}: one response per prompt has no group standard deviation")
+        raise RankmemError(f"group_size must be >= 2, got {group_size}: one response per prompt has no group standard "
+                           "deviation")
     r = rewards.view(-1, group_size)
     adv = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + eps)
     return adv.reshape(-1)

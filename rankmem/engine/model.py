@@ -82,7 +82,8 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(cfg.n_embd)
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.n_embd)
-        self.mlp = nn.Sequential(nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(), nn.Linear(4 * cfg.n_embd, cfg.n_embd))
+        self.mlp = nn.Sequential(nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(), nn.Linear(4 * cfg.n_embd,
+                                                                                             cfg.n_embd))
 
     def forward(self, x: torch.Tensor, lengths: Sequence[int] | None = None) -> torch.Tensor:
         x = x + self.attn(self.ln1(x), lengths)
@@ -121,7 +122,8 @@ class GPT(nn.Module):
         """``idx`` (B, T); or, with ``lengths``, one row (1, sum(lengths)) of sequences packed end to end."""
         t = max(lengths) if lengths is not None else idx.shape[1]
         if t > self.cfg.block_size:
-            raise RankmemError(f"sequence of {t} tokens exceeds block_size {self.cfg.block_size}: raise GPTConfig.block_size")
+            raise RankmemError(f"sequence of {t} tokens exceeds block_size {self.cfg.block_size}: raise "
+                               "GPTConfig.block_size")
         if lengths is None:
             pos = torch.arange(t, device=idx.device)
         else:

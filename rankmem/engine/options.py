@@ -71,7 +71,8 @@ JOB_OPTIONS: list[tuple[str, dict[str, Any]]] = [
     ("--attention", dict(choices=ATTENTION, default="sdpa",
                          help="sdpa (default: memory linear in tokens), or materialized (the T x T scores are "
                               "tensors: memory grows with the sum of squared sequence lengths)")),
-    ("--peak-tflops", dict(type=float, default=None, help="peak TFLOP/s per device for MFU (default 989 cuda, 0.1 cpu)")),
+    ("--peak-tflops", dict(type=float, default=None,
+                           help="peak TFLOP/s per device for MFU (default 989 cuda, 0.1 cpu)")),
     ("--pg-timeout-s", dict(type=float, default=120.0, help="process-group collective timeout (default 120 s)")),
     ("--no-progress", dict(action="store_true", help="plain log lines instead of a progress bar")),
     ("--sink", dict(action="append", default=None, metavar="NAME",
@@ -150,7 +151,8 @@ def _check_upper_bounds(args: argparse.Namespace) -> None:
         rows["prompts_per_rank"] = args.prompts_per_rank * args.group_size
     for dest, count in rows.items():
         if count > max_rows:
-            flag = "--prompts-per-rank x --group-size" if dest == "prompts_per_rank" and args.task == "grpo" else _flag(dest)
+            grpo = dest == "prompts_per_rank" and args.task == "grpo"
+            flag = "--prompts-per-rank x --group-size" if grpo else _flag(dest)
             raise RankmemError(f"{flag} asks for {count:,} sequences per rank, more than this node's "
                                f"{(available or 0) >> 20:,} MiB available can hold (at most {max_rows:,})")
     if args.fail_at_step is not None and not -(2**63) <= args.fail_at_step < 2**63:

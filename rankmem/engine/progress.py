@@ -90,4 +90,5 @@ class Progress:
 def plain_line(step: int, total: int, elapsed_s: float, text: str) -> str:
     """``step 9 (10/40, 12 s, 1.2 s/it): ...``: the step's own number, then the count done."""
     done = step + 1
-    return f"step {step} ({done}/{total}, {elapsed_s:.0f} s, {rate(done / elapsed_s if elapsed_s > 0 else None)}): {text}"
+    speed = rate(done / elapsed_s if elapsed_s > 0 else None)
+    return f"step {step} ({done}/{total}, {elapsed_s:.0f} s, {speed}): {text}"

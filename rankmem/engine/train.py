@@ -44,7 +44,8 @@ def init_distributed(device_choice: str, timeout_s: float) -> torch.device:
     """Join the torchrun job: NCCL on GPU, gloo on CPU, always with a timeout (a lost rank is an error,
     not a hang)."""
     if "RANK" not in os.environ:
-        raise RankmemError("launch under torchrun: python -m torch.distributed.run --nproc-per-node 2 -m rankmem.engine.train")
+        raise RankmemError("launch under torchrun: python -m torch.distributed.run --nproc-per-node 2 -m "
+                           "rankmem.engine.train")
     use_cuda = torch.cuda.is_available() if device_choice == "auto" else device_choice == "cuda"
     if use_cuda and not torch.cuda.is_available():
         raise RankmemError("--device cuda, but this torch has no CUDA device: use --device cpu")
@@ -201,7 +202,8 @@ def next_steps(out: str) -> list[str]:
     q = shlex.quote(out)
     return ["next:",
             f"  rankmem report {q}   # per key and phase: the worst rank, step and phase; leaks (--html FILE: a page)",
-            f"  rankmem plot {q}     # per-rank memory against step, capacity drawn: {os.path.join(out, 'rankmem.png')}",
+            f"  rankmem plot {q}     # per-rank memory against step, capacity drawn: "
+            f"{os.path.join(out, 'rankmem.png')}",
             f"  rankmem watch {q}    # a live per-rank view, while a job writes there"]
 
 

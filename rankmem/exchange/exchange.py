@@ -201,7 +201,8 @@ class Exchange:
                             f"no more than {self.MAX_KEY_WARNINGS} are reported")
             return
         self._warn_once("keys:" + ",".join(differing),
-                        f"ranks reported different keys {list(differing)}; each is aggregated over the ranks that have it")
+                        f"ranks reported different keys {list(differing)}; each is aggregated over the ranks that have "
+                        "it")
 
 
 class _Turn:

@@ -108,7 +108,8 @@ class Fit:
         model_var = self.scale**2 * (1.0 + float(x0 @ self.xtwx_inv @ x0))
         if sq_tokens is None:  # a micro-batch not seen: its Q is as uncertain as the windows' Q/T was
             model_var += (self.c * self.sq_sd_at(tokens))**2
-        half = t_quantile(0.5 + self.level / 2, self.dof) * math.sqrt(model_var + (self.relative_noise * max(mean, 0.0))**2)
+        noise = self.relative_noise * max(mean, 0.0)
+        half = t_quantile(0.5 + self.level / 2, self.dof) * math.sqrt(model_var + noise**2)
         if self.rival is None:
             return mean, mean - half, mean + half
         _, low, high = self.rival.predict(tokens, sq_tokens)

@@ -115,7 +115,8 @@ def quadratic_across(groups: Sequence[Group], config: FitConfig | None = None) -
     show ``c`` above its noise though it is there.
     """
     cfg = config or FitConfig()
-    kept = [g for g in (usable_windows(*group) for group in groups) if g[0].size >= cfg.min_windows and np.isfinite(g[2]).all()]
+    kept = [g for g in (usable_windows(*group) for group in groups)
+            if g[0].size >= cfg.min_windows and np.isfinite(g[2]).all()]
     if len(kept) < 2:
         return None
     if not q_separable(np.concatenate([g[0] for g in kept]), np.concatenate([g[2] for g in kept]), cfg):

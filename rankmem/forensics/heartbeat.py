@@ -47,7 +47,8 @@ from rankmem.core.rundir import (
 from rankmem.core.warnings import WarnOnce
 from rankmem.probe import procfs as _procfs
 
-__all__ = ["ENV_DIR", "HEARTBEAT_DIR", "Heartbeat", "HeartbeatRecord", "heartbeat_dir", "heartbeat_path", "read_heartbeats"]
+__all__ = ["ENV_DIR", "HEARTBEAT_DIR", "Heartbeat", "HeartbeatRecord", "heartbeat_dir", "heartbeat_path",
+           "read_heartbeats"]
 
 ENV_DIR = "RANKMEM_HEARTBEAT_DIR"
 MAGIC = b"RMHB"

@@ -7,7 +7,8 @@ every ``interval_s`` through descriptors opened once (``os.pread``): the cgroup'
 ``memory.limit_in_bytes``), ``/proc/meminfo`` and memory pressure (PSI). When headroom falls under
 the threshold or pressure crosses one, it calls ``on_near_oom(info)`` once per episode, with the
 figures and a per-node table of every rank process and its children (pid, rank, RSS, step, phase; private
-memory only where it decides which process holds the most), the ranks found through their heartbeat files. Cost: ``bench/bench_nearoom.py``.
+memory only where it decides which process holds the most), the ranks found through their heartbeat files. Cost:
+``bench/bench_nearoom.py``.
 
 Headroom in a cgroup is ``limit - working set``, the working set being usage minus inactive file
 cache (as kubelet and Ray compute it): page cache fills a cgroup up to its limit and is reclaimed
@@ -63,7 +64,8 @@ class NearOomConfig:
 
     def __post_init__(self) -> None:
         if not 0 < self.interval_s < math.inf:  # `not` also refuses NaN; inf would overflow the thread's wait
-            raise RankmemError(f"NearOomConfig.interval_s must be a finite number of seconds > 0, got {self.interval_s}")
+            raise RankmemError(f"NearOomConfig.interval_s must be a finite number of seconds > 0, "
+                               f"got {self.interval_s}")
         if not 0 < self.headroom_fraction < 1:
             raise RankmemError(f"NearOomConfig.headroom_fraction must be in (0, 1), got {self.headroom_fraction}")
         if self.headroom_bytes is not None and not 0 < self.headroom_bytes < math.inf:

@@ -138,7 +138,8 @@ def actor_monitor(*, out_dir: str | None = None, group: Any = None, **options: A
 
     if group is None and not (dist.is_available() and dist.is_initialized()):
         raise RankmemError("actor_monitor() needs this actor's process group: call "
-                           "torch.distributed.init_process_group first (the Monitor's rank and world size are the group's)")
+                           "torch.distributed.init_process_group first (the Monitor's rank and world size are the "
+                           "group's)")
     probe = RayAwareHostProbe(children=options.get("children", True),
                               children_refresh_s=options.get("children_refresh_s", 5.0),
                               reset_peaks=options.get("peak_source", peak_source_default()) == "window")

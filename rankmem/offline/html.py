@@ -40,16 +40,20 @@ body { font-family: system-ui, sans-serif; margin: 0; color: #222; background: #
 main { max-width: 1280px; margin: 0 auto; padding: 1.2em; }
 h1 { font-size: 1.4em; margin: 0 0 0.4em; overflow-wrap: anywhere; } h2 { font-size: 1.1em; margin: 0 0 0.6em; }
 section { background: #fff; border: 1px solid #e2e4e8; border-radius: 8px; padding: 1em 1.2em; margin: 0 0 1em; }
-.facts { display: grid; grid-template-columns: repeat(auto-fill, minmax(14em, 1fr)); gap: 0.5em 1.5em; margin: 0.8em 0 0; }
-.facts div { min-width: 0; } .facts dt { font-size: 0.8em; color: #666; } .facts dd { margin: 0; overflow-wrap: anywhere; }
+.facts { display: grid; grid-template-columns: repeat(auto-fill, minmax(14em, 1fr)); gap: 0.5em 1.5em;
+  margin: 0.8em 0 0; }
+.facts div { min-width: 0; } .facts dt { font-size: 0.8em; color: #666; }
+.facts dd { margin: 0; overflow-wrap: anywhere; }
 .verdict { display: inline-block; padding: 0.15em 0.7em; border-radius: 1em; font-weight: bold; color: #fff; }
-.verdict.healthy { background: #2e7d32; } .verdict.warnings { background: #b26a00; } .verdict.events { background: #b00020; }
+.verdict.healthy { background: #2e7d32; } .verdict.warnings { background: #b26a00; }
+.verdict.events { background: #b00020; }
 .scroll { overflow-x: auto; }
 table { border-collapse: collapse; font-size: 0.9em; width: 100%; }
 th, td { padding: 0.25em 0.8em; border-bottom: 1px solid #e5e5e5; white-space: nowrap; }
 th { text-align: left; border-bottom: 2px solid #888; } th[title] { text-decoration: underline dotted; cursor: help; }
 td.right, th.right { text-align: right; font-variant-numeric: tabular-nums; }
-ul { padding-left: 1.2em; } li { margin: 0.15em 0; } li.event { color: #b00020; font-weight: bold; } li.leak { color: #b00020; }
+ul { padding-left: 1.2em; } li { margin: 0.15em 0; } li.event { color: #b00020; font-weight: bold; }
+li.leak { color: #b00020; }
 dl.help { font-size: 0.85em; color: #444; } dl.help dt { font-weight: bold; } dl.help dd { margin: 0 0 0.3em 1em; }
 figure { margin: 0 0 1em; } figcaption { font-size: 0.9em; color: #555; margin-bottom: 0.3em; }
 img { width: 100%; height: auto; border: 1px solid #e2e4e8; }
@@ -61,7 +65,8 @@ COLUMN_HELP = {
     "step": "the step (numbered from 0) that held the worst value",
     "rank": "the rank that held it",
     "phase": "the phase whose own peak was that step's peak on that rank",
-    "max/mean": "the worst rank's value over the mean of the ranks at that step: 1.0 is balanced, 2.0 twice the average",
+    "max/mean": "the worst rank's value over the mean of the ranks at that step: 1.0 is balanced, 2.0 twice the "
+                "average",
     "mean/step": "the phase's mean growth per step (a delta key) or mean value, over ranks and steps",
     "total (rank)": "the phase's growth summed over the run on its worst rank, and that rank",
     "unit": "GiB are 2**30 bytes",
@@ -93,7 +98,9 @@ def _utc(t: float | None) -> str:
 def _duration(seconds: float | None) -> str:
     if seconds is None or not math.isfinite(seconds) or seconds < 0:
         return "unknown"
-    return f"{seconds:.1f} s" if seconds < 120 else f"{seconds / 60:.1f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    return f"{seconds / 60:.1f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
 
 
 def facts(report: Report, run: Run) -> list[tuple[str, str]]:
@@ -105,9 +112,11 @@ def facts(report: Report, run: Run) -> list[tuple[str, str]]:
     started = header.started if header.started is not None else first
     job = header.config.get("run")
     shown = {k: v for k, v in job.items() if k in JOB_FIELDS} if isinstance(job, dict) else {}
-    steps = f"{report.steps} logged" + (f" ({report.first_step}..{report.last_step})" if report.first_step is not None else "")
+    span = f" ({report.first_step}..{report.last_step})" if report.first_step is not None else ""
+    steps = f"{report.steps} logged{span}"
     versions = ", ".join(f"{name} {version}" for name, version in (("rankmem", header.rankmem_version),
-                                                                    ("torch", header.torch_version)) if version is not None)
+                                                                    ("torch",
+                                                                     header.torch_version)) if version is not None)
     return [
         ("ranks", str(report.world_size)), ("hosts", ", ".join(report.hosts) or "unknown"), ("steps", steps),
         ("duration", _duration(last - started if last is not None and started is not None else None)),
@@ -192,7 +201,8 @@ def _plots(run: Run) -> str:
     if not (run.steps.size and keys):
         return ""
     if importlib.util.find_spec("matplotlib") is None:
-        return _section("plots", "Per rank against step", "<p>The plots need matplotlib: pip install 'rankmem[plot]'</p>")
+        return _section("plots", "Per rank against step",
+                        "<p>The plots need matplotlib: pip install 'rankmem[plot]'</p>")
     figures = []
     for family, members in families(keys).items():
         try:
@@ -211,8 +221,11 @@ def render_html(report: Report, run: Run) -> str:
     and growth verdicts, and a plot per key family."""
     events = event_lines(report)
     parts = [_card(report, run),
-             _section("events", "Events", _list(events, "top") if events else "<p>No events: no OOM, near-OOM, kill or stall.</p>"),
-             _section("findings", "Leaks and the worst ranks", _list([*leak_lines(report), *worst_lines(report)], "top"),
+             _section("events", "Events", _list(events,
+                                                "top") if events else "<p>No events: no OOM, near-OOM, kill or "
+                                                                      "stall.</p>"),
+             _section("findings", "Leaks and the worst ranks", _list([*leak_lines(report), *worst_lines(report)],
+                                                                     "top"),
                       _list(summary_lines(report)))]
     for ident, title, (columns, rows) in (("keys", "Per key", key_table(report)),
                                           ("phases", "Per phase", phase_table(report))):

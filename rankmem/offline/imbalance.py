@@ -83,7 +83,8 @@ class OverBudget:
     worst_rank: int
 
 
-def rank_excess(run: Run, warmup: int = 2, floor_gib: float = FLOOR_GIB, fraction: float = FRACTION) -> list[RankExcess]:
+def rank_excess(run: Run, warmup: int = 2, floor_gib: float = FLOOR_GIB,
+                fraction: float = FRACTION) -> list[RankExcess]:
     """Every rank's split, per phase with micro-batches and a usable slope; flagged ranks are marked."""
     out: list[RankExcess] = []
     if run.world_size < 2:

@@ -85,7 +85,8 @@ def agg_pyplot() -> Any:
     return plt
 
 
-def plot_run(run: Run, output: str, keys: Sequence[str] | None = None, size: tuple[int, int] | None = None) -> list[str]:
+def plot_run(run: Run, output: str, keys: Sequence[str] | None = None, size: tuple[int,
+                                                                                   int] | None = None) -> list[str]:
     """Write a PNG of ``keys`` (default: the catalogue's ``PLOT_KEYS`` present in the run); returns the keys drawn."""
     plt = pyplot()
     if run.steps.size == 0 and run.logged is not None and run.logged.steps.size:
@@ -101,7 +102,8 @@ def plot_run(run: Run, output: str, keys: Sequence[str] | None = None, size: tup
     missing = [k for k in chosen if k not in run.series]
     if missing or not chosen:
         available = ", ".join(k for k in sorted(run.series) if not k.startswith(PHASE_PREFIX))
-        raise RankmemError(f"no such key(s) in the run log: {', '.join(missing) or '(none chosen)'}; choose from: {available}")
+        raise RankmemError(f"no such key(s) in the run log: {', '.join(missing) or '(none chosen)'}; choose from: "
+                           f"{available}")
     fig = draw_run(run, chosen, size)
     try:
         # No bbox_inches="tight": the PNG must be exactly the size asked for. Drawn in memory, then
@@ -125,7 +127,8 @@ def draw_run(run: Run, chosen: Sequence[str], size: tuple[int, int] | None = Non
     plt = pyplot()
     from matplotlib.ticker import MaxNLocator
 
-    fig, axes = plt.subplots(len(chosen), 1, figsize=(width / _DPI, height / _DPI), dpi=_DPI, sharex=True, squeeze=False)
+    fig, axes = plt.subplots(len(chosen), 1, figsize=(width / _DPI, height / _DPI), dpi=_DPI, sharex=True,
+                             squeeze=False)
     phases = run.phases()
     # An event without a step (or with one no int64 holds: read as none) cannot be drawn at any x.
     events = [e for e in read_events(run.path).events if e.step is not None and e.kind != "anatomy"]

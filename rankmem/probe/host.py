@@ -208,7 +208,8 @@ class LinuxHostProbe:
             return None, None
         total, available = _procfs.parse_meminfo(data)
         if available is None:
-            self._warn_once("MemAvailable", "/proc/meminfo has no MemAvailable (Linux < 3.14); node available unavailable")
+            self._warn_once("MemAvailable",
+                            "/proc/meminfo has no MemAvailable (Linux < 3.14); node available unavailable")
         return total, available
 
     def cgroup(self) -> tuple[int | None, int | None, int | None]:

@@ -179,7 +179,8 @@ def driver_env() -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join(path), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
 
 
-def how_many_fit(nodes: list[dict[str, float]], free: dict[str, float], bundle: dict[str, float], one_node: bool) -> int:
+def how_many_fit(nodes: list[dict[str, float]], free: dict[str, float], bundle: dict[str, float],
+                 one_node: bool) -> int:
     """How many actors of ``bundle`` the cluster holds: on its largest node when ``one_node``, else on
     all its nodes; never more than its free resources allow. ``nodes``: each alive node's total resources."""
     def count(resources: dict[str, float]) -> int:
@@ -210,4 +211,5 @@ def fit_message(world_size: int, bundle: dict[str, float], fit: int, total: dict
     short = "GPU" if "GPU" in bundle and free.get("GPU", 0.0) < world_size * bundle["GPU"] else "CPU"
     fix = f"use --nproc-per-node {fit}, or" if fit > 0 and one_node else "use"
     return (f"{world_size} ranks of {need} each do not fit in the Ray cluster ({have} on {where}): {fit} fit; "
-            f"{fix} a smaller --ray-{short.lower()}s-per-actor (fractions share {'devices' if short == 'GPU' else 'cores'})")
+            f"{fix} a smaller --ray-{short.lower()}s-per-actor (fractions share "
+            f"{'devices' if short == 'GPU' else 'cores'})")

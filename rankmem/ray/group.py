@@ -187,7 +187,8 @@ class WorkerGroup:
 
         if self.actors and self._flushes and flush_s > 0:
             # Whatever fails here, the cluster is going away: kill regardless.
-            refs: list[Any] = attempt(lambda: [actor.flush_telemetry.remote(flush_s) for actor in self.actors], default=[])
+            refs: list[Any] = attempt(lambda: [actor.flush_telemetry.remote(flush_s) for actor in self.actors],
+                                      default=[])
             attempt(ray.wait, refs, num_returns=len(refs), timeout=flush_s + 1.0, default=None)
         for actor in self.actors:
             attempt(ray.kill, actor, no_restart=True, default=None)  # already dead, or the cluster going away

@@ -234,5 +234,6 @@ class _Outage:
     def describe(self) -> str:
         span = "no step" if self.first is None else (
             f"step {self.first}" if self.first == self.last else f"steps {self.first}..{self.last}")
-        return (f"{self.lost} logged step(s) lost ({span}) over {self.tries} failed tr{'y' if self.tries == 1 else 'ies'},"
+        return (f"{self.lost} logged step(s) lost ({span}) over {self.tries} failed "
+                f"tr{'y' if self.tries == 1 else 'ies'},"
                 f" the last in {self.method}() with {self.error!r}")

@@ -45,7 +45,8 @@ class PrometheusSink:
         self.port = _whole("port", port, 0, 65535)
         self.top_k = _whole("top_k", top_k, 0, 1024)
         if not isinstance(bind, str) or not bind:
-            raise RankmemError(f"the prometheus sink's bind must be an address (e.g. 127.0.0.1 or 0.0.0.0), got {bind!r}")
+            raise RankmemError(f"the prometheus sink's bind must be an address (e.g. 127.0.0.1 or 0.0.0.0), got "
+                               f"{bind!r}")
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < math.inf:
             raise RankmemError(f"the prometheus sink's timeout_s must be a number of seconds > 0, got {timeout_s!r}")
         if not isinstance(ray, bool):

@@ -192,7 +192,9 @@ class Figures:
             kn = self._namer(key)
             names, phase = kn.labels()
             labels = ("job", "stat", *names)
-            fam = self._family(out, kn.name, f"rankmem {key} across ranks (stat: max, min, mean; p50, p90, p99 above 128 ranks)", labels)
+            fam = self._family(out, kn.name,
+                               f"rankmem {key} across ranks (stat: max, min, mean; p50, p90, p99 above 128 ranks)",
+                               labels)
             for stat in STATS:
                 value = metrics.get(f"{key}/{stat}")
                 if value is not None and value == value:

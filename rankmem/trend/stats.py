@@ -85,7 +85,8 @@ def upper_p(s: float, var: float) -> float:
     return 0.5 * math.erfc(z / math.sqrt(2.0))  # the upper tail, without 1 - cdf underflow
 
 
-def sen(dx: np.ndarray, dy: np.ndarray, var: np.ndarray, confidence: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def sen(dx: np.ndarray, dy: np.ndarray, var: np.ndarray, confidence: float) -> tuple[np.ndarray, np.ndarray,
+                                                                                     np.ndarray]:
     """Theil–Sen slope and Sen's interval of each row of pairwise differences ``dy`` (series x pairs)."""
     keep = dx != 0
     if not keep.all():
