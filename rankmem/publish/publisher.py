@@ -35,6 +35,14 @@ if TYPE_CHECKING:
 _Collect = tuple[int, float, "Gathered", dict[str, float]]
 
 
+def _opened(sink_objects: Sequence[Any], header: RunHeader) -> list[SafeSink]:
+    """Each sink wrapped and opened with the run header (a failure is the wrapper's to retry)."""
+    sinks = [SafeSink(s) for s in sink_objects]
+    for sink in sinks:
+        sink.open(header)
+    return sinks
+
+
 class RunLogQueue(Handoff):
     """The run log's own queue and thread: it writes the run-log sinks alone."""
 
@@ -54,10 +62,7 @@ class RunLogQueue(Handoff):
 
     def _write(self, item: _Collect | RunHeader) -> None:
         if isinstance(item, RunHeader):
-            for sink_object in self._sink_objects:
-                sink = SafeSink(sink_object)
-                sink.open(item)
-                self._sinks.append(sink)
+            self._sinks += _opened(self._sink_objects, item)
             return
         self._hand_lost()
         step, when, gathered, metrics = item
@@ -197,10 +202,7 @@ class Publisher(Handoff):
 
     def _write(self, item: _Collect | RunHeader) -> None:
         if isinstance(item, RunHeader):
-            for sink_object in self._sink_objects:
-                sink = SafeSink(sink_object)
-                sink.open(item)
-                self._sinks.append(sink)
+            self._sinks += _opened(self._sink_objects, item)
             return
         step, when, gathered, metrics = item
         if self._leak_check:
