@@ -37,8 +37,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_advise import evaluate  # type: ignore[import-not-found]  # noqa: E402
 
 from rankmem.core.catalogue import phase_key, work_key  # noqa: E402
-from rankmem.fit import Fit, FitConfig  # noqa: E402
 from rankmem.fit.capacity import Limit  # noqa: E402
+from rankmem.fit.model import Fit, FitConfig  # noqa: E402
 from rankmem.fit.series import PhaseFit  # noqa: E402
 from rankmem.offline import Run, read_run  # noqa: E402
 from rankmem.offline.advice import EXTRAPOLATION, Advice, advise_rank, fit_ranks  # noqa: E402

@@ -186,8 +186,8 @@ def evaluate(out: str, config: Any = None) -> dict[str, Any]:
     import numpy as np
 
     from rankmem.core.catalogue import phase_key, work_key
-    from rankmem.fit import Fit
     from rankmem.fit.capacity import Limit
+    from rankmem.fit.model import Fit
     from rankmem.offline import read_run
     from rankmem.offline.advice import EXTRAPOLATION, advise_rank, fit_ranks
 

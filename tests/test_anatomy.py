@@ -203,7 +203,7 @@ def test_advice_fits_the_part_that_follows_the_work(tmp_path: Path) -> None:
 
     import numpy as np
 
-    from rankmem.fit import FitConfig
+    from rankmem.fit.model import FitConfig
     from rankmem.offline import read_run
     from rankmem.offline.advice import fit_ranks
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from rankmem.cli._common import add_run_argument, note_damage, require_steps
 from rankmem.errors import RankmemError
-from rankmem.fit.capacity import HEADROOM_FRACTION
+from rankmem.fit import HEADROOM_FRACTION
 
 if TYPE_CHECKING:
     from rankmem.fit.capacity import Limit
@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _at_tokens(fits: dict[str, list[PhaseFit]], args: argparse.Namespace) -> int:
-    from rankmem.fit import Fit
+    from rankmem.fit.model import Fit
 
     t = float(args.at_tokens)
     rows: list[dict[str, Any]] = []
@@ -141,7 +141,7 @@ def _at_tokens(fits: dict[str, list[PhaseFit]], args: argparse.Namespace) -> int
 def _no_prediction(pf: PhaseFit, t: float, seq_len: float | None) -> str | None:
     """Why ``--at-tokens`` has no prediction for this rank: no model, or T (or the sequences' length)
     past 1.5x what its windows saw; None where it has one."""
-    from rankmem.fit import NoFit
+    from rankmem.fit.model import NoFit
     from rankmem.offline.advice import EXTRAPOLATION
 
     if isinstance(pf.model, NoFit):
@@ -288,7 +288,7 @@ def _framework_setting(framework: dict[str, Any], tokens: int,
                        per_rank: list[PhaseFit]) -> tuple[str, Any, str] | None:
     """(setting, value, why) in the framework's own words: padded batches as sequences per micro-batch at
     the longest padded width seen (a padded micro-batch's Q/T is its width), packed ones as tokens."""
-    from rankmem.fit import Fit
+    from rankmem.fit.model import Fit
 
     names = FRAMEWORK_SETTINGS.get(str(framework.get("name")))
     if names is None:

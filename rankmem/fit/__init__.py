@@ -1,13 +1,9 @@
 """The memory model behind the advice: a phase's peak against the work of its heaviest micro-batch.
 
-Pure numpy (no torch, no files), shared by the offline advice and anything online that wants it.
+Pure numpy (no torch, no files): :mod:`~rankmem.fit.model` (one rank's fit), :mod:`~rankmem.fit.pooled`
+(the ranks' shared slopes), :mod:`~rankmem.fit.series` and :mod:`~rankmem.fit.capacity` (from a run's
+arrays to a verdict). No module is imported here: ``rankmem advise --help`` loads no numpy.
 """
 
-from __future__ import annotations
-
-from rankmem.fit.model import Fit, FitConfig, NoFit, fit_memory
-from rankmem.fit.overhead import grew_pool, overhead_ratio
-from rankmem.fit.pooled import fit_phase, prime, quadratic_across
-
-__all__ = ["Fit", "FitConfig", "NoFit", "fit_memory", "fit_phase", "grew_pool", "overhead_ratio", "prime",
-           "quadratic_across"]
+HEADROOM_FRACTION = 0.05  # here, not in capacity: `rankmem advise --help` shows it
+"""The headroom kept under the capacity where none is asked for."""

@@ -20,12 +20,10 @@ import numpy as np
 
 from rankmem.core.catalogue import CATALOGUE, PHASE_PREFIX, key_of, phase_names, work_key, worse
 from rankmem.errors import RankmemError
+from rankmem.fit import HEADROOM_FRACTION
 from rankmem.fit.held import HELD_PARTS
 from rankmem.fit.model import Fit, NoFit
 from rankmem.fit.series import PhaseFit, fit_ranks, memory_kind
-
-HEADROOM_FRACTION = 0.05
-"""The headroom kept under the capacity where none is asked for."""
 
 Series = Mapping[str, np.ndarray]
 

@@ -53,7 +53,7 @@ class FitConfig:
     of one run sit closer to their line than later steps do."""
     pool_ranks: bool = True
     """Fit a phase's rise per token and per squared length on every rank's windows at once, an intercept
-    per rank (:func:`rankmem.fit.fit_phase`), where the ranks' own coefficients agree."""
+    per rank (:func:`rankmem.fit.pooled.fit_phase`), where the ranks' own coefficients agree."""
     homogeneity: float = 0.99
     """The ranks' coefficients are pooled unless a Wald test says they differ at this level."""
 

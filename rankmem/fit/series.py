@@ -8,7 +8,7 @@ T (and sum of squared lengths Q).
 - **host**: peak = the phase's peak RSS, baseline = the lowest RSS between steps, one figure;
 - **device**: peak = the phase's peak allocated, baseline = the step's allocated at its end; against
   capacity the latest baseline (the median of the last :data:`BASELINE_STEPS`) plus the rise is scaled
-  by the allocator's overhead (:func:`rankmem.fit.overhead_ratio`) and the memory outside torch
+  by the allocator's overhead (:func:`rankmem.fit.overhead.overhead_ratio`) and the memory outside torch
   (``other``, the most seen) is added.
 """
 
@@ -52,7 +52,7 @@ class PhaseFit:
     median step of the last steps whose allocated is the baseline."""
     overhead_ratio: float = 1.0
     """Device: the allocator's reserved over allocated at the phase's peak
-    (:func:`rankmem.fit.overhead_ratio`); the predicted allocation is scaled by it. Host: 1."""
+    (:func:`rankmem.fit.overhead.overhead_ratio`); the predicted allocation is scaled by it. Host: 1."""
 
     def peak(self, tokens: float, sq_tokens: float | None = None) -> tuple[float, float, float]:
         """(peak, low, high) in GiB, as set against capacity: (baseline + rise) x the allocator's ratio
@@ -74,7 +74,7 @@ def memory_kind(series: Series, phase: str) -> str:
 def fit_ranks(series: Series, steps: np.ndarray, phase: str, warmup: int, config: FitConfig | None = None,
               kind: str | None = None) -> list[PhaseFit]:
     """Every rank's fit of one phase, the Q term decided and the shared coefficients fitted once on all
-    ranks' windows (:func:`rankmem.fit.fit_phase`)."""
+    ranks' windows (:func:`rankmem.fit.pooled.fit_phase`)."""
     kind = kind or memory_kind(series, phase)
     world = series[work_key(phase, "mb_tokens")].shape[1]
     rows = slice(min(warmup, steps.size), None)
@@ -119,7 +119,7 @@ def _phase_series(series: Series, steps: np.ndarray, phase: str, rank: int, rows
 
 def _allocator_ratio(series: Series, phase: str, rank: int, rows: slice, peak: np.ndarray) -> float:
     """The phase's peak reserved over its peak allocated where its windows grew the allocator's pool
-    (:func:`rankmem.fit.overhead_ratio`; the windows before ``rows`` count for the growth)."""
+    (:func:`rankmem.fit.overhead.overhead_ratio`; the windows before ``rows`` count for the growth)."""
     reserved_all = series.get(phase_key(phase, "peak_reserved_gib"))
     if reserved_all is None:
         return 1.0

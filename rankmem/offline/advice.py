@@ -14,9 +14,10 @@ from dataclasses import dataclass
 
 from rankmem.core.catalogue import key_of, work_key
 from rankmem.errors import RankmemError
-from rankmem.fit import FitConfig, NoFit, capacity
+from rankmem.fit import capacity
 from rankmem.fit import series as fitseries
 from rankmem.fit.capacity import Assessment, Limit
+from rankmem.fit.model import FitConfig, NoFit
 from rankmem.fit.series import PhaseFit
 from rankmem.offline import Run
 from rankmem.trend.trend import LeakConfig, Trend, regression_axis, trend

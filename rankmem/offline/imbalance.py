@@ -2,7 +2,7 @@
 
 Per phase told its micro-batches and per rank, over the steps after warm-up: the rank's excess is the
 mean over steps of its phase peak minus the median of the other ranks that step; the part its tokens explain is
-the rise per token (the median over ranks of each rank's fitted :meth:`rankmem.fit.Fit.per_token`,
+the rise per token (the median over ranks of each rank's fitted :meth:`rankmem.fit.model.Fit.per_token`,
 fitted on that rank's own variation over time) times its tokens' excess over the others the same way.
 The rest (an inference engine, a driver's duty, a leak, a buffer) is unexplained; a rank is flagged
 when that is over ``max(fraction x the mean peak rise, floor)`` (:class:`ImbalanceConfig`). A rank under
@@ -22,7 +22,7 @@ import numpy as np
 
 from rankmem.core.catalogue import phase_key, work_key
 from rankmem.errors import RankmemError
-from rankmem.fit import Fit
+from rankmem.fit.model import Fit
 from rankmem.offline import Run
 from rankmem.offline.advice import fit_ranks, memory_kind, work_phases
 from rankmem.offline.budget import configured_budget, over_budget

@@ -5,7 +5,7 @@ The same series, fit, capacity and verdict as ``rankmem advise`` (:mod:`rankmem.
 :mod:`rankmem.fit.capacity`), over the last :data:`HISTORY` collects. Refitted every ``every`` collects.
 
 Its first fit leaves ~2 MiB resident (numpy's code and workspaces): the publisher takes that on every
-rank when it is made (:func:`rankmem.fit.prime`), not here at the 10th collect.
+rank when it is made (:func:`rankmem.fit.pooled.prime`), not here at the 10th collect.
 """
 
 from __future__ import annotations

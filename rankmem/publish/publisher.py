@@ -125,7 +125,7 @@ class Publisher(Handoff):
     def _prime(self) -> None:
         with self._guard.contain("prime", "priming the online watches failed"):
             import rankmem.exchange.exchange  # noqa: F401  (numpy, for the first collect)
-            from rankmem.fit import prime
+            from rankmem.fit.pooled import prime
             from rankmem.trend.stats import PAIRS_AT_LEAST, pairs
 
             prime()

@@ -17,8 +17,6 @@ import zlib
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 from rankmem.core.records import RunHeader, StepRecord
 from rankmem.core.rundir import RunDir, open_regular, unlinked
 from rankmem.core.scalars import json_safe
@@ -65,6 +63,8 @@ def _matrix(rec: StepRecord) -> tuple[Sequence[str], Any]:
     if rec.matrix is not None or not rec.ranks:
         return rec.keys, rec.matrix
     keys = tuple(rec.ranks)
+    import numpy as np  # on the sink thread: `import rankmem` and Monitor() load no numpy
+
     columns = [[np.nan if v is None else v for v in rec.ranks[k]] for k in keys]
     return keys, np.array(columns, dtype=np.float64).T
 
@@ -133,6 +133,8 @@ class RunLogWriter:
                 key_set = new_keys = len(self._key_sets)
                 names = json.dumps(list(keys)).encode()
                 side += record(KEYS, KEYS_HEAD.pack(key_set, len(names)) + padded(names))
+            import numpy as np  # loaded by the exchange already
+
             block = np.ascontiguousarray(matrix, dtype="<f8").tobytes()
         else:
             block = b""

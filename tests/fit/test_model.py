@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rankmem.fit import Fit, FitConfig, NoFit, fit_memory, quadratic_across
-from rankmem.fit.model import t_quantile
+from rankmem.fit.model import Fit, FitConfig, NoFit, fit_memory, t_quantile
+from rankmem.fit.pooled import quadratic_across
 
 KIB = 1 / 2**20  # GiB per KiB
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rankmem.fit import Fit, FitConfig, NoFit, fit_phase
-from rankmem.fit.pooled import chi2_quantile
+from rankmem.fit.model import Fit, FitConfig, NoFit
+from rankmem.fit.pooled import chi2_quantile, fit_phase
 
 KIB = 1 / 2**20  # GiB per KiB
 B, C = 150 * KIB, 0.1 * KIB  # per token; per squared token (materialised attention's scores)

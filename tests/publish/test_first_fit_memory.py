@@ -4,7 +4,7 @@ A process's first fit leaves ~2 MiB resident for good (numpy's code pages and wo
 watch first judges at the 10th collect and the leak watch at the 100th, in the logging rank's own
 process, whose between-step RSS the host advice fits: unprimed, its baseline stepped up there, noise
 in every window after it. The publisher primes on every rank when it is made
-(:func:`rankmem.fit.prime`). In a fresh process (the cost is once per process, and this test's own
+(:func:`rankmem.fit.pooled.prime`). In a fresh process (the cost is once per process, and this test's own
 process has fitted long before), a monitor's RSS from collect 5 to 125 of empty steps, each with a
 phase told one micro-batch: measured unprimed +2.71 MiB (2.24 of it at collect 10), primed +0.37 MiB.
 """
