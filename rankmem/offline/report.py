@@ -431,8 +431,8 @@ def describe_event(e: Event) -> str:
     where = (f"{event_field(e.kind)} rank {event_field(e.shown('rank'))} step {event_field(e.shown('step'))} "
              f"phase {event_field(e.shown('phase') or '-')}")
     if isinstance(e, OomEvent):
-        where = event_field(e.shown("where") if e.where == "unknown" else e.where)
-        what = f"{where} {event_field(e.shown('error') or '')}".strip()
+        site = event_field(e.shown("where") if e.where == "unknown" else e.where)
+        what = f"{site} {event_field(e.shown('error') or '')}".strip()
         if (requested := _gib(e.requested_bytes)) is not None:
             what += f"; requested {requested} GiB"
         device = _mapping(e.device)
