@@ -310,13 +310,14 @@ class Monitor(_Readouts):
             share=c.anatomy_share, history=c.oom_history)
         self._forensics.sampler = self._sampler
         self._closed = False
+        self._gate = True  # until the first window: the priming thread's memory is in no user's window
 
     def step(self, n: int | None = None) -> AbstractContextManager[None]:
         """A step window: peaks reset at entry, current values and peaks read at exit. Local; call
         :meth:`collect` after it on every rank, every step or every N steps. Unnumbered, its events say
         the step the next collect logs (unknown where collects are numbered with ``step=``)."""
-        if self._closed:  # _open_windows' check, inline: every step's entry is on the training thread
-            self._open_windows()
+        if self._gate:  # _open_windows' check, inline: every step's entry is on the training thread
+            self._pass_gate()
         window = self._windows.step(n)
         return window if self._sampler is None else self._sampler.step(window)
 
@@ -412,10 +413,15 @@ class Monitor(_Readouts):
         self._publisher.start(header, logging=self.is_logging_rank)
 
     def _open_windows(self) -> Windows:
-        if self._closed:
-            # Its descriptors are closed: every figure would read as unavailable, silently.
-            raise RankmemError("this Monitor is closed: build a new one (on every rank) to go on measuring")
+        if self._gate:
+            self._pass_gate()
         return self._windows
+
+    def _pass_gate(self) -> None:
+        if self._closed:  # its descriptors are closed: every figure would read as unavailable, silently
+            raise RankmemError("this Monitor is closed: build a new one (on every rank) to go on measuring")
+        self._publisher.primed()
+        self._gate = False
 
     def record_oom(self, exc: BaseException) -> None:
         """An out-of-memory error caught outside any window (a framework's exception hook) as an ``oom``
@@ -441,7 +447,7 @@ class Monitor(_Readouts):
 
     def close(self) -> None:
         """Flush and close the sinks, close the probe's descriptors. Local; safe to call twice."""
-        self._closed = True
+        self._closed = self._gate = True
         if self._windows.anatomy is not None:
             self._windows.anatomy.tracker.close()
         self._publisher.close()

@@ -122,6 +122,12 @@ class Publisher(Handoff):
             self._primer = threading.Thread(target=self._prime, name="rankmem-prime", daemon=True)
             self._primer.start()
 
+    def primed(self) -> None:
+        """Wait for the priming, at the first window or collect: what it leaves is in no user's window."""
+        if self._primer is not None:
+            self._primer.join(5.0)  # pure computation: a stall here would be a bug, never a wait for a rank
+            self._primer = None
+
     def _prime(self) -> None:
         with self._guard.contain("prime", "priming the online watches failed"):
             import rankmem.exchange.exchange  # noqa: F401  (numpy, for the first collect)
@@ -134,8 +140,7 @@ class Publisher(Handoff):
     def start(self, header: RunHeader, logging: bool) -> None:
         """At the first collect, on every rank: keep the header; the logging rank opens its sinks. The
         priming is over by then (it has had the first step's time to finish)."""
-        if self._primer is not None:
-            self._primer.join(5.0)  # pure computation: a stall here would be a bug, never a wait for a rank
+        self.primed()
         self.header = header
         if logging:
             self.open(header)
