@@ -145,9 +145,9 @@ def test_host_split_sums_to_the_rss_peak() -> None:
     assert "slack" not in s and set(s) == set(PARTS) - {"slack"}
     assert s["params"] == sum(p.numel() * 4 for p in model.parameters())
     assert s["optimizer"] == truth[-1] == 2 * s["params"]
-    # On the host the RSS peak may fall in either micro-batch (the heap reuses what the first freed): the range
-    # then holds no gradients (the first) or all of them (the second), and ends at all of them.
-    assert s["grads_high"] == s["params"] and s["grads_low"] in (0, s["params"])
+    # On the host the RSS peak may fall in any segment of the step (the heap reuses what was freed): the
+    # range's ends are then the gradients alive at that segment's edges, none or all of them.
+    assert s["grads_low"] <= s["grads_high"] and {s["grads_low"], s["grads_high"]} <= {0, s["params"]}
     total = s["params"] + s["optimizer"] + s["grads_high"] + s["activations"] + s["other"]
     assert total == pytest.approx(values["mem/phase/update/peak_rss_gib"] * GIB, rel=1e-12)
     assert s["activations"] >= 0 and grad_bytes(model.parameters()) == 0
