@@ -278,8 +278,11 @@ def main() -> int:
         peaks = [seen[r][mb] * BYTES_PER_TOKEN / 2**30 for mb in range(2) for r in range(2)]  # verl's list order
         d, h = diff["steps"][n], hook["steps"][n]
         print(f"  step {n + 1}: heaviest micro-batch per rank and mini-batch {seen}")
-        check(sorted(k for k in h["reduced"] if k.startswith(("mem/", "perf/")))
-              == sorted(k for k in d["reduced"] if k.startswith(("mem/", "perf/"))), "the same keys reach the driver")
+        # The hook also tracks the actor's model and optimizer (the README diff does not): its anatomy keys.
+        hook_keys = {k for k in h["reduced"] if k.startswith(("mem/", "perf/")) and "/anatomy/" not in k}
+        check(hook_keys == {k for k in d["reduced"] if k.startswith(("mem/", "perf/"))}
+              and any("/anatomy/" in k for k in h["reduced"]),
+              "the same keys reach the driver, and the hook's anatomy besides")
         for key in ("perf/max_memory_allocated_gb", "mem/device/peak_allocated_gib/max"):
             check(d["lists"][key] == h["lists"][key] == peaks,
                   f"{key} per mini-batch and rank: each window's own peak {h['lists'][key]}")

@@ -66,6 +66,9 @@ def _torchrun_once(
     ]
     mark = uuid.uuid4().hex
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {}), LAUNCH_MARK: mark}
+    # A script under tests/dist_scripts may import the tests' own helpers (``tests.*``): torchrun puts
+    # only the script's folder on sys.path, so the repository goes first on PYTHONPATH.
+    full_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), full_env.get("PYTHONPATH", "")) if p)
     try:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd or REPO)
     finally:
