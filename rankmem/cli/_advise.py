@@ -58,6 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory", choices=("auto", "host", "device"), default="auto",
                         help="fit the device's peak allocated or the host's peak RSS (default: device where measured)")
     parser.add_argument("--json", action="store_true", help="print a JSON list, one object per phase and rank")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="also name each window left out of the fit (an absurd figure, work not counted)")
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -191,8 +193,21 @@ def _advise(run: Run, fits: dict[str, list[PhaseFit]], args: argparse.Namespace)
             row["growth_mib_per_step"] = growth[row["rank"]].slope_mib if row["rank"] in growth else 0.0
         rows += [{**row, "fits": judged.fits} for row in phase_rows]
         lines += [*phase_lines, f"  {judged.describe(limit)}"]
+    if args.verbose and not args.json:
+        lines += _left_out_lines(run, fits, args)
     print(json.dumps(rows, indent=1) if args.json else "\n".join(lines))
     return status
+
+
+def _left_out_lines(run: Run, fits: dict[str, list[PhaseFit]], args: argparse.Namespace) -> list[str]:
+    from rankmem.fit.series import left_out
+
+    kind = None if args.memory == "auto" else args.memory
+    out = []
+    for phase in fits:
+        found = left_out(run.series, run.steps, phase, min(args.warmup, run.steps.size), kind)
+        out += [f"{phase}: left out of the fit: {line}" for line in found] or [f"{phase}: no window left out"]
+    return out
 
 
 def _growth(run: Run, args: argparse.Namespace, kind: str, limit: Limit) -> dict[int, Trend]:

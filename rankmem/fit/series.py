@@ -135,16 +135,37 @@ def _allocator_ratio(series: Series, phase: str, rank: int, rows: slice, peak: n
     return overhead_ratio(peak, reserved, grew)
 
 
+def _bound(key: str) -> float:
+    # A figure past any machine (a PiB) or any micro-batch (2**40 tokens, its square for Q) is an overflowed
+    # counter or a corrupt record: the window is left out of the fit, which squares what it is given.
+    return 2.0**20 if key.endswith("_gib") else WORK_MAX**2 if key.endswith("sq_tokens") else WORK_MAX
+
+
 def _col(series: Series, key: str, rank: int, rows: slice) -> np.ndarray:
     matrix = series.get(key)
     if matrix is None:
         raise RankmemError(f"the run has no {key}: it did not measure it")
     values = np.asarray(matrix[rows, rank], dtype=np.float64)
-    # A figure past any machine (a PiB) or any micro-batch (2**40 tokens, its square for Q) is an overflowed
-    # counter or a corrupt record: the window is left out of the fit, which squares what it is given.
-    bound = 2.0**20 if key.endswith("_gib") else WORK_MAX**2 if key.endswith("sq_tokens") else WORK_MAX
     with np.errstate(invalid="ignore"):
-        return np.where(np.abs(values) <= bound, values, np.nan)
+        return np.where(np.abs(values) <= _bound(key), values, np.nan)
+
+
+def left_out(series: Series, steps: np.ndarray, phase: str, warmup: int, kind: str | None = None) -> list[str]:
+    """The phase's windows after warm-up that the fit leaves out, one line each: a figure past its bound,
+    or a peak with no work counted (``micro_batch`` refused the count, or was not called)."""
+    kind = kind or memory_kind(series, phase)
+    peak, base = (("peak_allocated_gib", "allocated") if kind == "device" else ("peak_rss_gib", "rss"))
+    keys = [work_key(phase, "mb_tokens"), work_key(phase, "mb_sq_tokens"), phase_key(phase, peak), key_of(base)]
+    cube = {k: np.asarray(series[k], dtype=np.float64)[warmup:] for k in keys if k in series}
+    found = []
+    with np.errstate(invalid="ignore"):
+        for key, values in cube.items():
+            found += [(r, k, f"{key} = {values[r, k]:.4g}, past any real figure")
+                      for r, k in np.argwhere(np.abs(values) > _bound(key)).tolist()]
+        if keys[0] in cube and keys[2] in cube:
+            found += [(r, k, "its work was not counted (micro_batch refused it or was not called)")
+                      for r, k in np.argwhere(np.isnan(cube[keys[0]]) & np.isfinite(cube[keys[2]])).tolist()]
+    return [f"step {int(steps[warmup + r])} rank {k}: {why}" for r, k, why in sorted(found)]
 
 
 def _nanmax(values: np.ndarray) -> float:

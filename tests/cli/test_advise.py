@@ -284,3 +284,37 @@ def test_one_absurd_window_leaves_the_advice_as_the_clean_run_s(tmp_path: Path, 
             (c["rank"], c["verl"], c["overshoot"], c["advised_budget"])
         interval = c["high_gib"] - c["predicted_peak_gib"]
         assert abs(a["predicted_peak_gib"] - c["predicted_peak_gib"]) < interval
+    # -v names the two windows, and only them; the clean run has none.
+    rc, text, _ = advise(capsys, str(tmp_path / "absurd2"), "-v")
+    named = [line for line in text.splitlines() if "left out of the fit" in line]
+    assert rc == 0 and named == [
+        f"update: left out of the fit: step {run.steps[5]} rank 0: {work_key('update', 'mb_tokens')} = 1e+300, "
+        "past any real figure",
+        f"update: left out of the fit: step {run.steps[6]} rank 1: {phase_key('update', 'peak_rss_gib')} = 1e+300, "
+        "past any real figure"], text
+    rc, text, _ = advise(capsys, str(tmp_path / "clean"), "-v")
+    assert rc == 0 and "update: no window left out" in text.splitlines()
+
+
+def test_advise_v_names_the_window_whose_micro_batch_was_refused(tmp_path: Path, capsys) -> None:
+    """A live Monitor told micro_batch(tokens=1e300) in one window: one warning, training goes on, and
+    `advise -v` names that window as the one whose work was not counted."""
+    import warnings
+
+    import rankmem
+
+    out = tmp_path / "run"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with rankmem.Monitor(out_dir=str(out), children=False, near_oom_watch=False) as monitor:
+            for step in range(8):
+                with monitor.step(step), monitor.phase("update"):
+                    held = bytearray((1 + step % 3) << 20)
+                    monitor.micro_batch(1e300 if step == 5 else 1024.0 * (1 + step % 3))
+                    del held
+                monitor.collect()
+    assert sum("refused" in str(w.message) for w in caught) == 1
+    rc, text, _ = advise(capsys, str(out), "-v", "--warmup", "0")
+    named = [line for line in text.splitlines() if "left out of the fit" in line]
+    assert named == ["update: left out of the fit: step 5 rank 0: its work was not counted (micro_batch refused "
+                     "it or was not called)"], text
