@@ -335,7 +335,11 @@ def trend(steps: np.ndarray, values_gib: np.ndarray, key: str, rank: int, config
         take = _window(int(ok.sum()), config)
         if take < config.min_steps:
             return None
-        where = np.flatnonzero(ok)[-take:]
+        read = np.flatnonzero(np.isfinite(refreshes(values[:, None])[:, 0]))
+        # The steps' window, widened back to the last few refreshes where it holds fewer: a figure read
+        # every 0.5 s under 10 ms steps refreshes every ~22 steps, 3-4 times in the last half of 160.
+        start = min(np.flatnonzero(ok)[-take], read[-min(_MIN_REFRESHES, read.size)]) if read.size else 0
+        where = np.flatnonzero(ok[start:]) + start
         values = refreshes(values[where, None])[:, 0]
         steps, ok = np.asarray(steps)[where], np.isfinite(values)
         config = replace(config, window=1.0, last=None, min_steps=min(config.min_steps, _MIN_REFRESHES))

@@ -128,7 +128,7 @@ if __name__ == "__main__":
 def test_a_child_process_leak_read_every_half_second_is_flagged(tmp_path: Path, mib: float) -> None:
     """The children's RSS is read every 0.5 s on the node thread; under 10 ms steps the run log holds a
     staircase. Judged on its refreshes, it is the leak it is."""
-    done = subprocess.run([sys.executable, "-c", CHILD_JOB, str(tmp_path), str(mib), "800"],
+    done = subprocess.run([sys.executable, "-c", CHILD_JOB, str(tmp_path), str(mib), "300"],
                           capture_output=True, text=True, timeout=180, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
     children = [t for t in leaks_json(tmp_path) if t["key"] == "mem/host/children_rss_gib"]
