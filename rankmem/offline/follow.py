@@ -113,10 +113,9 @@ class Follower:
                         continue  # its line is not written yet
                     f.seek(offset)
                     line = f.readline(MAX_BLOCK)
-                    obj = R.step_of(line) if line.endswith(b"\n") else None
-                    written = obj.get("time") if obj is not None else None
-                    same = written == when or (written is None and when != when)
-                    if obj is None or obj["step"] != step or not same:
+                    obj = (R.step_of(line) if line.endswith(b"\n") else None) or {"step": None}
+                    written = obj.get("time")
+                    if obj["step"] != step or not (written == when or (written is None and when != when)):
                         self.tail.note = (f"{self.path}: the line of step {step} (at byte {offset}) disagrees with "
                                           "the side file: a damaged line")
                         return

@@ -29,10 +29,16 @@ from rankmem.errors import RankmemError
 from rankmem.runlog import layout as L
 from rankmem.runlog.header import header_from_json
 
-_BAD_JSON = (ValueError, RecursionError)  # json.loads: not JSON; nested past the interpreter's depth
 _COMPRESSED = {b"BZh": ("bzip2", "bunzip2"), b"\xfd7zXZ\x00": ("xz", "unxz"), b"\x28\xb5\x2f\xfd": ("zstd", "unzstd")}
-MAX_HEADER = 1 << 24
-"""Bytes of a header line read at most (a header is a few KB per rank)."""
+MAX_HEADER = 1 << 24  # bytes of a header line read at most (a header is a few KB per rank)
+
+
+def _loads(data: bytes | str) -> Any:
+    """``data`` as JSON; None where it is not JSON or is nested past the interpreter's depth."""
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError):
+        return None
 
 
 @dataclass(frozen=True)
@@ -96,18 +102,13 @@ class Run:
 def resolve_run_path(path: str) -> str:
     """A run directory or the ``.jsonl`` itself -> the run log's path; RankmemError when there is none
     (or it is not a regular file). In a directory, ``rankmem.jsonl`` first, then ``rankmem.jsonl.gz``."""
+    missing = f"no run log at {path}: pass a run directory holding {L.RUN_LOG_NAME}, or the .jsonl file"
     if os.path.isdir(path):
         candidate = os.path.join(path, L.RUN_LOG_NAME)
         if not os.path.lexists(candidate) and is_regular(candidate + ".gz"):
             return candidate + ".gz"
-        _regular_or_raise(candidate, f"no run log in {path}: expected {candidate} (the Monitor writes it "
-                                     "with sinks=('jsonl',))")
-        return candidate
-    _regular_or_raise(path, f"no run log at {path}: pass a run directory holding {L.RUN_LOG_NAME}, or the .jsonl file")
-    return path
-
-
-def _regular_or_raise(path: str, missing: str) -> None:
+        missing = f"no run log in {path}: expected {candidate} (the Monitor writes it with sinks=('jsonl',))"
+        path = candidate
     try:
         mode = os.stat(path).st_mode
     except (OSError, ValueError):
@@ -115,6 +116,7 @@ def _regular_or_raise(path: str, missing: str) -> None:
     if not is_regular(path):
         raise RankmemError(f"{path} is {kind_of(mode)}, not a regular file: a run log must be a file "
                            "the run wrote; move it aside")
+    return path
 
 
 @contextlib.contextmanager
@@ -159,10 +161,7 @@ def parse_header(first: bytes, path: str) -> RunHeader:
     when the header is damaged."""
     if not first.strip():
         raise NoHeader(f"{path} is empty: the run wrote no header (a run log starts at the first collect())")
-    try:
-        obj = json.loads(first)
-    except _BAD_JSON:
-        obj = None
+    obj = _loads(first)
     if not isinstance(obj, dict) or obj.get("kind") != L.HEADER_KIND:
         raise NoHeader(f"{path} has no header line: its first line must be a rankmem run log header "
                            '({"kind":"header",...}); is this a rankmem.jsonl file?')
@@ -171,10 +170,7 @@ def parse_header(first: bytes, path: str) -> RunHeader:
 
 def step_of(line: bytes | str, kind: str = L.STEP_KIND) -> dict[str, Any] | None:
     """A step (or ``kind``) line's object, or None when the line is not one (not JSON, a non-integer step...)."""
-    try:
-        obj = json.loads(line)
-    except _BAD_JSON:
-        return None
+    obj = _loads(line)
     steps = ("step",) if kind == L.STEP_KIND else ("first", "last", "count")
     if not isinstance(obj, dict) or obj.get("kind") != kind or any(type(obj.get(k)) is not int for k in steps):
         return None
@@ -253,10 +249,7 @@ def walk(data: Any, size: int, side: SideFile) -> None:
             continue
         elif kind == L.KEYS and n >= 2:
             key_set, length = L.KEYS_HEAD.unpack_from(data, off + 16)
-            try:
-                names = json.loads(bytes(data[off + 32 : off + 32 + min(length, 8 * n - 16)]))
-            except _BAD_JSON:
-                names = None
+            names = _loads(bytes(data[off + 32 : off + 32 + min(length, 8 * n - 16)]))
             if not isinstance(names, list) or not all(isinstance(x, str) for x in names):
                 problem = ": its key set is not a list of names"
             else:
@@ -332,7 +325,6 @@ def _series(view: memoryview, side: SideFile) -> dict[str, np.ndarray]:
     """``series[key][row, rank]`` from the mapped records: each run transposed out of the file in one
     copy (keys x collects x ranks); a run that is the whole file is the series as it is."""
     rows = sum(run[1] for run in side.runs)
-    names = sorted({k for run in side.runs for k in side.key_sets[run[4]]})
     series: dict[str, np.ndarray] = {}
     row = 0
     for _, count, start, stride, key_set in side.runs:
@@ -350,7 +342,7 @@ def _series(view: memoryview, side: SideFile) -> dict[str, np.ndarray]:
                 series[key] = np.full((rows, side.world), np.nan)
             series[key][row : row + count] = block[j]
         row += count
-    return {k: series[k] for k in names}
+    return dict(sorted(series.items()))
 
 
 def read_run(path: str, *, metrics: bool = False) -> Run:

@@ -32,19 +32,10 @@ def header_to_json(header: RunHeader, detail: str = DETAIL_NAME) -> dict[str, An
     from rankmem.core.version import __version__
 
     torch = sys.modules.get("torch")  # never imported here: torch takes seconds to load, on the sink thread
-    torch_version = str(torch.__version__) if torch is not None else None
-    return {
-        "kind": HEADER_KIND,
-        "schema": SCHEMA,
-        "rankmem": __version__,
-        "torch": torch_version,
-        "world_size": header.world_size,
-        "started": header.started,
-        "ranks": [asdict(r) for r in header.ranks],
-        "config": header.config,
-        "detail": detail,
-        RUN_ID_FIELD: header.run_id,
-    }
+    return {"kind": HEADER_KIND, "schema": SCHEMA, "rankmem": __version__,
+            "torch": str(torch.__version__) if torch is not None else None, "world_size": header.world_size,
+            "started": header.started, "ranks": [asdict(r) for r in header.ranks], "config": header.config,
+            "detail": detail, RUN_ID_FIELD: header.run_id}
 
 
 def short(value: Any) -> str:

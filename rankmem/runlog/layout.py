@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import struct
 
-# The run directory's names are the run directory's (rankmem.core.rundir); here for the format's readers.
 from rankmem.core.rundir import DETAIL_NAME as DETAIL_NAME
 from rankmem.core.rundir import RUN_ID_FIELD as RUN_ID_FIELD
 from rankmem.core.rundir import RUN_LOG_NAME as RUN_LOG_NAME

@@ -11,6 +11,7 @@ warned about at :meth:`close` if it never does. Online code: it imports nothing 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -41,10 +42,8 @@ def append_whole(fd: int, data: bytes, size: int, path: str) -> int:
             done += n
     except OSError:
         if done:
-            try:
+            with contextlib.suppress(OSError):
                 os.ftruncate(fd, size)
-            except OSError:
-                pass
         raise
     return done
 
@@ -116,7 +115,7 @@ class RunLogWriter:
         metrics = {k: int(v) if k.endswith("_rank") and v == v else v for k, v in rec.metrics.items()}
         side, gap_line = self._gap_records()
         line = _line({"kind": L.STEP_KIND, "step": rec.step, "time": rec.time, "metrics": metrics})
-        keys, matrix, key_set, block = rec.keys, rec.matrix, _NO_KEYS, b""
+        keys, matrix, key_set, k, block = rec.keys, rec.matrix, _NO_KEYS, 0, b""
         if matrix is None and rec.ranks:
             import numpy as np  # on the sink thread: `import rankmem` and Monitor() load no numpy
 
@@ -127,8 +126,7 @@ class RunLogWriter:
             if key_set == len(self._key_sets):
                 names = json.dumps(list(keys)).encode()
                 side += record(L.KEYS, L.KEYS_HEAD.pack(key_set, len(names)) + L.padded(names))
-            block = matrix.astype("<f8", order="C", copy=False).tobytes()
-        k = len(keys) if matrix is not None else 0
+            block, k = matrix.astype("<f8", order="C", copy=False).tobytes(), len(keys)
         offset = self._size + len(gap_line)  # where the collect's line starts
         side += record(L.COLLECT, L.COLLECT_HEAD.pack(rec.step, rec.time, offset, key_set, k) + block)
         try:
@@ -173,10 +171,8 @@ class RunLogWriter:
     def flush(self) -> None:
         """Write the pending gap record, if any (nothing else is buffered)."""
         if self._gap is not None and self._side is not None:
-            try:
+            with contextlib.suppress(OSError):  # the gap stays pending
                 self._append(*self._gap_records())
-            except OSError:
-                pass
 
     def _close_fds(self) -> None:
         for name in ("_fd", "_side"):
