@@ -331,9 +331,9 @@ def _series(view: memoryview, side: SideFile) -> dict[str, np.ndarray]:
         keys = side.key_sets[key_set]
         cube = np.ndarray((count, side.world, len(keys)), dtype="<f8", buffer=view, offset=start,
                           strides=(stride, 8 * len(keys), 8))
-        # A copy always: ascontiguousarray returns the mapping itself where the transpose is contiguous
-        # already (one collect of one rank), and the mapping closes when this returns.
-        block = np.array(cube.transpose(2, 0, 1), dtype=np.float64, order="C", copy=True)
+        block = np.empty((len(keys), count, side.world))  # the mapping closes when this returns
+        for c in range(0, count, 1024):  # by slices that stay in cache (at once: the file re-read per key)
+            block[:, c : c + 1024] = cube[c : c + 1024].transpose(2, 0, 1)
         del cube
         if count == rows:
             return {key: block[j] for j, key in enumerate(keys)}
