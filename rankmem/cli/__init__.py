@@ -38,6 +38,9 @@ COMMANDS = {
     "completion": ("rankmem.cli._completion", 'print a shell completion script: eval "$(rankmem completion bash)"'),
 }
 
+READERS = ("report", "plot", "advise", "leaks", "export", "watch")
+"""The commands that only read a run: no child of theirs trains."""
+
 
 def build_parser(only: str | None = "*") -> argparse.ArgumentParser:
     """Every subcommand's parser, or (``only``) one's: the others' modules are not imported (the top
@@ -64,7 +67,12 @@ def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentP
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser(_suggest.first_positional(argv))
+    command = _suggest.first_positional(argv)
+    if command in READERS and "numpy" not in sys.modules:
+        # One BLAS thread (unless the user says otherwise): a reader's arrays are small for BLAS, and
+        # starting OpenBLAS's threads costs ~60 ms of CPU, a third of a 20k-step report (bench/RESULTS.md).
+        os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    parser = build_parser(command)
     _suggest.check_command(parser, argv, COMMANDS)
     args, extra = parser.parse_known_args(argv)
     if args.command is None:

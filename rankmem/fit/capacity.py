@@ -163,9 +163,11 @@ def _others(used: np.ndarray | None, rss: np.ndarray | None, ranks: list[int]) -
     this smaller, not larger: it is the part of the limit the ranks' RSS cannot have."""
     if used is None or rss is None:
         return 0.0
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # a step no rank reported: nan
-        node = np.nanmedian(np.asarray(used, dtype=np.float64)[:, ranks], axis=1)
+    # The median over the node's ranks, NaN (a step no rank reported) aside: np.nanmedian over so few
+    # columns goes through numpy.ma, whose import costs `rankmem report` more than this whole function.
+    by_rank = np.sort(np.asarray(used, dtype=np.float64)[:, ranks], axis=1)  # NaN sorts last
+    n, rows = (~np.isnan(by_rank)).sum(axis=1), np.arange(len(by_rank))
+    node = (by_rank[rows, (n - 1) // 2] + by_rank[rows, n // 2]) / 2  # NaN where n == 0
     other = _finite(node - np.sum(np.asarray(rss, dtype=np.float64)[:, ranks], axis=1))
     return max(float(other.max()), 0.0) if other is not None else 0.0
 

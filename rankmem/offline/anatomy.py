@@ -3,7 +3,6 @@ change for the part that dominates (docs/anatomy.md). Over :class:`rankmem.offli
 
 from __future__ import annotations
 
-import html
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -122,6 +121,8 @@ COLOURS = {"params": "#4e79a7", "optimizer": "#f28e2b", "grads_high": "#59a14f",
 def html_bars(run: Run, rows: list[PhaseAnatomy]) -> str:
     """The HTML page's stacked bars: per phase, each rank's split at the step of the phase's highest peak,
     on one scale per phase (plain divs: the page fetches nothing)."""
+    import html
+
     out = []
     for a in rows:
         row = int(np.flatnonzero(run.steps == a.step)[0])

@@ -6,8 +6,6 @@ follows the last newline or whole record is left for the next poll; a rotation i
 
 from __future__ import annotations
 
-import json
-import mmap
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,18 +13,8 @@ from typing import Any
 from rankmem.core.records import RunHeader
 from rankmem.core.rundir import NotRegularFile, open_binary, open_regular
 from rankmem.errors import RankmemError
-from rankmem.offline.runlog import (
-    Gap,
-    SideFile,
-    check_file_header,
-    header_note,
-    parse_header,
-    read_header_line,
-    side_path_of,
-    step_of,
-    walk,
-)
-from rankmem.runlog.layout import FILE_HEADER, HEADER_KIND
+from rankmem.offline import runlog as R
+from rankmem.runlog.layout import FILE_HEADER
 
 FIRST_BLOCK = 64 * 1024
 MAX_BLOCK = 256 * 1024 * 1024
@@ -51,7 +39,7 @@ def read_last_steps(path: str, count: int = 2, size: int | None = None) -> tuple
                 lines = lines[1:]
             steps: list[dict[str, Any]] = []
             for line in reversed(lines):
-                step = step_of(line)
+                step = R.step_of(line)
                 if step is not None and isinstance(step.get("metrics"), dict):
                     steps.append(step)
                     if len(steps) == count:
@@ -74,7 +62,7 @@ class Tail:
     size: int = 0
     bytes_read: int = 0
     detail: tuple[int, dict[str, list[float | None]]] | None = None
-    gaps: list[Gap] = field(default_factory=list)
+    gaps: list[R.Gap] = field(default_factory=list)
     note: str | None = None
 
 
@@ -86,7 +74,7 @@ class Follower:
         self.count = count
         self._identity: tuple[int, int] | None = None
         self._side_identity: tuple[int, int] | None = None
-        self._side: SideFile | None = None
+        self._side: R.SideFile | None = None
         self.tail = Tail()
 
     def poll(self) -> Tail:
@@ -125,81 +113,66 @@ class Follower:
                         continue  # its line is not written yet
                     f.seek(offset)
                     line = f.readline(MAX_BLOCK)
-                    obj = step_of(line) if line.endswith(b"\n") else None
-                    written = obj.get("time") if obj is not None else None
-                    same = written == when or (written is None and when != when)
-                    if obj is None or obj["step"] != step or not same:
+                    obj = (R.step_of(line) if line.endswith(b"\n") else None) or {"step": None}
+                    written = obj.get("time")
+                    if obj["step"] != step or not (written == when or (written is None and when != when)):
                         self.tail.note = (f"{self.path}: the line of step {step} (at byte {offset}) disagrees with "
                                           "the side file: a damaged line")
                         return
-                # The side file's record comes before its line: a whole line past the newest record's
+                # The side file's record comes before its line: a step line past the newest record's
                 # (within the size read before the side file) says the side file is cut or damaged.
-                if b"\n" in f.read(max(0, min(self.tail.size - f.tell(), 1 << 20))):
+                if R.unheld(f.read(max(0, min(self.tail.size - f.tell(), 1 << 20))).split(b"\n")[:-1]):
                     self.tail.note = (f"{self.path}: the run log goes on past step {side.steps[-1]}, the side "
                                       "file's newest record: the side file is cut or damaged")
         except OSError:
             return
 
     def _read_header(self) -> None:
-        first = read_header_line(self.path)
+        first = R.read_header_line(self.path)
         try:
-            obj = json.loads(first) if first is not None else None
-        except ValueError:
-            obj = None
-        if first is None or not isinstance(obj, dict) or obj.get("kind") != HEADER_KIND:
-            return  # not (yet) a header: watch says so, from the lines
-        try:
-            self.tail.header, self.tail.header_error = parse_header(first, self.path), None
+            self.tail.header, self.tail.header_error = R.parse_header(first or b"", self.path), None
+        except R.NoHeader:
+            pass  # not (yet) a header: watch says so, from the lines
         except RankmemError as exc:
             self.tail.header, self.tail.header_error = None, exc
 
     def _poll_side(self, header: RunHeader) -> None:
-        path = side_path_of(self.path)
+        path = R.side_path_of(self.path)
         try:
             fd = open_regular(path)
         except NotRegularFile as exc:
             self.tail.note = str(exc)
             return
-        except FileNotFoundError:
-            if self.tail.steps:
+        except OSError as exc:
+            if isinstance(exc, FileNotFoundError) and self.tail.steps:
                 self.tail.note = f"{path} is missing: no per-rank values"
             return
-        except OSError:
-            return
-        try:
-            st = os.fstat(fd)
-            if (st.st_dev, st.st_ino) != self._side_identity:
-                self._side_identity, self._side = (st.st_dev, st.st_ino), None
-            side = self._side
-            if st.st_size < FILE_HEADER.size or (side is not None and (side.damaged or st.st_size == side.end)):
-                return
-            with mmap.mmap(fd, st.st_size, access=mmap.ACCESS_READ) as mapped:
-                if side is None:
-                    head = mapped[: FILE_HEADER.size]
-                    self.tail.note = check_file_header(head, path, header) or header_note(
-                        head, path, read_header_line(self.path))
-                    if self.tail.note is not None:
-                        return
-                    side = self._side = SideFile(header.world_size)
-                self._take(side, mapped, st.st_size)
-        finally:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != self._side_identity:
+            self._side_identity, self._side = (st.st_dev, st.st_ino), None
+        side = self._side
+        if st.st_size < FILE_HEADER.size or (side is not None and (side.damaged or st.st_size == side.end)):
             os.close(fd)
+            return
+        with R.mapped(fd, st.st_size) as view:
+            if side is None:
+                head = bytes(view[: FILE_HEADER.size])
+                self.tail.note = R.check_file_header(head, path, header) or R.header_note(
+                    head, path, R.read_header_line(self.path))
+                if self.tail.note is not None:
+                    return
+                side = self._side = R.SideFile(header.world_size)
+            self._take(side, view, st.st_size)
 
-    def _take(self, side: SideFile, mapped: mmap.mmap, size: int) -> None:
+    def _take(self, side: R.SideFile, view: memoryview, size: int) -> None:
         """Walk the new records; keep the newest per-rank values and the gaps (the lists stay short)."""
-        view = memoryview(mapped)
-        try:
-            walk(view, size, side)
-            if side.runs:
-                first, count, start, stride, key_set = side.runs[-1]
-                index, at = first + count - 1, start + (count - 1) * stride
-                keys, world = side.key_sets[key_set], side.world
-                values = [[float(x) for x in view[at + 8 * r * len(keys) : at + 8 * (r + 1) * len(keys)].cast("d")]
-                          for r in range(world)]
-                self.tail.detail = (side.steps[index], {k: [None if v[j] != v[j] else v[j] for v in values]
-                                                        for j, k in enumerate(keys)})
-        finally:
-            view.release()
+        R.walk(view, size, side)
+        if side.runs:
+            first, count, start, stride, key_set = side.runs[-1]
+            at, keys = start + (count - 1) * stride, side.key_sets[key_set]
+            flat = view[at : at + 8 * side.world * len(keys)].cast("d").tolist()  # rank-major
+            self.tail.detail = (side.steps[first + count - 1],
+                                {k: [None if v != v else v for v in flat[j :: len(keys)]] for j, k in enumerate(keys)})
         self.tail.gaps = list(side.gaps)
         if side.damaged:
             self.tail.note = f"{self.path}: the side file: {side.damaged}; not followed further"

@@ -43,6 +43,16 @@ class PhaseRow:
     total_rank: int | None = None
 
 
+def worst_of(matrix: np.ndarray, low: bool) -> tuple[np.ndarray, int]:
+    """``matrix`` with its NaN and infinities made the best value, and the flat index of its worst value
+    (ties: earliest step, then lowest rank); ``matrix`` itself where that changes nothing (no copy)."""
+    flat = int(matrix.argmin() if low else matrix.argmax())  # a NaN, or the infinity at the worse end, wins
+    if math.isfinite(matrix.flat[flat]):
+        return matrix, flat
+    filled = np.where(np.isfinite(matrix), matrix, np.inf if low else -np.inf)
+    return filled, int(filled.argmin() if low else filled.argmax())
+
+
 def phase_rows(run: Run) -> list[PhaseRow]:
     """Every phase's rows, phases sorted by name; within a phase its peaks, then what it left behind."""
     rows = []
@@ -59,8 +69,7 @@ def phase_rows(run: Run) -> list[PhaseRow]:
 
 def _row(run: Run, phase: str, suffix: str, field: str, matrix: np.ndarray) -> PhaseRow:
     low = worse(phase_key(phase, suffix)) == "low"
-    filled = np.where(np.isfinite(matrix), matrix, np.inf if low else -np.inf)
-    flat = int(filled.argmin() if low else filled.argmax())  # ties: earliest step, then lowest rank
+    filled, flat = worst_of(matrix, low)
     row, rank = divmod(flat, matrix.shape[1])
     per_step = filled.min(axis=1) if low else filled.max(axis=1)
     per_step = per_step[np.isfinite(per_step)]  # a step where no rank ran the phase is skipped

@@ -50,7 +50,7 @@ from rankmem.offline.imbalance import (
     rank_excess,
 )
 from rankmem.offline.leaks import LeakConfig, Trend, detect_leaks, worst_first
-from rankmem.offline.phases import PhaseRow, phase_rows
+from rankmem.offline.phases import PhaseRow, phase_rows, worst_of
 
 
 @dataclass
@@ -220,9 +220,7 @@ def key_report(run: Run, key: str) -> KeyReport | None:
 
 def _key_report_detail(run: Run, key: str, matrix: np.ndarray, worst: str) -> KeyReport:
     low = worst == "min"
-    filled = np.where(np.isfinite(matrix), matrix, np.inf if low else -np.inf)
-    # argmin/argmax over the flattened (step, rank) array: ties go to the earliest step, then lowest rank.
-    flat = int(filled.argmin() if low else filled.argmax())
+    filled, flat = worst_of(matrix, low)
     row, rank = divmod(flat, matrix.shape[1])
     value = float(matrix[row, rank])
     imbalance = None

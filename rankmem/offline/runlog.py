@@ -26,35 +26,24 @@ from rankmem.core.records import RunHeader
 from rankmem.core.rundir import detail_name, is_regular, kind_of, open_binary, open_regular
 from rankmem.core.scalars import to_float_or_nan
 from rankmem.errors import RankmemError
+from rankmem.runlog import layout as L
 from rankmem.runlog.header import header_from_json
-from rankmem.runlog.layout import (
-    COLLECT,
-    COLLECT_HEAD,
-    FILE_HEADER,
-    GAP,
-    GAP_HEAD,
-    HEADER_KIND,
-    KEYS,
-    KEYS_HEAD,
-    MAGIC,
-    MAX_WORDS,
-    RECORD_HEAD,
-    RUN_LOG_NAME,
-    STEP_KIND,
-    STEP_MAX,
-    STEP_MIN,
-    VERSION,
-)
 
-_BAD_JSON = (ValueError, RecursionError)  # json.loads: not JSON; nested past the interpreter's depth
 _COMPRESSED = {b"BZh": ("bzip2", "bunzip2"), b"\xfd7zXZ\x00": ("xz", "unxz"), b"\x28\xb5\x2f\xfd": ("zstd", "unzstd")}
-MAX_HEADER = 1 << 24
-"""Bytes of a header line read at most (a header is a few KB per rank)."""
+MAX_HEADER = 1 << 24  # bytes of a header line read at most (a header is a few KB per rank)
+
+
+def _loads(data: bytes | str) -> Any:
+    """``data`` as JSON; None where it is not JSON or is nested past the interpreter's depth."""
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError):
+        return None
 
 
 @dataclass(frozen=True)
 class Gap:
-    """Collects the run log had to drop, as its GAP record names them."""
+    """Collects the run log had to drop, as its GAP record and gap line name them."""
 
     first: int
     last: int
@@ -113,18 +102,13 @@ class Run:
 def resolve_run_path(path: str) -> str:
     """A run directory or the ``.jsonl`` itself -> the run log's path; RankmemError when there is none
     (or it is not a regular file). In a directory, ``rankmem.jsonl`` first, then ``rankmem.jsonl.gz``."""
+    missing = f"no run log at {path}: pass a run directory holding {L.RUN_LOG_NAME}, or the .jsonl file"
     if os.path.isdir(path):
-        candidate = os.path.join(path, RUN_LOG_NAME)
+        candidate = os.path.join(path, L.RUN_LOG_NAME)
         if not os.path.lexists(candidate) and is_regular(candidate + ".gz"):
             return candidate + ".gz"
-        _regular_or_raise(candidate, f"no run log in {path}: expected {candidate} (the Monitor writes it "
-                                     "with sinks=('jsonl',))")
-        return candidate
-    _regular_or_raise(path, f"no run log at {path}: pass a run directory holding {RUN_LOG_NAME}, or the .jsonl file")
-    return path
-
-
-def _regular_or_raise(path: str, missing: str) -> None:
+        missing = f"no run log in {path}: expected {candidate} (the Monitor writes it with sinks=('jsonl',))"
+        path = candidate
     try:
         mode = os.stat(path).st_mode
     except (OSError, ValueError):
@@ -132,6 +116,7 @@ def _regular_or_raise(path: str, missing: str) -> None:
     if not is_regular(path):
         raise RankmemError(f"{path} is {kind_of(mode)}, not a regular file: a run log must be a file "
                            "the run wrote; move it aside")
+    return path
 
 
 @contextlib.contextmanager
@@ -167,31 +152,40 @@ def side_path_of(log_path: str) -> str:
     return os.path.join(directory, detail_name(stem) + (f".{suffix}" if suffix else ""))
 
 
+class NoHeader(RankmemError):
+    """The log's first line is not a header line (the follower waits for one)."""
+
+
 def parse_header(first: bytes, path: str) -> RunHeader:
-    """The header line's :class:`RunHeader`; RankmemError when the line is not one."""
+    """The header line's :class:`RunHeader`; :class:`NoHeader` when the line is not one, RankmemError
+    when the header is damaged."""
     if not first.strip():
-        raise RankmemError(f"{path} is empty: the run wrote no header (a run log starts at the first collect())")
-    try:
-        obj = json.loads(first)
-    except _BAD_JSON:
-        obj = None
-    if not isinstance(obj, dict) or obj.get("kind") != HEADER_KIND:
-        raise RankmemError(f"{path} has no header line: its first line must be a rankmem run log header "
+        raise NoHeader(f"{path} is empty: the run wrote no header (a run log starts at the first collect())")
+    obj = _loads(first)
+    if not isinstance(obj, dict) or obj.get("kind") != L.HEADER_KIND:
+        raise NoHeader(f"{path} has no header line: its first line must be a rankmem run log header "
                            '({"kind":"header",...}); is this a rankmem.jsonl file?')
     return header_from_json(obj, path)
 
 
-def step_of(line: bytes | str) -> dict[str, Any] | None:
-    """A step line's object, or None when the line is not one (not JSON, a non-integer step...)."""
-    try:
-        obj = json.loads(line)
-    except _BAD_JSON:
+def step_of(line: bytes | str, kind: str = L.STEP_KIND) -> dict[str, Any] | None:
+    """A step (or ``kind``) line's object, or None when the line is not one (not JSON, a non-integer step...)."""
+    obj = _loads(line)
+    steps = ("step",) if kind == L.STEP_KIND else ("first", "last", "count")
+    if not isinstance(obj, dict) or obj.get("kind") != kind or any(type(obj.get(k)) is not int for k in steps):
         return None
-    if not isinstance(obj, dict) or obj.get("kind") != STEP_KIND or type(obj.get("step")) is not int:
-        return None
-    if not STEP_MIN <= obj["step"] <= STEP_MAX or not isinstance(obj.get("metrics", {}), dict):
+    if not all(L.STEP_MIN <= obj[k] <= L.STEP_MAX for k in steps) or not isinstance(obj.get("metrics", {}), dict):
         return None
     return obj
+
+
+GAP_LINE = b'{"kind":"gap"'
+"""How the writer's gap lines start: readers skip them unparsed where the side file's GAP records serve."""
+
+
+def unheld(lines: list[bytes]) -> bool:
+    """Whether ``lines`` (whole, past the side file's newest collect's) hold any but gap lines."""
+    return any(x.strip() and not x.startswith(GAP_LINE) for x in lines)
 
 
 @dataclass
@@ -207,7 +201,7 @@ class SideFile:
     """Runs of collects with per-rank values, adjacent in the file and of one key set: (index of the first
     collect, collects, byte offset of its world x K block, bytes from one record to the next, key set)."""
     gaps: list[Gap] = field(default_factory=list)
-    end: int = FILE_HEADER.size  # where the next record starts
+    end: int = L.FILE_HEADER.size  # where the next record starts
     truncated: bool = False
     damaged: str | None = None
 
@@ -215,18 +209,18 @@ class SideFile:
 def header_note(data: bytes, path: str, header_line: bytes | None) -> str | None:
     """A note when the log's header line is not the one the side file was written with (a damaged line:
     its per-rank values are still the run's), else None."""
-    if header_line is None or FILE_HEADER.unpack_from(data)[4] == zlib.crc32(header_line):
+    if header_line is None or L.FILE_HEADER.unpack_from(data)[4] == zlib.crc32(header_line):
         return None
     return f"the run log's header line does not match {path}'s record of it: damaged or edited"
 
 
 def check_file_header(data: bytes, path: str, header: RunHeader) -> str | None:
     """Why the side file's header does not belong to ``header``'s log, or None."""
-    if len(data) < FILE_HEADER.size:
+    if len(data) < L.FILE_HEADER.size:
         return f"{path} has no whole file header: no per-rank values"
-    magic, version, world, run_id, _ = FILE_HEADER.unpack_from(data)
-    if magic != MAGIC or version != VERSION:
-        return f"{path} is not a rankmem per-rank file of version {VERSION}"
+    magic, version, world, run_id, _ = L.FILE_HEADER.unpack_from(data)
+    if magic != L.MAGIC or version != L.VERSION:
+        return f"{path} is not a rankmem per-rank file of version {L.VERSION}"
     if world != header.world_size:
         return f"{path} is for {world} ranks, the run log for {header.world_size}: another run's file"
     # A header whose run id is damaged or missing cannot refuse its side file: the world size must do.
@@ -238,88 +232,73 @@ def check_file_header(data: bytes, path: str, header: RunHeader) -> str | None:
 def walk(data: Any, size: int, side: SideFile) -> None:
     """Read the whole records of ``data[side.end:size]`` into ``side``: stops at a record cut short
     (:attr:`SideFile.truncated`) or damaged (:attr:`SideFile.damaged`, never read past)."""
-    off, world = side.end, side.world
-    head, collect, keys_head, gap_head = RECORD_HEAD.unpack_from, COLLECT_HEAD.unpack_from, KEYS_HEAD, GAP_HEAD
-    crc32 = zlib.crc32
-    while off < size:
-        if off + 16 > size:
-            side.truncated = True
-            break
-        kind, n = head(data, off)
+    off, problem = side.end, ""
+    while off < size and not problem:
+        kind, n = L.RECORD_HEAD.unpack_from(data, off) if off + 16 <= size else (0, 0)
         end = off + 16 + 8 * n
-        if n > MAX_WORDS or kind not in (KEYS, COLLECT, GAP):
-            side.damaged = f"the record at byte {off} is damaged (kind {kind}, {n} words)"
-            break
-        if end + 8 > size:
+        if off + 16 > size or (n <= L.MAX_WORDS and kind in (L.KEYS, L.COLLECT, L.GAP) and end + 8 > size):
             side.truncated = True
             break
-        if crc32(data[off:end]) != int.from_bytes(data[end : end + 8], "little"):
-            side.damaged = f"the record at byte {off} is damaged: its checksum does not match"
-            break
-        problem = None
-        if kind == COLLECT and n >= 5 and (taken := _run_of(data, off, size, n, side)):
-            off += taken
+        if n > L.MAX_WORDS or kind not in (L.KEYS, L.COLLECT, L.GAP):
+            problem = f" (kind {kind}, {n} words)"
+        elif zlib.crc32(data[off:end]) != int.from_bytes(data[end : end + 8], "little"):
+            problem = ": its checksum does not match"
+        elif kind == L.COLLECT:
+            taken = _collects(data, off, size, n, side)
+            off, problem = off + taken, "" if taken else ": its per-rank block does not match its key set"
             continue
-        if kind == COLLECT and n >= 5:
-            step, time, offset, key_set, k = collect(data, off + 16)
-            if k:
-                names = side.key_sets.get(key_set)
-                if names is None or len(names) != k or n != 5 + world * k:
-                    problem = "its per-rank block does not match its key set"
-                else:
-                    side.runs.append((len(side.steps), 1, off + 56, 0, key_set))
-            side.steps.append(step)
-            side.times.append(time)
-            side.offsets.append(offset)
-        elif kind == KEYS and n >= 2:
-            key_set, length = keys_head.unpack_from(data, off + 16)
-            try:
-                names = json.loads(bytes(data[off + 32 : off + 32 + min(length, 8 * n - 16)]))
-            except _BAD_JSON:
-                names = None
+        elif kind == L.KEYS and n >= 2:
+            key_set, length = L.KEYS_HEAD.unpack_from(data, off + 16)
+            names = _loads(bytes(data[off + 32 : off + 32 + min(length, 8 * n - 16)]))
             if not isinstance(names, list) or not all(isinstance(x, str) for x in names):
-                problem = "its key set is not a list of names"
+                problem = ": its key set is not a list of names"
             else:
                 side.key_sets[key_set] = names
-        elif kind == GAP and n >= 4:
-            first, last, count, length = gap_head.unpack_from(data, off + 16)
+        elif kind == L.GAP and n >= 4:
+            first, last, count, length = L.GAP_HEAD.unpack_from(data, off + 16)
             why = bytes(data[off + 48 : off + 48 + min(length, 8 * n - 32)]).decode("utf-8", "replace")
             side.gaps.append(Gap(first, last, count, why))
         else:
-            problem = "it is too short for its kind"
-        if problem is not None:
-            side.damaged = f"the record at byte {off} is damaged: {problem}"
-            break
-        off = end + 8
+            problem = ": it is too short for its kind"
+        off = off if problem else end + 8
+    side.damaged = f"the record at byte {off} is damaged{problem}" if problem else None
     side.end = off
 
 
-def _run_of(data: Any, off: int, size: int, n: int, side: SideFile) -> int:
-    """The bytes of the run of whole collect records of one size and key set from ``off``, checked and
-    taken into ``side`` as numpy columns (a long run's records cost no Python each but their CRC's call);
-    0 where fewer than two records qualify (the record-by-record path reads and judges them)."""
+def _collects(data: Any, off: int, size: int, n: int, side: SideFile) -> int:
+    """The bytes of the run of whole collect records of one size and key set from ``off`` (whose CRC is
+    checked), taken into ``side`` as numpy columns: a long run's records cost no Python each but their
+    CRC's call. 0 when the first one's per-rank block does not fit its key set."""
     size_of = 16 + 8 * n + 8
-    m = (size - off) // size_of
-    if m < 2:
+    if n < 5:
         return 0
-    words = np.ndarray((m, size_of // 8), dtype="<u8", buffer=data, offset=off)
+    words = np.ndarray(((size - off) // size_of, size_of // 8), dtype="<u8", buffer=data, offset=off)
     key_set, k = int(words[0, 5]), int(words[0, 6])
-    names = side.key_sets.get(key_set)
-    if not k or names is None or len(names) != k or n != 5 + side.world * k:
+    names = side.key_sets.get(key_set) if k else []
+    if names is None or len(names) != k or n != 5 + side.world * k:
         return 0
-    same = (words[:, 0] == COLLECT) & (words[:, 1] == n) & (words[:, 5] == key_set) & (words[:, 6] == k)
-    count = m if same.all() else int(np.argmin(same))
+    same = (words[:, 0] == L.COLLECT) & (words[:, 1] == n) & (words[:, 5] == key_set) & (words[:, 6] == k)
+    count = len(same) if same.all() else int(np.argmin(same))
     crcs = np.fromiter((zlib.crc32(data[o : o + size_of - 8]) for o in range(off, off + count * size_of, size_of)),
                        dtype=np.uint64, count=count)
     bad = crcs != words[:count, -1]
     count = int(np.argmax(bad)) if bad.any() else count  # the bad one is judged on its own, next
-    if count < 2:
-        return 0
-    side.runs.append((len(side.steps), count, off + 56, size_of, key_set))
+    if k:
+        side.runs.append((len(side.steps), count, off + 56, size_of, key_set))
     side.steps += words[:count, 2].view(np.int64).tolist()
     side.times += words[:count, 3].view(np.float64).tolist()
     side.offsets += words[:count, 4].tolist()
     return count * size_of
+
+
+@contextlib.contextmanager
+def mapped(fd: int, size: int) -> Iterator[memoryview]:
+    """``fd``'s first ``size`` (> 0) bytes mapped read-only; on exit the view released, ``fd`` closed."""
+    try:
+        with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as whole, memoryview(whole) as view:
+            yield view
+    finally:
+        os.close(fd)
 
 
 def _read_side(path: str, header: RunHeader, header_line: bytes) -> tuple[SideFile, dict[str, np.ndarray], str | None]:
@@ -327,44 +306,34 @@ def _read_side(path: str, header: RunHeader, header_line: bytes) -> tuple[SideFi
     side = SideFile(header.world_size)
     try:
         fd = open_regular(path)
-    except FileNotFoundError:
-        return side, {}, f"{path} is missing: no per-rank values; the aggregates are read from the run log's lines"
-    except OSError as exc:
-        return side, {}, f"{path}: {exc}; no per-rank values, the aggregates are read from the run log's lines"
-    try:
         size = os.fstat(fd).st_size
-        if size < FILE_HEADER.size:
-            return side, {}, f"{path} has no whole file header: no per-rank values"
-        with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as mapped:
-            note = check_file_header(mapped[: FILE_HEADER.size], path, header)
-            if note is not None:
-                return side, {}, note
-            note = header_note(mapped[: FILE_HEADER.size], path, header_line)
-            view = memoryview(mapped)
-            try:
-                walk(view, size, side)
-                series = _series(mapped, side)
-            finally:
-                view.release()
-    finally:
+    except OSError as exc:
+        why = "is missing" if isinstance(exc, FileNotFoundError) else f"cannot be read ({exc})"
+        return side, {}, f"{path} {why}: no per-rank values; the aggregates are read from the run log's lines"
+    if size < L.FILE_HEADER.size:
         os.close(fd)
-    return side, series, note
+        return side, {}, f"{path} has no whole file header: no per-rank values"
+    with mapped(fd, size) as view:
+        head = bytes(view[: L.FILE_HEADER.size])
+        if (note := check_file_header(head, path, header)) is not None:
+            return side, {}, note
+        walk(view, size, side)
+        return side, _series(view, side), header_note(head, path, header_line)
 
 
-def _series(mapped: mmap.mmap, side: SideFile) -> dict[str, np.ndarray]:
+def _series(view: memoryview, side: SideFile) -> dict[str, np.ndarray]:
     """``series[key][row, rank]`` from the mapped records: each run transposed out of the file in one
     copy (keys x collects x ranks); a run that is the whole file is the series as it is."""
     rows = sum(run[1] for run in side.runs)
-    names = sorted({k for run in side.runs for k in side.key_sets[run[4]]})
     series: dict[str, np.ndarray] = {}
     row = 0
     for _, count, start, stride, key_set in side.runs:
         keys = side.key_sets[key_set]
-        cube = np.ndarray((count, side.world, len(keys)), dtype="<f8", buffer=mapped, offset=start,
-                          strides=(stride or 8, 8 * len(keys), 8))
-        # A copy always: ascontiguousarray returns the mapping itself where the transpose is contiguous
-        # already (one collect of one rank), and the mapping closes when this returns.
-        block = np.array(cube.transpose(2, 0, 1), dtype=np.float64, order="C", copy=True)
+        cube = np.ndarray((count, side.world, len(keys)), dtype="<f8", buffer=view, offset=start,
+                          strides=(stride, 8 * len(keys), 8))
+        block = np.empty((len(keys), count, side.world))  # the mapping closes when this returns
+        for c in range(0, count, 1024):  # by slices that stay in cache (at once: the file re-read per key)
+            block[:, c : c + 1024] = cube[c : c + 1024].transpose(2, 0, 1)
         del cube
         if count == rows:
             return {key: block[j] for j, key in enumerate(keys)}
@@ -373,7 +342,7 @@ def _series(mapped: mmap.mmap, side: SideFile) -> dict[str, np.ndarray]:
                 series[key] = np.full((rows, side.world), np.nan)
             series[key][row : row + count] = block[j]
         row += count
-    return {k: series[k] for k in names}
+    return dict(sorted(series.items()))
 
 
 def read_run(path: str, *, metrics: bool = False) -> Run:
@@ -395,18 +364,15 @@ def read_run(path: str, *, metrics: bool = False) -> Run:
         has = np.zeros(len(side.steps), dtype=bool)
         for run_of in side.runs:
             has[run_of[0] : run_of[0] + run_of[1]] = True
-        # The lines the side file does not hold: after the last collect's own line.
+        # The lines the side file does not hold: after the last collect's own line (its gaps aside).
         try:
             f.seek(side.offsets[-1] if side.offsets else len(first))
             tail, cut = f.read().split(b"\n"), False
         except EOFError:  # a gzip'd log cut short (compressed while still written)
             tail, cut = [b"", b""], True
-        extra = sum(1 for line in tail[1 if side.offsets else 0 : -1] if line.strip())
+        extra = unheld(tail[1 if side.offsets else 0 : -1])
         truncated = cut or side.truncated or bool(tail[-1].strip())
-        lines: _Lines | None = None
-        if metrics or extra or not has.all():
-            f.seek(len(first))
-            lines = _Lines(f, len(first))
+        lines = _Lines(f, len(first)) if metrics or extra or not has.all() else None
     detail = np.flatnonzero(has)
     run = Run(path=path, header=header, steps=np.asarray(side.steps, dtype=np.int64)[detail],
               times=np.asarray(side.times, dtype=np.float64)[detail], series=series, truncated=truncated,
@@ -414,6 +380,7 @@ def read_run(path: str, *, metrics: bool = False) -> Run:
     if lines is not None:
         run.corrupt_lines, run.slow_lines = lines.corrupt, len(lines.steps)
         run.truncated = run.truncated or lines.truncated
+        run.gaps += [g for g in lines.gaps if g not in side.gaps]  # the side file's, then the lines' own
         aggregates = lines.arrays()
         if len(lines.steps) > len(side.steps) or not has.all():
             run.logged = Logged(np.asarray(lines.steps, dtype=np.int64), np.asarray(lines.times), aggregates)
@@ -425,7 +392,8 @@ def read_run(path: str, *, metrics: bool = False) -> Run:
 
 
 class _Lines:
-    """Every step line of a log, parsed: steps, times, aggregates and each line's byte offset."""
+    """Every step and gap line of a log from byte ``at``, parsed: steps, times, aggregates and each
+    step line's byte offset."""
 
     def __init__(self, f: IO[bytes], at: int) -> None:
         self.steps: list[int] = []
@@ -433,7 +401,9 @@ class _Lines:
         self.offsets: list[int] = []
         self.metrics: list[dict[str, Any]] = []
         self.corrupt: list[int] = []
+        self.gaps: list[Gap] = []
         self.truncated = False
+        f.seek(at)
         try:
             for lineno, raw in enumerate(f, start=2):
                 obj = step_of(raw) if raw.endswith(b"\n") else None
@@ -442,6 +412,8 @@ class _Lines:
                     self.times.append(to_float_or_nan(obj.get("time")))
                     self.offsets.append(at)
                     self.metrics.append(obj.get("metrics") or {})
+                elif raw.endswith(b"\n") and (gap := step_of(raw, L.GAP_KIND)) is not None:
+                    self.gaps.append(Gap(gap["first"], gap["last"], gap["count"], str(gap.get("why"))))
                 elif raw.strip():
                     self.corrupt += [lineno] if raw.endswith(b"\n") else []
                     self.truncated = self.truncated or not raw.endswith(b"\n")

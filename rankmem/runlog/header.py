@@ -24,8 +24,7 @@ from rankmem.errors import RankmemError
 from rankmem.runlog.layout import DETAIL_NAME, HEADER_KIND, RUN_ID_FIELD, SCHEMA, SUPPORTED_SCHEMAS
 
 MAX_WORLD = 1 << 20
-"""Most ranks a header may claim without listing them (its ``ranks``): a million, past any cluster
-built, while a bogus ``world_size`` of 10**9 would ask for gigabytes per key."""
+"""Most ranks a header may claim without listing them: past any cluster, short of gigabytes per key."""
 
 
 def header_to_json(header: RunHeader, detail: str = DETAIL_NAME) -> dict[str, Any]:
@@ -33,19 +32,10 @@ def header_to_json(header: RunHeader, detail: str = DETAIL_NAME) -> dict[str, An
     from rankmem.core.version import __version__
 
     torch = sys.modules.get("torch")  # never imported here: torch takes seconds to load, on the sink thread
-    torch_version = str(torch.__version__) if torch is not None else None
-    return {
-        "kind": HEADER_KIND,
-        "schema": SCHEMA,
-        "rankmem": __version__,
-        "torch": torch_version,
-        "world_size": header.world_size,
-        "started": header.started,
-        "ranks": [asdict(r) for r in header.ranks],
-        "config": header.config,
-        "detail": detail,
-        RUN_ID_FIELD: header.run_id,
-    }
+    return {"kind": HEADER_KIND, "schema": SCHEMA, "rankmem": __version__,
+            "torch": str(torch.__version__) if torch is not None else None, "world_size": header.world_size,
+            "started": header.started, "ranks": [asdict(r) for r in header.ranks], "config": header.config,
+            "detail": detail, RUN_ID_FIELD: header.run_id}
 
 
 def short(value: Any) -> str:
@@ -55,11 +45,7 @@ def short(value: Any) -> str:
 
 
 def header_from_json(obj: Mapping[str, Any], path: str) -> RunHeader:
-    """The :class:`RunHeader` of a header line's object (its ``kind`` already checked by the caller).
-
-    Raises :class:`RankmemError` naming ``path`` and the field for an unknown schema, a world size that
-    is not a number of ranks, a ``ranks`` that is not a list of that many, and a ``detail`` that names
-    no file; every other damage reads as the field's default."""
+    """The :class:`RunHeader` of a header line's object (its ``kind`` already checked by the caller)."""
     schema = obj.get("schema")
     if isinstance(schema, bool) or schema not in SUPPORTED_SCHEMAS:
         supported = ", ".join(str(s) for s in SUPPORTED_SCHEMAS)
@@ -94,8 +80,7 @@ def header_from_json(obj: Mapping[str, Any], path: str) -> RunHeader:
 
 
 def _world_size(obj: Mapping[str, Any], path: str) -> int:
-    """The header's ``world_size``, checked: every row of every series is that wide, so a wrong one
-    would misfile values or allocate without bound."""
+    """The header's ``world_size``, checked: every row of every series is that wide."""
     world, ranks = obj.get("world_size"), obj.get("ranks")
     if "ranks" in obj and not isinstance(ranks, list):  # absent is fine (another writer); null is not
         raise RankmemError(f"{path}: the header's 'ranks' must be a list of per-rank records, got {short(ranks)}")
@@ -112,8 +97,7 @@ def _world_size(obj: Mapping[str, Any], path: str) -> int:
 
 
 def _ranks(raw: Any) -> tuple[list[RankInfo], dict[int, Any]]:
-    """The per-rank records in list order, and (by position) what could not be read of them: an entry
-    that is not an object reads as a rank that says nothing but its position."""
+    """The per-rank records in list order, and (by position) what could not be read of them."""
     out, unread = [], {}
     for i, entry in enumerate(raw if isinstance(raw, list) else []):
         read = Fields(entry if isinstance(entry, dict) else {})

@@ -6,6 +6,10 @@ name). Every other line is one collect's aggregates, written whole in one ``writ
 
     {"kind":"step","step":12,"time":1712345678.5,"metrics":{"K/max":3.5,"K/max_rank":1,...}}
 
+and, where the log had to drop collects (a full disk, a loop faster than the disk), a gap line::
+
+    {"kind":"gap","first":40,"last":59,"count":20,"why":"the disk refused it (File too large)"}
+
 The per-rank values live in the side file ``rankmem.ranks.f64`` only: records of little-endian 8-byte
 words, so that a reader maps a collect's values straight into a numpy array::
 
@@ -16,24 +20,22 @@ words, so that a reader maps a collect's values straight into a numpy array::
                  id | K | world x K float64 (rank-major; NaN where absent; K = 0: no per-rank values)
       GAP        payload: first step | last step | collects dropped | byte length | why (UTF-8, padded)
 
-A key set is written (once) before the first collect that uses it. A collect's record is written
-before its line, both whole; a write the disk refuses part-way is cut back, so the files hold whole
-records only. A GAP names collects the run log had to drop (a full disk, a loop faster than the disk).
+A key set is written (once) before the first collect that uses it. A record is written before its
+line (a GAP before its gap line), both whole; a write the disk refuses part-way is cut back, so the
+files hold whole records only. The file header's CRC tells a damaged header line (JSON has no checksum).
 """
 
 from __future__ import annotations
 
 import struct
 
-# The run directory's names are the run directory's (rankmem.core.rundir); here for the format's readers.
 from rankmem.core.rundir import DETAIL_NAME as DETAIL_NAME
 from rankmem.core.rundir import RUN_ID_FIELD as RUN_ID_FIELD
 from rankmem.core.rundir import RUN_LOG_NAME as RUN_LOG_NAME
 
 SCHEMA = 3
 SUPPORTED_SCHEMAS = (3,)
-HEADER_KIND = "header"
-STEP_KIND = "step"
+HEADER_KIND, STEP_KIND, GAP_KIND = "header", "step", "gap"
 SEPARATORS = (",", ":")
 STEP_MIN, STEP_MAX = -(2**63), 2**63 - 1
 """Steps are 64-bit integers: the reader holds them in an int64 array."""
@@ -41,16 +43,10 @@ STEP_MIN, STEP_MAX = -(2**63), 2**63 - 1
 MAGIC = b"RANKMEM\0"
 VERSION = 1
 FILE_HEADER = struct.Struct("<8sQQ16sQ")
-"""magic, version, world, run id, CRC-32 of the run log's header line (newline included): JSON has no
-checksum, so a damaged header line is told by the side file's."""
 RECORD_HEAD = struct.Struct("<QQ")
-"""kind, payload words."""
 COLLECT_HEAD = struct.Struct("<qdQQQ")
-"""step, time, log offset, key-set id, K."""
 KEYS_HEAD = struct.Struct("<QQ")
-"""key-set id, byte length of the JSON list."""
 GAP_HEAD = struct.Struct("<qqQQ")
-"""first step, last step, collects dropped, byte length of the reason."""
 KEYS, COLLECT, GAP = 1, 2, 3
 MAX_WORDS = 1 << 28
 """Most payload words a reader accepts in one record (2 GiB): a damaged length is not an allocation."""

@@ -4,6 +4,7 @@ collected step is in the log with its per-rank values, or named in a gap record 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -19,6 +20,7 @@ import pytest
 import rankmem
 from rankmem.core.records import RunHeader, StepRecord
 from rankmem.offline import read_run
+from rankmem.offline.runlog import Gap
 from rankmem.publish.publisher import RunLogQueue
 from rankmem.runlog import RunLogWriter
 from tests.conftest import REPO
@@ -119,10 +121,19 @@ def test_a_queue_overrun_is_a_gap_record_that_every_reader_prints(tmp_path: Path
     assert run.gaps and dropped == 300 - run.steps.size
     assert _covered(run) == set(range(300))
     assert all("queue overran" in g.why for g in run.gaps)
-    for command in ("report", "leaks"):
-        out = subprocess.run([sys.executable, "-m", "rankmem", command, str(tmp_path)], capture_output=True,
+    assert _gap_lines(tmp_path) == run.gaps
+    for command in ("report", "leaks", "advise", "watch --once"):
+        out = subprocess.run([sys.executable, "-m", "rankmem", *command.split(), str(tmp_path)], capture_output=True,
                              text=True, timeout=120, cwd=REPO)
-        assert "gap: " in out.stdout + out.stderr and "queue overran" in out.stdout + out.stderr, command
+        said = [line for line in (out.stdout + out.stderr).splitlines() if "gap: " in line]
+        assert len(said) >= len(run.gaps) and all("queue overran" in line for line in said), (command, out)
+        assert str(run.gaps[0]) in out.stdout + out.stderr, command
+
+
+def _gap_lines(run_dir: Path) -> list[Gap]:
+    """The gaps as a JSON-lines reader (jq, pandas) sees them: the log's lines of kind "gap"."""
+    objs = [json.loads(line) for line in (run_dir / "rankmem.jsonl").read_text().splitlines()]
+    return [Gap(o["first"], o["last"], o["count"], o["why"]) for o in objs if o["kind"] == "gap"]
 
 
 FULL_DISK = """
@@ -154,6 +165,12 @@ def test_a_full_disk_is_a_gap_record_once_the_disk_takes_writes_again(tmp_path: 
     assert len(run.gaps) == 1 and "the disk refused it" in run.gaps[0].why
     gap = run.gaps[0]
     assert set(range(gap.first, gap.last + 1)) | kept == set(range(80)) and gap.count == 80 - len(kept)
+    assert _gap_lines(tmp_path) == run.gaps and run.slow_lines == 0  # the fast path skips the gap line
+    (tmp_path / "rankmem.ranks.f64").unlink()  # the lines alone still say it
+    assert read_run(str(tmp_path)).gaps == run.gaps
+    out = subprocess.run([sys.executable, "-m", "rankmem", "report", str(tmp_path)], capture_output=True, text=True,
+                         timeout=120, cwd=REPO)
+    assert f"\ngap: {gap}\n" in out.stdout, out
 
 
 class _StuckWriter(RunLogWriter):
