@@ -28,14 +28,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import io
 import json
 import os
 import re
-import secrets
 import stat
-import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -88,6 +85,7 @@ def current_run_id(environ: Mapping[str, str] | None = None) -> str:
         source = f"spawn:{env.get('MASTER_ADDR')}:{env['MASTER_PORT']}:{os.getppid()}"
     else:
         return _alone()
+    import hashlib
     return hashlib.sha256(f"{source}:{attempt}".encode()).hexdigest()[:RUN_ID_BYTES]
 
 
@@ -97,7 +95,7 @@ _ALONE: list[str] = []
 def _alone() -> str:
     # One id per process: every Monitor of a process alone is one run (its files rotate by the log).
     if not _ALONE:
-        _ALONE.append(secrets.token_hex(RUN_ID_BYTES // 2))
+        _ALONE.append(os.urandom(RUN_ID_BYTES // 2).hex())
     return _ALONE[0]
 
 
@@ -193,6 +191,7 @@ def replace_file(path: str, data: bytes) -> None:
         if not stat.S_ISREG(st.st_mode):
             raise NotRegularFile(path, kind_of(st.st_mode))
         mode = stat.S_IMODE(st.st_mode)
+    import tempfile
     fd, temp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
                                 dir=os.path.dirname(os.path.abspath(path)))
     try:

@@ -129,6 +129,7 @@ class Publisher(Handoff):
             self._primer = None
 
     def _prime(self) -> None:
+        time.sleep(0)  # the GIL back to the thread that started this one, at once: the Monitor() returns
         with self._guard.contain("prime", "priming the online watches failed"):
             import rankmem.exchange.exchange  # noqa: F401  (numpy, for the first collect)
             from rankmem.fit.pooled import prime
