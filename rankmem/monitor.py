@@ -144,16 +144,12 @@ class MonitorConfig:
         object.__setattr__(self, "sink_options", {k: dict(v) for k, v in self.sink_options.items()})
         if not _whole(self.log_rank) or self.log_rank < 0:
             raise RankmemError(f"log_rank must be a rank: a whole number >= 0, got {self.log_rank!r}")
-        if not _whole(self.anatomy_every) or self.anatomy_every < 0:
-            raise RankmemError(f"anatomy_every must be a whole number >= 0, got {self.anatomy_every!r}")
         share = self.anatomy_share
         if share is not None and not (isinstance(share, (int, float)) and 0 < share <= 1):
             raise RankmemError(f"anatomy_share must be a share of capacity in (0, 1] or None, got {share!r}")
-        if not _whole(self.oom_history) or self.oom_history < 0:
-            raise RankmemError(f"oom_history must be a whole number of entries >= 0, got {self.oom_history!r}")
-        for name in ("reduce_above", "detail_every"):
-            if not _whole(getattr(self, name)) or getattr(self, name) < 1:
-                raise RankmemError(f"{name} must be a whole number >= 1, got {getattr(self, name)!r}")
+        for name, least in (("anatomy_every", 0), ("oom_history", 0), ("reduce_above", 1), ("detail_every", 1)):
+            if not _whole(getattr(self, name)) or getattr(self, name) < least:
+                raise RankmemError(f"{name} must be a whole number >= {least}, got {getattr(self, name)!r}")
         # numpy's numbers as Python's: the config goes into the run log header as JSON.
         for name in ("log_rank", "oom_history", "reduce_above", "detail_every"):
             object.__setattr__(self, name, operator.index(getattr(self, name)))
@@ -190,14 +186,8 @@ class MonitorConfig:
 
 
 def _whole(value: Any) -> bool:
-    """An integer, numpy's included; not a bool, a float or a string."""
-    if isinstance(value, bool):
-        return False
-    try:
-        operator.index(value)
-    except TypeError:
-        return False
-    return True
+    """An integer, numpy's included (what ``operator.index`` takes); not a bool, a float or a string."""
+    return not isinstance(value, bool) and hasattr(type(value), "__index__")
 
 
 class _Readouts:
@@ -302,8 +292,7 @@ class Monitor(_Readouts):
         self._windows = Windows(host, device, self._guard, listener=self._forensics,
                                 attribution=self._attribution,
                                 node_refresh_s=c.node_refresh_s if isinstance(host, LinuxHostProbe) else None)
-        # Sampled windows and OOM replays (forensics/sampler.py): on a device only.
-        if device is not None:
+        if device is not None:  # sampled windows and OOM replays (forensics/sampler.py): a device's only
             from rankmem.forensics.sampler import HistorySampler
         self._sampler = None if device is None else HistorySampler(
             device, self._forensics.write_event, lambda: self._windows.where, every=c.anatomy_every,

@@ -161,9 +161,8 @@ class Publisher(Handoff):
         """A collect's result, on every rank: kept as :attr:`last_record`, and published where this rank
         opened the sinks. Returns what is published (the aggregates, and verl's names for them if asked)
         as the caller's own copy: the sinks write theirs later, on their thread."""
-        metrics = gathered.aggregated  # this collect's own: extended in place, one copy (the caller's) made
-        if self._verl_keys:
-            metrics.update(verl_metrics(metrics))
+        metrics = gathered.aggregated  # this collect's own: verl's keys added in place; the caller gets a copy
+        metrics.update(verl_metrics(metrics) if self._verl_keys else ())
         self._last, self._last_record = (step, when, gathered, metrics), None
         if self.opened:
             self.publish(step, when, gathered, metrics)
