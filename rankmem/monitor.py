@@ -33,7 +33,6 @@ from dataclasses import dataclass, field, fields
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
-from rankmem.anatomy import Anatomy, Tracker
 from rankmem.core.catalogue import rank_metrics
 from rankmem.core.guard import Guard
 from rankmem.core.records import RunHeader, StepRecord
@@ -48,16 +47,16 @@ from rankmem.exchange.dist import (
     require_group_if_launched,
 )
 from rankmem.forensics.forensics import ATTRIBUTION_OFF, Forensics, device_attribution
-from rankmem.forensics.sampler import HistorySampler
 from rankmem.probe.device import select_backend
 from rankmem.probe.host import PEAK_SOURCES, HostProbe, LinuxHostProbe, make_host_probe, peak_source_default
-from rankmem.probe.nvmlwatch import DeviceAttribution
 from rankmem.publish.publisher import Publisher
 from rankmem.sinks import Sink, check_sink_specs, make_sinks
 from rankmem.windows import Windows
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the anatomy (track()), the sampler (a device's) and NVML's split load where used
+    from rankmem.anatomy import Tracker
     from rankmem.exchange.exchange import Exchange
+    from rankmem.probe.nvmlwatch import DeviceAttribution
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -145,16 +144,12 @@ class MonitorConfig:
         object.__setattr__(self, "sink_options", {k: dict(v) for k, v in self.sink_options.items()})
         if not _whole(self.log_rank) or self.log_rank < 0:
             raise RankmemError(f"log_rank must be a rank: a whole number >= 0, got {self.log_rank!r}")
-        if not _whole(self.anatomy_every) or self.anatomy_every < 0:
-            raise RankmemError(f"anatomy_every must be a whole number >= 0, got {self.anatomy_every!r}")
         share = self.anatomy_share
         if share is not None and not (isinstance(share, (int, float)) and 0 < share <= 1):
             raise RankmemError(f"anatomy_share must be a share of capacity in (0, 1] or None, got {share!r}")
-        if not _whole(self.oom_history) or self.oom_history < 0:
-            raise RankmemError(f"oom_history must be a whole number of entries >= 0, got {self.oom_history!r}")
-        for name in ("reduce_above", "detail_every"):
-            if not _whole(getattr(self, name)) or getattr(self, name) < 1:
-                raise RankmemError(f"{name} must be a whole number >= 1, got {getattr(self, name)!r}")
+        for name, least in (("anatomy_every", 0), ("oom_history", 0), ("reduce_above", 1), ("detail_every", 1)):
+            if not _whole(getattr(self, name)) or getattr(self, name) < least:
+                raise RankmemError(f"{name} must be a whole number >= {least}, got {getattr(self, name)!r}")
         # numpy's numbers as Python's: the config goes into the run log header as JSON.
         for name in ("log_rank", "oom_history", "reduce_above", "detail_every"):
             object.__setattr__(self, name, operator.index(getattr(self, name)))
@@ -191,14 +186,8 @@ class MonitorConfig:
 
 
 def _whole(value: Any) -> bool:
-    """An integer, numpy's included; not a bool, a float or a string."""
-    if isinstance(value, bool):
-        return False
-    try:
-        operator.index(value)
-    except TypeError:
-        return False
-    return True
+    """An integer, numpy's included (what ``operator.index`` takes); not a bool, a float or a string."""
+    return not isinstance(value, bool) and hasattr(type(value), "__index__")
 
 
 class _Readouts:
@@ -293,8 +282,7 @@ class Monitor(_Readouts):
         device = select_backend(c.device, device_module)
         host = host_probe if host_probe is not None else make_host_probe(
             c.children, c.children_refresh_s, reset_peaks=c.peak_source == "window")
-        self._publisher = Publisher(make_sinks(c.sinks or (), c.out_dir, c.sink_options), c.leak_check, self._guard,
-                                    background=c.sink_thread, verl_keys=c.verl_keys)
+        sinks = make_sinks(c.sinks or (), c.out_dir, c.sink_options)
         self._run_id = current_run_id()
         self._attribution = device_attribution(device, c.nvml_refresh_s, c.out_dir, nvml_module,
                                                lambda: self._windows.where)
@@ -304,11 +292,14 @@ class Monitor(_Readouts):
         self._windows = Windows(host, device, self._guard, listener=self._forensics,
                                 attribution=self._attribution,
                                 node_refresh_s=c.node_refresh_s if isinstance(host, LinuxHostProbe) else None)
-        # Sampled windows and OOM replays (forensics/sampler.py): on a device only.
+        if device is not None:  # sampled windows and OOM replays (forensics/sampler.py): a device's only
+            from rankmem.forensics.sampler import HistorySampler
         self._sampler = None if device is None else HistorySampler(
             device, self._forensics.write_event, lambda: self._windows.where, every=c.anatomy_every,
             share=c.anatomy_share, history=c.oom_history)
         self._forensics.sampler = self._sampler
+        # Last: its priming thread would share the GIL with the rest of this constructor.
+        self._publisher = Publisher(sinks, c.leak_check, self._guard, background=c.sink_thread, verl_keys=c.verl_keys)
         self._closed = False
         self._gate = True  # until the first window: the priming thread's memory is in no user's window
 
@@ -359,6 +350,7 @@ class Monitor(_Readouts):
         Local."""
         windows = self._open_windows()
         if windows.anatomy is None:
+            from rankmem.anatomy import Anatomy, Tracker
             device = windows.device
             kind = "cpu" if device is None else str(getattr(device.module, "tensor_device_type", device.name))
             tracker = Tracker(kind, self._guard)

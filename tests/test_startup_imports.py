@@ -41,6 +41,15 @@ def test_the_monitor_loads_no_numpy_cli_or_offline_layer() -> None:
     assert heavy(got) == []
     assert not any(m.startswith("rankmem.cli") for m in got)
     assert "rankmem.exchange.exchange" not in got  # numpy's: built at the first collect
+    # track()'s, a device's, CUDA's, a torchrun id's and an OOM snapshot's: loaded where used
+    assert not got & {"rankmem.anatomy", "rankmem.forensics.sampler", "rankmem.probe.nvmlwatch", "concurrent.futures",
+                      "hashlib", "secrets", "tempfile", "pickle"}
+
+
+def test_tracking_a_model_loads_the_anatomy() -> None:
+    got = loaded("import rankmem, torch\nm = rankmem.Monitor(device='cpu', leak_check=False, near_oom_watch=False)\n"
+                 "m.track(torch.nn.Linear(2, 2))\nassert m.tracker is not None\nm.close()")
+    assert "rankmem.anatomy" in got
 
 
 def test_building_a_monitor_leaves_the_first_fit_to_its_own_thread() -> None:

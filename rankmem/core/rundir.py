@@ -96,9 +96,7 @@ _ALONE: list[str] = []
 def _alone() -> str:
     # One id per process: every Monitor of a process alone is one run (its files rotate by the log).
     if not _ALONE:
-        import secrets
-
-        _ALONE.append(secrets.token_hex(RUN_ID_BYTES // 2))
+        _ALONE.append(os.urandom(RUN_ID_BYTES // 2).hex())
     return _ALONE[0]
 
 

@@ -144,9 +144,9 @@ class Exchange:
                 self._warn_mixed(keys, counts < world)
         if matrix is not None:
             matrix[absent_mask(matrix)] = math.nan  # downstream (run log, leak watch) reads NaN as absent
-        aggregated = dict(zip(names_of(keys, SUFFIXES), stats.ravel().tolist(), strict=True))
+        aggregated = dict(zip(names_of(keys, SUFFIXES)[0], stats.ravel().tolist(), strict=True))
         if quantiles is not None:
-            aggregated.update(zip(names_of(keys, QUANTILE_SUFFIXES), quantiles.ravel().tolist(), strict=True))
+            aggregated.update(zip(names_of(keys, QUANTILE_SUFFIXES)[0], quantiles.ravel().tolist(), strict=True))
         return Gathered(keys, matrix, aggregated, mixed)
 
     def _from_rows(self, schema: tuple[str, ...], schemas: Sequence[Schema], rows: Sequence[np.ndarray],
@@ -158,7 +158,7 @@ class Exchange:
             quantiles = matrix_quantiles(gathered.matrix, absent, bins)
             if absent is not None:  # NaN cells of a mixed matrix may be a caller's NaN: aggregate knows
                 quantiles[np.isnan([gathered.aggregated[k + "/max"] for k in gathered.keys])] = math.nan
-            names = names_of(gathered.keys, QUANTILE_SUFFIXES)
+            names = names_of(gathered.keys, QUANTILE_SUFFIXES)[0]
             gathered.aggregated.update(zip(names, quantiles.ravel().tolist(), strict=True))
         return gathered
 

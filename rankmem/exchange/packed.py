@@ -143,13 +143,10 @@ class PackedGather:
         n, world, width = len(values), self._world, self.capacity + _HEAD
         self._buffers(width)
         send = self._send_np
-        send[0], send[1], send[2] = sig, n, step
+        send[:_HEAD] = sig, n, step
+        send[_HEAD:] = math.nan  # the padding; all of it where the values outgrow the capacity
         if n <= self.capacity:
             send[_HEAD : _HEAD + n] = values
-            if n < self.capacity:
-                send[_HEAD + n :] = math.nan
-        else:
-            send[_HEAD:] = math.nan
         if self._device.type != "cpu":
             self._send.copy_(self._staging)  # host-to-device
         _all_gather_single(self._out, self._send, self.group)

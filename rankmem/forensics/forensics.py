@@ -13,10 +13,9 @@ exception goes on unchanged, and the facade's calls run inside the guard it is g
 from __future__ import annotations
 
 import os
-import pickle
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rankmem.core.events import Event, NearOomEvent, OomEvent
 from rankmem.core.guard import Guard, attempt
@@ -27,13 +26,14 @@ from rankmem.exchange.dist import global_rank
 from rankmem.forensics.events import EventWriter, oom_event, oom_where
 from rankmem.forensics.heartbeat import Heartbeat, heartbeat_dir, heartbeat_run_id, node_siblings
 from rankmem.forensics.nearoom import NearOomWatch
-from rankmem.forensics.sampler import HistorySampler
 from rankmem.probe.device import DeviceBackend
 from rankmem.probe.host import HostProbe
-from rankmem.probe.nvmlwatch import DeviceAttribution
 from rankmem.probe.pidmap import pid_view
 from rankmem.windows import Where
 
+if TYPE_CHECKING:  # a device's: loaded by the Monitor where it has one
+    from rankmem.forensics.sampler import HistorySampler
+    from rankmem.probe.nvmlwatch import DeviceAttribution
 _RECORDED = "_rankmem_recorded"
 """Set on an exception once its ``oom`` event is written: it leaves several windows on its way out."""
 
@@ -200,6 +200,7 @@ class Forensics:
         os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, f"rank{self.rank}-oom{self._snapshots}.pickle")
         fd = open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        import pickle
         with os.fdopen(fd, "wb") as f:  # torch's _dump_snapshot format: pytorch.org/memory_viz reads it
             pickle.dump(snapshot, f)
         if self.sampler is not None:  # the top holders as the allocation failed, named off this thread
@@ -267,6 +268,7 @@ def device_attribution(device: DeviceBackend | None, refresh_s: float | None, ou
     real = device is not None and getattr(device.module, "__name__", None) == "torch.cuda"
     if device is None or device.name != "cuda" or refresh_s is None or (nvml_module is None and not real):
         return None  # a fake torch.cuda without a fake NVML: the real driver knows nothing of it
+    from rankmem.probe.nvmlwatch import DeviceAttribution
     beats, rank = heartbeat_dir(out_dir), global_rank()
 
     def where() -> tuple[int | None, str | None]:

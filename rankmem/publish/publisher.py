@@ -129,6 +129,7 @@ class Publisher(Handoff):
             self._primer = None
 
     def _prime(self) -> None:
+        time.sleep(0)  # the GIL back to the thread that started this one, at once: the Monitor() returns
         with self._guard.contain("prime", "priming the online watches failed"):
             import rankmem.exchange.exchange  # noqa: F401  (numpy, for the first collect)
             from rankmem.fit.pooled import prime
@@ -160,8 +161,8 @@ class Publisher(Handoff):
         """A collect's result, on every rank: kept as :attr:`last_record`, and published where this rank
         opened the sinks. Returns what is published (the aggregates, and verl's names for them if asked)
         as the caller's own copy: the sinks write theirs later, on their thread."""
-        aggregated = gathered.aggregated
-        metrics = {**aggregated, **verl_metrics(aggregated)} if self._verl_keys else dict(aggregated)
+        metrics = gathered.aggregated  # this collect's own: verl's keys added in place; the caller gets a copy
+        metrics.update(verl_metrics(metrics) if self._verl_keys else ())
         self._last, self._last_record = (step, when, gathered, metrics), None
         if self.opened:
             self.publish(step, when, gathered, metrics)
