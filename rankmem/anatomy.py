@@ -3,7 +3,9 @@
 :class:`Tracker` holds what :meth:`rankmem.Monitor.track` was told (models, optimizers) and reads it
 cheaply: parameter bytes once (storages deduplicated; a DTensor's local shard), optimizer state bytes
 after a step that changed the state's shape, gradient bytes as one pass over the parameters that take
-gradients (``p.grad is not None``, their byte sizes cached). :class:`Anatomy` cuts each open phase into
+gradients (``p.grad is not None``, their byte sizes cached), only where they may have changed: not after a
+tracked optimizer's ``zero_grad`` (wrapped: none are left where it holds every tracked parameter), nor
+while every parameter holds one and none was freed. :class:`Anatomy` cuts each open phase into
 segments at the boundaries the monitor sees (the phase's edges, each ``micro_batch()``, an optimizer
 step's start and end) and remembers the gradients and optimizer state at the ends of the segment in
 which the phase's peak was reached. Local to one rank; nothing here imports torch.
@@ -13,8 +15,10 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from functools import partial, update_wrapper
 from itertools import compress, repeat
 from operator import attrgetter, is_not
+from types import SimpleNamespace
 from typing import Any
 
 from rankmem.core.guard import Guard
@@ -54,6 +58,8 @@ class Tracker:
         self._grad_params: list[Any] = []
         self._grad_sizes: list[int] = []
         self._optimizers: list[Any] = []
+        self._covers: dict[int, bool] = {}
+        """By the optimizer's id: whether its ``zero_grad(set_to_none=True)`` frees every tracked gradient."""
         self._state_shape: tuple[tuple[int, int], ...] = ()
         self._step_grads = 0
         self._sentinel: weakref.ref[Any] | None = None
@@ -65,8 +71,8 @@ class Tracker:
         # its gradient made, or accumulated into (its version). A private call: without it, every boundary
         # walks.
         self._graphs: Callable[[], object] = getattr(torch._C._autograd, "_get_sequence_nr", object)
-        self._seen_at: tuple[object, ...] | None = None
-        self._last = 0
+        self._seen_at: tuple[object, int, int | None] = (None, -1, None)
+        self._last = self._full = 0
         self._watched: Any = None
 
     def add(self, model: Any, optimizer: Any = None) -> None:
@@ -85,18 +91,29 @@ class Tracker:
                 self._watched = p if self._watched is None else self._watched
                 self._grad_params.append(p)
                 self._grad_sizes.append(_nbytes(t))
+                self._full += self._grad_sizes[-1]
         if optimizer is not None and all(o is not optimizer for o in self._optimizers):
             self._optimizers.append(optimizer)
             self._handles += [optimizer.register_step_pre_hook(self._pre),
                               optimizer.register_step_post_hook(self._post)]
+            if "zero_grad" not in vars(optimizer):  # not wrapped already, by whoever: then walk after it
+                optimizer.zero_grad = update_wrapper(partial(self._zero_grad, optimizer.zero_grad, id(optimizer)),
+                                                     optimizer.zero_grad)
+                self._handles.append(SimpleNamespace(remove=partial(vars(optimizer).pop, "zero_grad", None)))
             self._read_optimizer(force=True)
+        ids = set(map(id, self._grad_params))
+        self._covers = {id(o): ids <= {id(p) for g in o.param_groups for p in g["params"]} for o in self._optimizers}
+
+    def _at(self) -> tuple[object, int, int | None]:
+        watched = None if self._watched is None else self._watched.grad
+        return self._graphs(), self.drops, None if watched is None else watched._version
 
     def grads(self, fresh: bool = False) -> int:
         """Bytes of the gradients alive now: one pass over the parameters (C-level iteration, ~0.1 us a
-        tensor), skipped where no graph was built and no gradient freed since the last one."""
-        watched = None if self._watched is None else self._watched.grad
-        at = (self._graphs(), self.drops, None if watched is None else watched._version)
-        if not fresh and at == self._seen_at:
+        tensor), skipped where no graph was built and no gradient freed since the last one, or where every
+        parameter held one then and none was freed since (none can appear)."""
+        at = self._at()
+        if not fresh and (at == self._seen_at or self._last == self._full and at[1] == self._seen_at[1]):
             return self._last
         total = sum(compress(self._grad_sizes, map(is_not, map(_GRAD, self._grad_params), repeat(None))))
         if total and self._sentinel is None:
@@ -108,6 +125,18 @@ class Tracker:
     def _dropped(self, _: object) -> None:
         self.drops += 1
         self._sentinel = None
+
+    def _zero_grad(self, zero_grad: Callable[..., Any], optimizer: int, *args: Any, **kwargs: Any) -> Any:
+        """The ``zero_grad`` of a tracked optimizer, read where it holds every tracked parameter by its effect
+        on the watched one's gradient: freed (``set_to_none``), none is left; zeroed in place, the bytes stay.
+        Elsewhere it counts as a free: the next read walks."""
+        fresh, had = self._at() == self._seen_at, self._watched is not None and self._watched.grad is not None
+        out = zero_grad(*args, **kwargs)
+        if not self._covers.get(optimizer):  # it may have freed gradients the sentinel does not see
+            self.drops += 1
+        elif had and (fresh or self._watched.grad is None):
+            self._seen_at, self._last = self._at(), 0 if self._watched.grad is None else self._last
+        return out
 
     def _read_optimizer(self, force: bool = False) -> None:
         """Optimizer state bytes (tensors of dimension >= 1), read again only when the state changed shape:
