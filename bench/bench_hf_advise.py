@@ -118,11 +118,12 @@ def evaluate(out: str) -> dict[str, Any]:
             break
         safe = int(t)
     advised = binding["max_tokens"] if binding else None
-    return {**at_one_and_a_half(out, probe, sweep, base),"capacity_gib": capacity, "advised_tokens": advised, "true_tokens": safe,
+    return {"capacity_gib": capacity, "advised_tokens": advised, "true_tokens": safe,
             "advised_batch_size": next(iter(binding["setting"].values()), None) if binding else None,
             "true_batch_size": safe // WIDTH,
             "capped": binding["capped"] if binding else None, "sweep_top": int(tokens.max()),
-            "reason": None if binding else done.stdout[-300:] + done.stderr[-300:]}
+            "reason": None if binding else done.stdout[-300:] + done.stderr[-300:],
+            "at_1_5x": at_one_and_a_half(out, probe, sweep, base)}
 
 
 def at_one_and_a_half(out: str, probe: Any, sweep: Any, base: np.ndarray) -> dict[str, Any]:
