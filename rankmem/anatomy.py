@@ -3,18 +3,17 @@
 :class:`Tracker` holds what :meth:`rankmem.Monitor.track` was told (models, optimizers) and reads it
 cheaply: parameter bytes once (storages deduplicated; a DTensor's local shard), optimizer state bytes
 after a step that changed the state's shape, gradient bytes as one pass over the parameters that take
-gradients (``p.grad is not None``, their byte sizes cached), only where they may have changed: not after a
-tracked optimizer's ``zero_grad`` (wrapped: none are left where it holds every tracked parameter), nor
-while every parameter holds one and none was freed. :class:`Anatomy` cuts each open phase into
-segments at the boundaries the monitor sees (the phase's edges, each ``micro_batch()``, an optimizer
-step's start and end) and remembers the gradients and optimizer state at the ends of the segment in
-which the phase's peak was reached. Local to one rank; nothing here imports torch.
+gradients (their byte sizes cached) where some may have appeared or gone: not after a tracked optimizer's
+``zero_grad`` (wrapped), nor while all are held. :class:`Anatomy` cuts each open phase into segments at
+the boundaries the monitor sees (the phase's edges, each ``micro_batch()``, an optimizer step's start and
+end) and remembers the gradients and optimizer state at the ends of the segment in which the phase's peak
+was reached. Local to one rank; nothing here imports torch.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial, update_wrapper
 from itertools import compress, repeat
 from operator import attrgetter, is_not
@@ -58,8 +57,7 @@ class Tracker:
         self._grad_params: list[Any] = []
         self._grad_sizes: list[int] = []
         self._optimizers: list[Any] = []
-        self._covers: dict[int, bool] = {}
-        """By the optimizer's id: whether its ``zero_grad(set_to_none=True)`` frees every tracked gradient."""
+        self._covers: dict[int, bool] = {}  # by the optimizer's id: it holds every tracked parameter
         self._state_shape: tuple[tuple[int, int], ...] = ()
         self._step_grads = 0
         self._sentinel: weakref.ref[Any] | None = None
@@ -109,9 +107,8 @@ class Tracker:
         return self._graphs(), self.drops, None if watched is None else watched._version
 
     def grads(self, fresh: bool = False) -> int:
-        """Bytes of the gradients alive now: one pass over the parameters (C-level iteration, ~0.1 us a
-        tensor), skipped where no graph was built and no gradient freed since the last one, or where every
-        parameter held one then and none was freed since (none can appear)."""
+        """Bytes of the gradients alive now: one pass over the parameters (C-level iteration, ~0.1 us a tensor),
+        skipped where no graph was built and none freed since the last, or all were held then and none freed."""
         at = self._at()
         if not fresh and (at == self._seen_at or self._last == self._full and at[1] == self._seen_at[1]):
             return self._last
@@ -127,15 +124,14 @@ class Tracker:
         self._sentinel = None
 
     def _zero_grad(self, zero_grad: Callable[..., Any], optimizer: int, *args: Any, **kwargs: Any) -> Any:
-        """The ``zero_grad`` of a tracked optimizer, read where it holds every tracked parameter by its effect
-        on the watched one's gradient: freed (``set_to_none``), none is left; zeroed in place, the bytes stay.
-        Elsewhere it counts as a free: the next read walks."""
-        fresh, had = self._at() == self._seen_at, self._watched is not None and self._watched.grad is not None
+        """A tracked optimizer's ``zero_grad``: where it holds every tracked parameter and freed the watched
+        one's gradient (``set_to_none``), none is left; elsewhere it counts as a free (the next read walks)."""
+        had = self._watched is not None and self._watched.grad is not None
         out = zero_grad(*args, **kwargs)
         if not self._covers.get(optimizer):  # it may have freed gradients the sentinel does not see
             self.drops += 1
-        elif had and (fresh or self._watched.grad is None):
-            self._seen_at, self._last = self._at(), 0 if self._watched.grad is None else self._last
+        elif had and self._watched.grad is None:
+            self._seen_at, self._last = self._at(), 0
         return out
 
     def _read_optimizer(self, force: bool = False) -> None:
@@ -145,41 +141,34 @@ class Tracker:
         if shape == self._state_shape and not force:
             return
         self._state_shape = shape
-        total = 0
-        for o in self._optimizers:
-            for state in o.state.values():
-                for v in state.values():
-                    if hasattr(v, "untyped_storage") and v.dim() >= 1:
-                        t = _local(v)
-                        if t.device.type == self.kind:
-                            total += _nbytes(t)
-        self.optimizer_bytes = total
+        self.optimizer_bytes = sum(map(_nbytes, self._states()))
 
-    def _pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self._guard.call("anatomy", "peak anatomy failed at a step", self._at_step, default=None)
+    def _states(self) -> Iterator[Any]:
+        """The optimizers' state tensors of dimension >= 1 on this device type (a DTensor's local shard)."""
+        return (_local(v) for o in self._optimizers for s in o.state.values() for v in s.values()
+                if hasattr(v, "untyped_storage") and v.dim() >= 1 and _local(v).device.type == self.kind)
 
-    def _at_step(self) -> None:
-        self._step_grads = g = self.grads()
-        self.full_grads = max(self.full_grads, g)
+    def _pre(self, *_: Any) -> None:
+        self._guard.call("anatomy", "peak anatomy failed at a step", self._step_edge, True, default=None)
+
+    def _post(self, *_: Any) -> None:
+        self._guard.call("anatomy", "peak anatomy failed at a step", self._step_edge, False, default=None)
+
+    def _step_edge(self, start: bool) -> None:
+        if start:
+            self._step_grads = self.grads()
+            self.full_grads = max(self.full_grads, self._step_grads)
+        else:
+            self._read_optimizer()  # a step reads gradients, it does not free them
         if self.boundary is not None:
-            self.boundary(g)
-
-    def _post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self._guard.call("anatomy", "peak anatomy failed at a step", self._after_step, default=None)
-
-    def _after_step(self) -> None:
-        self._read_optimizer()
-        if self.boundary is not None:
-            self.boundary(self._step_grads)  # a step reads gradients, it does not free them
+            self.boundary(self._step_grads)
 
     def ptrs(self) -> dict[str, set[int]]:
         """The ``data_ptr()`` of every tracked storage on this device type, by category (``params``,
         ``grads``, ``optimizer``): what an allocator history's blocks are classed by. A walk: not for
         the hot path."""
         grads = {_local(p.grad).untyped_storage().data_ptr() for p in self._grad_params if p.grad is not None}
-        optimizer = {_local(v).untyped_storage().data_ptr() for o in self._optimizers
-                     for s in o.state.values() for v in s.values()
-                     if hasattr(v, "untyped_storage") and v.dim() >= 1 and _local(v).device.type == self.kind}
+        optimizer = {t.untyped_storage().data_ptr() for t in self._states()}
         return {"params": set(self._storages), "grads": grads, "optimizer": optimizer}
 
     def close(self) -> None:

@@ -355,8 +355,8 @@ class Monitor(_Readouts):
         optimizer state, gradients (a range), activations, allocator slack and memory outside torch
         (``mem/phase/<name>/anatomy/*``, docs/anatomy.md). Once per model (actor, critic, reference), after
         it is on its device and wrapped (FSDP's ``fully_shard`` replaces the parameters), on every rank.
-        Registers a step pre- and post-hook on ``optimizer``; each ``micro_batch()`` becomes an edge.
-        Local."""
+        Hooks ``optimizer``'s step and wraps its ``zero_grad`` (until close); each ``micro_batch()`` becomes an
+        edge. Local."""
         windows = self._open_windows()
         if windows.anatomy is None:
             device = windows.device
