@@ -49,7 +49,7 @@ class Tracker:
         """How often a gradient set was freed (``zero_grad(set_to_none=True)``), seen by a weak reference."""
         self.full_grads = 0
         """The most gradient bytes seen at an optimizer step's start."""
-        self.boundary: Callable[[int | None], None] | None = None
+        self.boundary: Callable[[int | None, bool], None] | None = None
         """Called at an optimizer step's start (with the gradient bytes) and end (the same bytes)."""
         self._guard = guard
         self._seen: set[int] = set()
@@ -160,8 +160,10 @@ class Tracker:
             self.full_grads = max(self.full_grads, self._step_grads)
         else:
             self._read_optimizer()  # a step reads gradients, it does not free them
+        # Every parameter has its state: the step cannot grow it, and a segment ending at its start may split nothing.
+        settled = all(len(o.state) == sum(len(g["params"]) for g in o.param_groups) for o in self._optimizers)
         if self.boundary is not None:
-            self.boundary(self._step_grads)
+            self.boundary(self._step_grads, start and settled)
 
     def ptrs(self) -> dict[str, set[int]]:
         """The ``data_ptr()`` of every tracked storage on this device type, by category (``params``,
@@ -210,6 +212,10 @@ class Anatomy:
     def open(self, window: Any) -> None:
         t = self.tracker
         self._runs[window] = _Run(t.grads(), t.drops, self._peak(window), t.optimizer_bytes)
+
+    def steady(self, g: int) -> bool:
+        """No open segment saw its gradients change: ended here, it would split nothing (same range, state)."""
+        return all(r.g0 == g and r.drops == self.tracker.drops for r in self._runs.values())
 
     def boundary(self, g: int | None = None) -> None:
         """After an edge that folded the peaks into every open window: a segment ends in each."""

@@ -231,11 +231,12 @@ class Windows:
         window.work.add(tokens, sequences, sq_tokens)
         return True
 
-    def boundary(self, grads: int | None = None) -> None:
+    def boundary(self, grads: int | None = None, optional: bool = False) -> None:
         """An edge inside the open phases where a segment of their anatomy ends (a micro-batch, an
-        optimizer step's start or end); ``grads``: the gradient bytes, where already counted."""
+        optimizer step's start or end); ``grads``: the gradient bytes, where already counted; ``optional``:
+        none where it would split nothing."""
         anatomy = self.anatomy
-        if anatomy is not None and anatomy.active:
+        if anatomy is not None and anatomy.active and not (optional and grads is not None and anatomy.steady(grads)):
             self._edge()
             self._guard.call("anatomy", "peak anatomy failed", anatomy.boundary, grads, default=None)
 
