@@ -1,13 +1,12 @@
 """Peak anatomy: what fills each phase's peak on this rank (docs/anatomy.md).
 
-:class:`Tracker` holds what :meth:`rankmem.Monitor.track` was told (models, optimizers) and reads it
-cheaply: parameter bytes once (storages deduplicated; a DTensor's local shard), optimizer state bytes
-after a step that changed the state's shape, gradient bytes as one pass over the parameters that take
-gradients (their byte sizes cached) where some may have appeared or gone: not after a tracked optimizer's
-``zero_grad`` (wrapped), nor while all are held. :class:`Anatomy` cuts each open phase into segments at
-the boundaries the monitor sees (the phase's edges, each ``micro_batch()``, an optimizer step's start and
-end) and remembers the gradients and optimizer state at the ends of the segment in which the phase's peak
-was reached. Local to one rank; nothing here imports torch.
+:class:`Tracker` holds what :meth:`rankmem.Monitor.track` was told (models, optimizers) and reads it cheaply:
+parameter bytes once (storages deduplicated; a DTensor's local shard), optimizer state bytes after a step
+that changed the state's shape, gradient bytes (sizes cached) by one pass over the parameters where some
+may have appeared or gone: not after a tracked optimizer's ``zero_grad`` (wrapped), nor while all are held.
+:class:`Anatomy` cuts each open phase into segments at the boundaries the monitor sees (its edges, each
+``micro_batch()``, an optimizer step's start and end) and remembers the gradients and optimizer state at the
+ends of the segment in which the phase's peak was reached. Local to one rank; nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -32,15 +31,11 @@ def _local(t: Any) -> Any:
     return t if local is None else local
 
 
-def _nbytes(t: Any) -> int:
-    return int(t.numel()) * int(t.element_size())
-
-
 class Tracker:
     """The tracked models and optimizers, counted on one device type (``cuda``, ``cpu``, ...): tensors
     elsewhere (an optimizer offloaded to the host) are not in that device's peak."""
 
-    def __init__(self, kind: str, guard: Guard) -> None:
+    def __init__(self, kind: str, guard: Guard, boundary: Callable[[int | None, bool], None]) -> None:
         self.kind = kind
         self.params_bytes = 0
         self.optimizer_bytes: int | None = None
@@ -49,8 +44,9 @@ class Tracker:
         """How often a gradient set was freed (``zero_grad(set_to_none=True)``), seen by a weak reference."""
         self.full_grads = 0
         """The most gradient bytes seen at an optimizer step's start."""
-        self.boundary: Callable[[int | None, bool], None] | None = None
-        """Called at an optimizer step's start (with the gradient bytes) and end (the same bytes)."""
+        self.boundary: Callable[[int | None, bool], None] | None = boundary
+        """Called at an optimizer step's start (with the gradient bytes) and end (the same bytes); the flag:
+        the start, where the step cannot grow the optimizer state (:meth:`Anatomy.ends`)."""
         self._guard = guard
         self._seen: set[int] = set()
         self._storages: set[int] = set()
@@ -64,10 +60,9 @@ class Tracker:
         self._handles: list[Any] = []
         import torch  # track() was given torch objects: it is imported already
 
-        # The autograd nodes this thread has made: unchanged, no graph was built whose backward could have
-        # made gradients since the last walk. A backward of an older graph shows on one watched parameter:
-        # its gradient made, or accumulated into (its version). A private call: without it, every boundary
-        # walks.
+        # The autograd nodes this thread has made: unchanged, no graph was built whose backward could have made
+        # gradients since the last walk. A backward of an older graph shows on one watched parameter: its
+        # gradient made, or accumulated into (its version). A private call: without it, every boundary walks.
         self._graphs: Callable[[], object] = getattr(torch._C._autograd, "_get_sequence_nr", object)
         self._seen_at: tuple[object, int, int | None] = (None, -1, None)
         self._last = self._full = 0
@@ -88,34 +83,29 @@ class Tracker:
             if p.requires_grad:
                 self._watched = p if self._watched is None else self._watched
                 self._grad_params.append(p)
-                self._grad_sizes.append(_nbytes(t))
-                self._full += self._grad_sizes[-1]
+                self._grad_sizes.append(int(t.nbytes))
         if optimizer is not None and all(o is not optimizer for o in self._optimizers):
             self._optimizers.append(optimizer)
-            self._handles += [optimizer.register_step_pre_hook(self._pre),
-                              optimizer.register_step_post_hook(self._post)]
+            self._handles += [optimizer.register_step_pre_hook(partial(self._hook, True)),
+                              optimizer.register_step_post_hook(partial(self._hook, False))]
             if "zero_grad" not in vars(optimizer):  # not wrapped already, by whoever: then walk after it
                 optimizer.zero_grad = update_wrapper(partial(self._zero_grad, optimizer.zero_grad, id(optimizer)),
                                                      optimizer.zero_grad)
                 self._handles.append(SimpleNamespace(remove=partial(vars(optimizer).pop, "zero_grad", None)))
             self._read_optimizer(force=True)
-        ids = set(map(id, self._grad_params))
+        ids, self._full = set(map(id, self._grad_params)), sum(self._grad_sizes)
         self._covers = {id(o): ids <= {id(p) for g in o.param_groups for p in g["params"]} for o in self._optimizers}
-
-    def _at(self) -> tuple[object, int, int | None]:
-        watched = None if self._watched is None else self._watched.grad
-        return self._graphs(), self.drops, None if watched is None else watched._version
 
     def grads(self, fresh: bool = False) -> int:
         """Bytes of the gradients alive now: one pass over the parameters (C-level iteration, ~0.1 us a tensor),
         skipped where no graph was built and none freed since the last, or all were held then and none freed."""
-        at = self._at()
+        watched = None if self._watched is None else self._watched.grad
+        at = (self._graphs(), self.drops, None if watched is None else watched._version)
         if not fresh and (at == self._seen_at or self._last == self._full and at[1] == self._seen_at[1]):
             return self._last
         total = sum(compress(self._grad_sizes, map(is_not, map(_GRAD, self._grad_params), repeat(None))))
         if total and self._sentinel is None:
-            grad = next(g for g in map(_GRAD, self._grad_params) if g is not None)
-            self._sentinel = weakref.ref(grad, self._dropped)
+            self._sentinel = weakref.ref(next(g for g in map(_GRAD, self._grad_params) if g is not None), self._dropped)
         self._seen_at, self._last = at, total
         return total
 
@@ -130,8 +120,8 @@ class Tracker:
         out = zero_grad(*args, **kwargs)
         if not self._covers.get(optimizer):  # it may have freed gradients the sentinel does not see
             self.drops += 1
-        elif had and self._watched.grad is None:
-            self._seen_at, self._last = self._at(), 0
+        elif had and self._watched.grad is None:  # the sentinel has seen the free: the signature the next read sees
+            self._seen_at, self._last = (self._graphs(), self.drops, None), 0
         return out
 
     def _read_optimizer(self, force: bool = False) -> None:
@@ -141,18 +131,15 @@ class Tracker:
         if shape == self._state_shape and not force:
             return
         self._state_shape = shape
-        self.optimizer_bytes = sum(map(_nbytes, self._states()))
+        self.optimizer_bytes = sum(int(t.nbytes) for t in self._states())
 
     def _states(self) -> Iterator[Any]:
         """The optimizers' state tensors of dimension >= 1 on this device type (a DTensor's local shard)."""
         return (_local(v) for o in self._optimizers for s in o.state.values() for v in s.values()
                 if hasattr(v, "untyped_storage") and v.dim() >= 1 and _local(v).device.type == self.kind)
 
-    def _pre(self, *_: Any) -> None:
-        self._guard.call("anatomy", "peak anatomy failed at a step", self._step_edge, True, default=None)
-
-    def _post(self, *_: Any) -> None:
-        self._guard.call("anatomy", "peak anatomy failed at a step", self._step_edge, False, default=None)
+    def _hook(self, start: bool, *_: Any) -> None:
+        self._guard.call("anatomy", "peak anatomy failed at a step", self._step_edge, start, default=None)
 
     def _step_edge(self, start: bool) -> None:
         if start:
@@ -160,15 +147,13 @@ class Tracker:
             self.full_grads = max(self.full_grads, self._step_grads)
         else:
             self._read_optimizer()  # a step reads gradients, it does not free them
-        # Every parameter has its state: the step cannot grow it, and a segment ending at its start may split nothing.
         settled = all(len(o.state) == sum(len(g["params"]) for g in o.param_groups) for o in self._optimizers)
         if self.boundary is not None:
             self.boundary(self._step_grads, start and settled)
 
     def ptrs(self) -> dict[str, set[int]]:
-        """The ``data_ptr()`` of every tracked storage on this device type, by category (``params``,
-        ``grads``, ``optimizer``): what an allocator history's blocks are classed by. A walk: not for
-        the hot path."""
+        """The ``data_ptr()`` of every tracked storage on this device type, by category (``params``, ``grads``,
+        ``optimizer``): what an allocator history's blocks are classed by. A walk: not for the hot path."""
         grads = {_local(p.grad).untyped_storage().data_ptr() for p in self._grad_params if p.grad is not None}
         optimizer = {t.untyped_storage().data_ptr() for t in self._states()}
         return {"params": set(self._storages), "grads": grads, "optimizer": optimizer}
@@ -202,10 +187,6 @@ class Anatomy:
         self.device = device
         self._runs: dict[object, _Run] = {}
 
-    @property
-    def active(self) -> bool:
-        return bool(self._runs)
-
     def _peak(self, window: Any) -> int | None:
         return window.peak_allocated if self.device else window.peak_rss  # type: ignore[no-any-return]
 
@@ -213,9 +194,11 @@ class Anatomy:
         t = self.tracker
         self._runs[window] = _Run(t.grads(), t.drops, self._peak(window), t.optimizer_bytes)
 
-    def steady(self, g: int) -> bool:
-        """No open segment saw its gradients change: ended here, it would split nothing (same range, state)."""
-        return all(r.g0 == g and r.drops == self.tracker.drops for r in self._runs.values())
+    def ends(self, g: int | None, optional: bool) -> bool:
+        """Whether an edge here ends a segment: not where none is open, nor where ``optional`` and no open one
+        saw its gradients made or freed (it would split nothing: the same range and state)."""
+        return bool(self._runs) and not (optional and all(r.g0 == g and r.drops == self.tracker.drops
+                                                          for r in self._runs.values()))
 
     def boundary(self, g: int | None = None) -> None:
         """After an edge that folded the peaks into every open window: a segment ends in each."""

@@ -361,9 +361,7 @@ class Monitor(_Readouts):
         if windows.anatomy is None:
             device = windows.device
             kind = "cpu" if device is None else str(getattr(device.module, "tensor_device_type", device.name))
-            tracker = Tracker(kind, self._guard)
-            tracker.boundary = windows.boundary
-            windows.anatomy = Anatomy(tracker, device is not None)
+            windows.anatomy = Anatomy(Tracker(kind, self._guard, windows.boundary), device is not None)
         windows.anatomy.tracker.add(model, optimizer)
         if self._sampler is not None:  # its replay names parameter, gradient and optimizer blocks
             self._sampler.track(model, optimizer)

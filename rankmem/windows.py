@@ -232,11 +232,10 @@ class Windows:
         return True
 
     def boundary(self, grads: int | None = None, optional: bool = False) -> None:
-        """An edge inside the open phases where a segment of their anatomy ends (a micro-batch, an
-        optimizer step's start or end); ``grads``: the gradient bytes, where already counted; ``optional``:
-        none where it would split nothing."""
+        """An edge inside the open phases where a segment of their anatomy ends (a micro-batch, an optimizer
+        step's start or end; ``optional``: see :meth:`Anatomy.ends`); ``grads``: the bytes, where counted."""
         anatomy = self.anatomy
-        if anatomy is not None and anatomy.active and not (optional and grads is not None and anatomy.steady(grads)):
+        if anatomy is not None and anatomy.ends(grads, optional):
             self._edge()
             self._guard.call("anatomy", "peak anatomy failed", anatomy.boundary, grads, default=None)
 
