@@ -1,7 +1,8 @@
 """What the always-on peak anatomy costs per collect: the same loop with and without ``Monitor.track``.
 
 A model of 1,000 parameter tensors with AdamW state; each step is one phase with two micro-batches of
-gradient accumulation (the gradients set by hand), an optimizer step and ``zero_grad``, then a collect.
+gradient accumulation (the gradients set by hand, or with ``backward`` made by a backward of the sum of
+the parameters' sums), an optimizer step and ``zero_grad``, then a collect.
 Timed per step: every call into the monitor (the windows' edges, ``micro_batch``, the collect) and the
 optimizer hooks ``track`` registers (between a hook registered before it and one after it, so the
 optimizer's own step, ~50-300 ms for 1,000 tensors on this CPU, stays out of the figure). The arms run
@@ -9,7 +10,7 @@ interleaved in rounds; the difference of their median telemetry per step is the 
 timed alone: one gradient walk. CPU time of the training thread (``thread_time``), not wall time: on a
 shared machine a preempted step would count another process's time.
 
-    python bench/bench_anatomy.py [rounds]
+    python bench/bench_anatomy.py [rounds] [backward]
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import rankmem
 
 TENSORS = 1000
 STEPS = 30
+BACKWARD = "backward" in sys.argv[2:]
 
 
 class Clock:
@@ -73,6 +75,8 @@ def steps(monitor: rankmem.Monitor, params: list[torch.nn.Parameter], optimizer:
         timed(clock, phase.__enter__)
         for _ in range(2):
             timed(clock, monitor.micro_batch, 128)
+            if BACKWARD:
+                torch.stack([p.sum() for p in params]).sum().backward()
             for p, g in zip(params, grads, strict=True):
                 if p.grad is None:
                     p.grad = g.clone()
@@ -103,8 +107,8 @@ def main(rounds: int = 5) -> None:
     for _ in range(100):
         tracker.grads(fresh=True)
     walk = (time.thread_time() - t0) / 100
-    print(f"{TENSORS} parameter tensors + AdamW state, 2 micro-batches a step, {rounds} rounds of {STEPS} "
-          "steps")
+    print(f"{TENSORS} parameter tensors + AdamW state, 2 micro-batches a step (gradients "
+          f"{'by backward' if BACKWARD else 'set by hand'}), {rounds} rounds of {STEPS} steps")
     print(f"telemetry per step + collect without track(): {off * 1e3:.3f} ms (median of round medians)")
     print(f"telemetry per step + collect with track():    {on * 1e3:.3f} ms")
     print(f"anatomy per collect: {(on - off) * 1e3:+.3f} ms; one gradient walk: {walk * 1e6:.0f} us")

@@ -21,6 +21,10 @@ Offline: the capacity is the highest rank's probe baseline (its lowest RSS betwe
 1.25x the largest rise the probe saw; ``rankmem advise probe --capacity C --headroom 0`` gives the advised
 tokens and ``TrainingArguments.per_device_train_batch_size``; the true largest safe budget is the largest B
 of the sweep below which every step's ``train_step`` peak fit under C on both ranks, times 64 tokens.
+
+The prediction at 1.5x: per rank, T* is the sweep's largest T at or below 1.5x the largest T its probe saw
+(after warm-up); ``rankmem advise probe --at-tokens T* --seq-len 64`` gives the predicted peak, set against
+the peak RSS the sweep measured at T*, as a share of the measured rise (that peak less the probe's baseline).
 """
 
 from __future__ import annotations
@@ -118,7 +122,29 @@ def evaluate(out: str) -> dict[str, Any]:
             "advised_batch_size": next(iter(binding["setting"].values()), None) if binding else None,
             "true_batch_size": safe // WIDTH,
             "capped": binding["capped"] if binding else None, "sweep_top": int(tokens.max()),
-            "reason": None if binding else done.stdout[-300:] + done.stderr[-300:]}
+            "reason": None if binding else done.stdout[-300:] + done.stderr[-300:],
+            "at_1_5x": at_one_and_a_half(out, probe, sweep, base)}
+
+
+def at_one_and_a_half(out: str, probe: Any, sweep: Any, base: np.ndarray) -> dict[str, Any]:
+    """Per rank: T*, its ratio to the largest T seen, the predicted and measured peak (GiB) and the error
+    as a share of the measured rise."""
+    from rankmem.core.catalogue import phase_key, work_key
+
+    seen = np.nanmax(probe.series[work_key("train_step", "mb_tokens")][2:], axis=0)
+    tokens = sweep.series[work_key("train_step", "mb_tokens")]
+    peaks = sweep.series[phase_key("train_step", "peak_rss_gib")]
+    ranks = []
+    for rank, largest in enumerate(seen):
+        at = float(np.max(tokens[:, rank][tokens[:, rank] <= 1.5 * largest]))
+        argv = ["advise", os.path.join(out, "probe"), "--at-tokens", f"{at:.0f}", "--seq-len", str(WIDTH), "--json"]
+        done = subprocess.run([sys.executable, "-m", "rankmem", *argv], capture_output=True, text=True, timeout=300)
+        row = next(r for r in json.loads(done.stdout) if r["rank"] == rank)
+        measured = float(np.max(peaks[tokens[:, rank] == at, rank]))
+        predicted = row.get("predicted_peak_gib", np.nan)
+        ranks.append({"tokens": at, "times_seen": at / largest, "predicted_gib": predicted, "measured_gib": measured,
+                      "of_rise": (predicted - measured) / (measured - base[rank])})
+    return {"at_1_5x": ranks}
 
 
 def main() -> None:
@@ -159,6 +185,11 @@ def main() -> None:
             print(f"advised / true largest safe ({unit}): min {min(ratios):.3f} "
                   f"median {float(np.median(ratios)):.3f} "
                   f"max {max(ratios):.3f}; over in {sum(r > 1 for r in ratios)} of {len(ratios)}")
+    errors = [a["of_rise"] for r in results for a in r["at_1_5x"]]
+    if errors:
+        print(f"predicted - measured peak at ~1.5x the largest T seen, share of the rise, per rank: "
+              f"{' '.join(f'{e:+.3f}' for e in errors)}; within 5% in {sum(abs(e) <= 0.05 for e in errors)} "
+              f"of {len(errors)}")
 
 
 if __name__ == "__main__":

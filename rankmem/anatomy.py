@@ -1,20 +1,22 @@
 """Peak anatomy: what fills each phase's peak on this rank (docs/anatomy.md).
 
-:class:`Tracker` holds what :meth:`rankmem.Monitor.track` was told (models, optimizers) and reads it
-cheaply: parameter bytes once (storages deduplicated; a DTensor's local shard), optimizer state bytes
-after a step that changed the state's shape, gradient bytes as one pass over the parameters that take
-gradients (``p.grad is not None``, their byte sizes cached). :class:`Anatomy` cuts each open phase into
-segments at the boundaries the monitor sees (the phase's edges, each ``micro_batch()``, an optimizer
-step's start and end) and remembers the gradients and optimizer state at the ends of the segment in
-which the phase's peak was reached. Local to one rank; nothing here imports torch.
+:class:`Tracker` holds what :meth:`rankmem.Monitor.track` was told (models, optimizers) and reads it cheaply:
+parameter bytes once (storages deduplicated; a DTensor's local shard), optimizer state bytes after a step
+that changed the state's shape, gradient bytes (sizes cached) by one pass over the parameters where some
+may have appeared or gone: not after a tracked optimizer's ``zero_grad`` (wrapped), nor while all are held.
+:class:`Anatomy` cuts each open phase into segments at the boundaries the monitor sees (its edges, each
+``micro_batch()``, an optimizer step's start and end) and remembers the gradients and optimizer state at the
+ends of the segment in which the phase's peak was reached. Local to one rank; nothing here imports torch.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from functools import partial, update_wrapper
 from itertools import compress, repeat
 from operator import attrgetter, is_not
+from types import SimpleNamespace
 from typing import Any
 
 from rankmem.core.guard import Guard
@@ -29,15 +31,11 @@ def _local(t: Any) -> Any:
     return t if local is None else local
 
 
-def _nbytes(t: Any) -> int:
-    return int(t.numel()) * int(t.element_size())
-
-
 class Tracker:
     """The tracked models and optimizers, counted on one device type (``cuda``, ``cpu``, ...): tensors
     elsewhere (an optimizer offloaded to the host) are not in that device's peak."""
 
-    def __init__(self, kind: str, guard: Guard) -> None:
+    def __init__(self, kind: str, guard: Guard, boundary: Callable[[int | None, bool], None]) -> None:
         self.kind = kind
         self.params_bytes = 0
         self.optimizer_bytes: int | None = None
@@ -46,27 +44,28 @@ class Tracker:
         """How often a gradient set was freed (``zero_grad(set_to_none=True)``), seen by a weak reference."""
         self.full_grads = 0
         """The most gradient bytes seen at an optimizer step's start."""
-        self.boundary: Callable[[int | None], None] | None = None
-        """Called at an optimizer step's start (with the gradient bytes) and end (the same bytes)."""
+        self.boundary: Callable[[int | None, bool], None] | None = boundary
+        """Called at an optimizer step's start (with the gradient bytes) and end (the same bytes); the flag:
+        the start, where the step cannot grow the optimizer state (:meth:`Anatomy.ends`)."""
         self._guard = guard
         self._seen: set[int] = set()
         self._storages: set[int] = set()
         self._grad_params: list[Any] = []
         self._grad_sizes: list[int] = []
         self._optimizers: list[Any] = []
+        self._covers: dict[int, bool] = {}  # by the optimizer's id: it holds every tracked parameter
         self._state_shape: tuple[tuple[int, int], ...] = ()
         self._step_grads = 0
         self._sentinel: weakref.ref[Any] | None = None
         self._handles: list[Any] = []
         import torch  # track() was given torch objects: it is imported already
 
-        # The autograd nodes this thread has made: unchanged, no graph was built whose backward could have
-        # made gradients since the last walk. A backward of an older graph shows on one watched parameter:
-        # its gradient made, or accumulated into (its version). A private call: without it, every boundary
-        # walks.
+        # The autograd nodes this thread has made: unchanged, no graph was built whose backward could have made
+        # gradients since the last walk. A backward of an older graph shows on one watched parameter: its
+        # gradient made, or accumulated into (its version). A private call: without it, every boundary walks.
         self._graphs: Callable[[], object] = getattr(torch._C._autograd, "_get_sequence_nr", object)
-        self._seen_at: tuple[object, ...] | None = None
-        self._last = 0
+        self._seen_at: tuple[object, int, int | None] = (None, -1, None)
+        self._last = self._full = 0
         self._watched: Any = None
 
     def add(self, model: Any, optimizer: Any = None) -> None:
@@ -84,30 +83,46 @@ class Tracker:
             if p.requires_grad:
                 self._watched = p if self._watched is None else self._watched
                 self._grad_params.append(p)
-                self._grad_sizes.append(_nbytes(t))
+                self._grad_sizes.append(int(t.nbytes))
         if optimizer is not None and all(o is not optimizer for o in self._optimizers):
             self._optimizers.append(optimizer)
-            self._handles += [optimizer.register_step_pre_hook(self._pre),
-                              optimizer.register_step_post_hook(self._post)]
+            self._handles += [optimizer.register_step_pre_hook(partial(self._hook, True)),
+                              optimizer.register_step_post_hook(partial(self._hook, False))]
+            if "zero_grad" not in vars(optimizer):  # not wrapped already, by whoever: then walk after it
+                optimizer.zero_grad = update_wrapper(partial(self._zero_grad, optimizer.zero_grad, id(optimizer)),
+                                                     optimizer.zero_grad)
+                self._handles.append(SimpleNamespace(remove=partial(vars(optimizer).pop, "zero_grad", None)))
             self._read_optimizer(force=True)
+        ids, self._full = set(map(id, self._grad_params)), sum(self._grad_sizes)
+        self._covers = {id(o): ids <= {id(p) for g in o.param_groups for p in g["params"]} for o in self._optimizers}
 
     def grads(self, fresh: bool = False) -> int:
-        """Bytes of the gradients alive now: one pass over the parameters (C-level iteration, ~0.1 us a
-        tensor), skipped where no graph was built and no gradient freed since the last one."""
+        """Bytes of the gradients alive now: one pass over the parameters (C-level iteration, ~0.1 us a tensor),
+        skipped where no graph was built and none freed since the last, or all were held then and none freed."""
         watched = None if self._watched is None else self._watched.grad
         at = (self._graphs(), self.drops, None if watched is None else watched._version)
-        if not fresh and at == self._seen_at:
+        if not fresh and (at == self._seen_at or self._last == self._full and at[1] == self._seen_at[1]):
             return self._last
         total = sum(compress(self._grad_sizes, map(is_not, map(_GRAD, self._grad_params), repeat(None))))
         if total and self._sentinel is None:
-            grad = next(g for g in map(_GRAD, self._grad_params) if g is not None)
-            self._sentinel = weakref.ref(grad, self._dropped)
+            self._sentinel = weakref.ref(next(g for g in map(_GRAD, self._grad_params) if g is not None), self._dropped)
         self._seen_at, self._last = at, total
         return total
 
     def _dropped(self, _: object) -> None:
         self.drops += 1
         self._sentinel = None
+
+    def _zero_grad(self, zero_grad: Callable[..., Any], optimizer: int, *args: Any, **kwargs: Any) -> Any:
+        """A tracked optimizer's ``zero_grad``: where it holds every tracked parameter and freed the watched
+        one's gradient (``set_to_none``), none is left; elsewhere it counts as a free (the next read walks)."""
+        had = self._watched is not None and self._watched.grad is not None
+        out = zero_grad(*args, **kwargs)
+        if not self._covers.get(optimizer):  # it may have freed gradients the sentinel does not see
+            self.drops += 1
+        elif had and self._watched.grad is None:  # the sentinel has seen the free: the signature the next read sees
+            self._seen_at, self._last = (self._graphs(), self.drops, None), 0
+        return out
 
     def _read_optimizer(self, force: bool = False) -> None:
         """Optimizer state bytes (tensors of dimension >= 1), read again only when the state changed shape:
@@ -116,41 +131,31 @@ class Tracker:
         if shape == self._state_shape and not force:
             return
         self._state_shape = shape
-        total = 0
-        for o in self._optimizers:
-            for state in o.state.values():
-                for v in state.values():
-                    if hasattr(v, "untyped_storage") and v.dim() >= 1:
-                        t = _local(v)
-                        if t.device.type == self.kind:
-                            total += _nbytes(t)
-        self.optimizer_bytes = total
+        self.optimizer_bytes = sum(int(t.nbytes) for t in self._states())
 
-    def _pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self._guard.call("anatomy", "peak anatomy failed at a step", self._at_step, default=None)
+    def _states(self) -> Iterator[Any]:
+        """The optimizers' state tensors of dimension >= 1 on this device type (a DTensor's local shard)."""
+        return (_local(v) for o in self._optimizers for s in o.state.values() for v in s.values()
+                if hasattr(v, "untyped_storage") and v.dim() >= 1 and _local(v).device.type == self.kind)
 
-    def _at_step(self) -> None:
-        self._step_grads = g = self.grads()
-        self.full_grads = max(self.full_grads, g)
+    def _hook(self, start: bool, *_: Any) -> None:
+        self._guard.call("anatomy", "peak anatomy failed at a step", self._step_edge, start, default=None)
+
+    def _step_edge(self, start: bool) -> None:
+        if start:
+            self._step_grads = self.grads()
+            self.full_grads = max(self.full_grads, self._step_grads)
+        else:
+            self._read_optimizer()  # a step reads gradients, it does not free them
+        settled = all(len(o.state) == sum(len(g["params"]) for g in o.param_groups) for o in self._optimizers)
         if self.boundary is not None:
-            self.boundary(g)
-
-    def _post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self._guard.call("anatomy", "peak anatomy failed at a step", self._after_step, default=None)
-
-    def _after_step(self) -> None:
-        self._read_optimizer()
-        if self.boundary is not None:
-            self.boundary(self._step_grads)  # a step reads gradients, it does not free them
+            self.boundary(self._step_grads, start and settled)
 
     def ptrs(self) -> dict[str, set[int]]:
-        """The ``data_ptr()`` of every tracked storage on this device type, by category (``params``,
-        ``grads``, ``optimizer``): what an allocator history's blocks are classed by. A walk: not for
-        the hot path."""
+        """The ``data_ptr()`` of every tracked storage on this device type, by category (``params``, ``grads``,
+        ``optimizer``): what an allocator history's blocks are classed by. A walk: not for the hot path."""
         grads = {_local(p.grad).untyped_storage().data_ptr() for p in self._grad_params if p.grad is not None}
-        optimizer = {_local(v).untyped_storage().data_ptr() for o in self._optimizers
-                     for s in o.state.values() for v in s.values()
-                     if hasattr(v, "untyped_storage") and v.dim() >= 1 and _local(v).device.type == self.kind}
+        optimizer = {t.untyped_storage().data_ptr() for t in self._states()}
         return {"params": set(self._storages), "grads": grads, "optimizer": optimizer}
 
     def close(self) -> None:
@@ -182,16 +187,18 @@ class Anatomy:
         self.device = device
         self._runs: dict[object, _Run] = {}
 
-    @property
-    def active(self) -> bool:
-        return bool(self._runs)
-
     def _peak(self, window: Any) -> int | None:
         return window.peak_allocated if self.device else window.peak_rss  # type: ignore[no-any-return]
 
     def open(self, window: Any) -> None:
         t = self.tracker
         self._runs[window] = _Run(t.grads(), t.drops, self._peak(window), t.optimizer_bytes)
+
+    def ends(self, g: int | None, optional: bool) -> bool:
+        """Whether an edge here ends a segment: not where none is open, nor where ``optional`` and no open one
+        saw its gradients made or freed (it would split nothing: the same range and state)."""
+        return bool(self._runs) and not (optional and all(r.g0 == g and r.drops == self.tracker.drops
+                                                          for r in self._runs.values()))
 
     def boundary(self, g: int | None = None) -> None:
         """After an edge that folded the peaks into every open window: a segment ends in each."""

@@ -346,16 +346,14 @@ class Monitor(_Readouts):
         optimizer state, gradients (a range), activations, allocator slack and memory outside torch
         (``mem/phase/<name>/anatomy/*``, docs/anatomy.md). Once per model (actor, critic, reference), after
         it is on its device and wrapped (FSDP's ``fully_shard`` replaces the parameters), on every rank.
-        Registers a step pre- and post-hook on ``optimizer``; each ``micro_batch()`` becomes an edge.
-        Local."""
+        Hooks ``optimizer``'s step and wraps its ``zero_grad`` (until close); each ``micro_batch()`` becomes an
+        edge. Local."""
         windows = self._open_windows()
         if windows.anatomy is None:
             from rankmem.anatomy import Anatomy, Tracker
             device = windows.device
             kind = "cpu" if device is None else str(getattr(device.module, "tensor_device_type", device.name))
-            tracker = Tracker(kind, self._guard)
-            tracker.boundary = windows.boundary
-            windows.anatomy = Anatomy(tracker, device is not None)
+            windows.anatomy = Anatomy(Tracker(kind, self._guard, windows.boundary), device is not None)
         windows.anatomy.tracker.add(model, optimizer)
         if self._sampler is not None:  # its replay names parameter, gradient and optimizer blocks
             self._sampler.track(model, optimizer)

@@ -231,11 +231,11 @@ class Windows:
         window.work.add(tokens, sequences, sq_tokens)
         return True
 
-    def boundary(self, grads: int | None = None) -> None:
-        """An edge inside the open phases where a segment of their anatomy ends (a micro-batch, an
-        optimizer step's start or end); ``grads``: the gradient bytes, where already counted."""
+    def boundary(self, grads: int | None = None, optional: bool = False) -> None:
+        """An edge inside the open phases where a segment of their anatomy ends (a micro-batch, an optimizer
+        step's start or end; ``optional``: see :meth:`Anatomy.ends`); ``grads``: the bytes, where counted."""
         anatomy = self.anatomy
-        if anatomy is not None and anatomy.active:
+        if anatomy is not None and anatomy.ends(grads, optional):
             self._edge()
             self._guard.call("anatomy", "peak anatomy failed", anatomy.boundary, grads, default=None)
 

@@ -179,6 +179,46 @@ def test_ptrs_name_the_tracked_storages() -> None:
     assert len(ptrs["optimizer"]) == 2 * len(ptrs["params"])  # AdamW's two moments per parameter
 
 
+def test_gradient_bytes_where_no_walk_reads_them() -> None:
+    """The gradient count skips its walk after the ``zero_grad`` of an optimizer that holds every tracked
+    parameter, and while every parameter holds a gradient: each figure equals the bytes counted directly,
+    through a second backward, frees, zeroing in place, a module's ``zero_grad``, and then a second model
+    with its own optimizer (the first one's ``zero_grad`` leaves the second's gradients)."""
+    import inspect
+
+    actor, critic = _model()[0], _model()[0]
+    actor_opt, critic_opt = torch.optim.AdamW(actor.parameters()), torch.optim.SGD(critic.parameters())
+    monitor = rankmem.Monitor(device="cpu", children=False, near_oom_watch=False)
+    monitor.track(actor, actor_opt)
+    tracker = monitor.tracker
+    assert tracker is not None
+    half = sum(p.numel() * 4 for p in actor.parameters())
+    seen: list[tuple[int, int]] = []
+
+    def after(*calls: Any) -> None:
+        for call in calls:
+            call()
+        seen.append((tracker.grads(), grad_bytes([*actor.parameters(), *critic.parameters()])))
+
+    def backward(m: torch.nn.Module) -> None:
+        m(torch.randn(8, 256)).square().sum().backward()
+
+    after(lambda: backward(actor))
+    after(lambda: backward(actor))  # every parameter holds one
+    after(actor_opt.step, actor_opt.zero_grad)
+    after(lambda: backward(actor), lambda: actor_opt.zero_grad(set_to_none=False))
+    after(actor.zero_grad)  # the module's, not the optimizer's
+    monitor.track(critic, critic_opt)
+    after(lambda: backward(actor), lambda: backward(critic))
+    after(critic_opt.zero_grad)  # the watched gradient (the actor's) stays: nothing to read from it
+    after(actor_opt.zero_grad)  # no longer every tracked parameter's optimizer
+    assert [truth for _, truth in seen] == [half, half, 0, half, 0, 2 * half, half, 0]
+    assert [mine for mine, _ in seen] == [truth for _, truth in seen]
+    assert "set_to_none" in inspect.signature(actor_opt.zero_grad).parameters  # accelerate reads it
+    monitor.close()
+    assert "zero_grad" not in vars(actor_opt) and "zero_grad" not in vars(critic_opt)
+
+
 def test_prometheus_names_the_part_in_a_category_label() -> None:
     from rankmem.core.records import StepRecord
     from rankmem.sinks._promfigures import Figures

@@ -42,12 +42,8 @@ class PhaseAnatomy:
 
 
 def _split(run: Run, phase: str, row: int, rank: int) -> dict[str, float]:
-    out = {}
-    for part in ANATOMY_PARTS:
-        matrix = run.series.get(phase_key(phase, f"anatomy/{part}_gib"))
-        if matrix is not None and np.isfinite(matrix[row, rank]):
-            out[part] = float(matrix[row, rank])
-    return out
+    found = ((part, run.series.get(phase_key(phase, f"anatomy/{part}_gib"))) for part in ANATOMY_PARTS)
+    return {part: float(m[row, rank]) for part, m in found if m is not None and np.isfinite(m[row, rank])}
 
 
 def anatomy_rows(run: Run) -> list[PhaseAnatomy]:
@@ -92,8 +88,7 @@ def anatomy_lines(rows: list[PhaseAnatomy]) -> list[str]:
     lines = []
     for a in rows:
         mib = sum(a.worst.get(p, 0.0) for p in SHOWN) < 1
-        unit = "MiB" if mib else "GiB"
-        lines.append(f"what fills the {a.phase} peak ({unit}, step {a.step}): rank {a.rank}: "
+        lines.append(f"what fills the {a.phase} peak ({'MiB' if mib else 'GiB'}, step {a.step}): rank {a.rank}: "
                      f"{_parts(a.worst, mib)}; median rank {a.median_rank}: {_parts(a.median, mib)}; most is "
                      f"{a.dominant.replace('_high', '')}: {a.change}")
     return lines
