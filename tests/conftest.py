@@ -173,7 +173,17 @@ def only_new_children() -> Iterator[list[int]]:
 
 
 TRAIN_STEPS = 20
-"""``rankmem train`` in README's commands runs at most this many steps (``make demo``'s 400 take minutes)."""
+"""``rankmem train`` in README's and docs/'s commands runs at most this many steps (``make demo``'s 400 take
+minutes)."""
+
+
+def train_steps_cap(words: Sequence[str]) -> list[str]:
+    """What to append to a ``rankmem train`` command (``words``) so it runs at most :data:`TRAIN_STEPS`
+    steps (argparse keeps the last ``--steps``); nothing for any other command."""
+    if list(words[:2]) != ["rankmem", "train"]:
+        return []
+    steps = words[words.index("--steps") + 1] if "--steps" in words else None
+    return ["--steps", str(TRAIN_STEPS)] if steps is None or int(steps) > TRAIN_STEPS else []
 
 
 def command_env() -> dict[str, str]:

@@ -31,7 +31,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO, TRAIN_STEPS, run_at_a_terminal
+from tests.conftest import REPO, run_at_a_terminal, train_steps_cap
 from tests.conftest import command_env as _env
 from tests.runlog_helpers import read_log
 
@@ -94,10 +94,7 @@ def test_readme_command_runs_as_shown(command: str, demo_workdir: Path) -> None:
     if words[:2] == ["rankmem", "train"] and (_option(words, "--nnodes") or "1") != "1":
         pytest.skip("several nodes: tests/test_engine.py forms a two-agent job on one machine")
     argv = _argv(command)
-    if words[:2] == ["rankmem", "train"]:
-        steps = _option(words, "--steps")
-        if steps is None or int(steps) > TRAIN_STEPS:
-            argv += ["--steps", str(TRAIN_STEPS)]  # argparse keeps the last
+    argv += train_steps_cap(words)
     if words[:2] == ["rankmem", "watch"] and "--once" not in words:
         _live_watch(argv, demo_workdir)
         return
