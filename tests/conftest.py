@@ -209,3 +209,19 @@ def make_demo_workdir(work: Path) -> Path:
 def demo_workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One demo directory for the README's commands and the docs' samples (one launch, not two)."""
     return make_demo_workdir(tmp_path_factory.mktemp("readme"))
+
+
+@pytest.fixture(scope="session")
+def once_in_demo(demo_workdir: Path) -> Callable[[Sequence[str]], subprocess.CompletedProcess[str]]:
+    """Runs a command that makes a run (README's ``rankmem train ... --out runs/advise``) in the demo
+    directory the first time a test asks, and gives every later asker that launch's result: README's
+    commands, the samples and docs/advice.md show the same command (one launch, not three)."""
+    done: dict[tuple[str, ...], subprocess.CompletedProcess[str]] = {}
+
+    def run(argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
+        if tuple(argv) not in done:
+            done[tuple(argv)] = subprocess.run(list(argv), cwd=demo_workdir, env=command_env(), capture_output=True,
+                                               text=True, timeout=PROCESS_TIMEOUT_S)
+        return done[tuple(argv)]
+
+    return run
