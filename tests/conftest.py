@@ -173,7 +173,17 @@ def only_new_children() -> Iterator[list[int]]:
 
 
 TRAIN_STEPS = 20
-"""``rankmem train`` in README's commands runs at most this many steps (``make demo``'s 400 take minutes)."""
+"""``rankmem train`` in README's and docs/'s commands runs at most this many steps (``make demo``'s 400 take
+minutes)."""
+
+
+def train_steps_cap(words: Sequence[str]) -> list[str]:
+    """What to append to a ``rankmem train`` command (``words``) so it runs at most :data:`TRAIN_STEPS`
+    steps (argparse keeps the last ``--steps``); nothing for any other command."""
+    if list(words[:2]) != ["rankmem", "train"]:
+        return []
+    steps = words[words.index("--steps") + 1] if "--steps" in words else None
+    return ["--steps", str(TRAIN_STEPS)] if steps is None or int(steps) > TRAIN_STEPS else []
 
 
 def command_env() -> dict[str, str]:
@@ -199,3 +209,19 @@ def make_demo_workdir(work: Path) -> Path:
 def demo_workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One demo directory for the README's commands and the docs' samples (one launch, not two)."""
     return make_demo_workdir(tmp_path_factory.mktemp("readme"))
+
+
+@pytest.fixture(scope="session")
+def once_in_demo(demo_workdir: Path) -> Callable[[Sequence[str]], subprocess.CompletedProcess[str]]:
+    """Runs a command that makes a run (README's ``rankmem train ... --out runs/advise``) in the demo
+    directory the first time a test asks, and gives every later asker that launch's result: README's
+    commands, the samples and docs/advice.md show the same command (one launch, not three)."""
+    done: dict[tuple[str, ...], subprocess.CompletedProcess[str]] = {}
+
+    def run(argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
+        if tuple(argv) not in done:
+            done[tuple(argv)] = subprocess.run(list(argv), cwd=demo_workdir, env=command_env(), capture_output=True,
+                                               text=True, timeout=PROCESS_TIMEOUT_S)
+        return done[tuple(argv)]
+
+    return run

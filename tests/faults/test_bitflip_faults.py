@@ -3,7 +3,8 @@ file and run log. Each flip is read by ``rankmem report``, ``leaks``, ``watch`` 
 through the real CLI in a subprocess of its own (a crash must be seen as one). What
 each says is compared with what it says of the undamaged run: it must say the same, or note the damage
 (a note, a skipped line, a refused file in one line); a different answer without a note is a misread.
-None may misread, none may crash."""
+None may misread, none may crash. The default selection reads the first 100 of the 400 flips;
+``pytest -m slow`` reads all 400."""
 
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ PLOT_EVERY = 25
 WORKER = Path(__file__).with_name("_bitflip_worker.py")
 
 
-def _flips(run: Path, seed: int) -> list[dict[str, Any]]:
-    """The clean run first, then FLIPS flips spread over both files by their sizes."""
+def _flips(run: Path, seed: int, count: int) -> list[dict[str, Any]]:
+    """The clean run first, then the first ``count`` of FLIPS flips spread over both files by their sizes."""
     sizes = {name: (run / name).stat().st_size for name in (DETAIL_NAME, RUN_LOG_NAME)}
     total = sum(sizes.values())
     rng = np.random.default_rng(seed)
@@ -36,7 +37,7 @@ def _flips(run: Path, seed: int) -> list[dict[str, Any]]:
         name = DETAIL_NAME if at < sizes[DETAIL_NAME] else RUN_LOG_NAME
         byte = at if name == DETAIL_NAME else at - sizes[DETAIL_NAME]
         out.append({"file": name, "byte": byte, "bit": int(rng.integers(8)), "plot": i % PLOT_EVERY == 0})
-    return out
+    return out[:count + 1]
 
 
 def _run_all(run: Path, flips: list[dict[str, Any]], tmp: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -98,11 +99,13 @@ def _verdict(clean: dict[str, Any], got: dict[str, Any]) -> str:
 
 
 @pytest.mark.timeout(1200)
-def test_single_bit_flips_in_a_run_are_never_misread_and_never_crash(tmp_path: Path) -> None:
+@pytest.mark.parametrize("count", [pytest.param(FLIPS, marks=pytest.mark.slow, id="400-flips"),
+                                   pytest.param(100, id="100-flips")])
+def test_single_bit_flips_in_a_run_are_never_misread_and_never_crash(tmp_path: Path, count: int) -> None:
     run = tmp_path / "run"
     run.mkdir()
     known_run(run)
-    flips = _flips(run, seed=20)
+    flips = _flips(run, seed=20, count=count)
     results, killed = _run_all(run, flips, tmp_path)
     assert not killed, f"{len(killed)} flip(s) killed the reader: {killed[:3]}"
     clean = results[0]
@@ -116,7 +119,7 @@ def test_single_bit_flips_in_a_run_are_never_misread_and_never_crash(tmp_path: P
         if verdict in ("misread", "crash"):
             bad.append((verdict, got["flip"], {k: v for k, v in got.items() if k != "flip"}))
     by_file = {name: sum(f["file"] == name for f in flips[1:]) for name in (DETAIL_NAME, RUN_LOG_NAME)}
-    print(f"{FLIPS} single-bit flips ({by_file}): {counts}")
-    assert len(results) == FLIPS + 1
+    print(f"{count} single-bit flips ({by_file}): {counts}")
+    assert len(results) == count + 1
     assert not bad, f"{counts}; " + "\n".join(json.dumps(b, default=str)[:1500] for b in bad[:4])
     assert counts["noted"] > 0  # flips that hit values and framing are found, not all harmless

@@ -140,14 +140,14 @@ def _run_live_in_pty(run: Path, frames_seen: int, out: Path, timeout: float = 60
                              env=dict(os.environ), done=done, timeout=timeout)
 
 
-LIVE_STEPS = 200
+LIVE_STEPS = 100
 
 
 def test_watch_follows_a_real_job(tmp_path: Path) -> None:
     out = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    # Long enough that a fast machine is still training when the side file's first batch (~1 s of wall
-    # time) is there to pause it at: 60 steps left ~4 s of margin here, under 4 s on a faster CI machine.
+    # Long enough that a fast machine is still training when it is paused: the wait below holds at the
+    # 4th step (0.6 s after the first, at a load of 4), and 96 steps then take ~17 s here.
     job = subprocess.Popen([sys.executable, "-m", "rankmem", "train", "--task", "grpo", "--steps", str(LIVE_STEPS),
                             "--nproc-per-node", "2", "--no-progress", "--out", str(out)],
                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
