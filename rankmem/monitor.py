@@ -401,6 +401,9 @@ class Monitor(_Readouts):
                                       self.peak_rss_scope, self._run_id)
         self._forensics.adopt(header.run_id)
         self._publisher.start(header, logging=self.is_logging_rank)
+        # The logging rank's first writes (files opened, the first leak judgement) allocate: the next
+        # window waits for them, briefly (Handoff.SETTLE_S), so that they are in no user's phase.
+        self._gate = self.is_logging_rank
 
     def _open_windows(self) -> Windows:
         if self._gate:
@@ -411,6 +414,7 @@ class Monitor(_Readouts):
         if self._closed:  # its descriptors are closed: every figure would read as unavailable, silently
             raise RankmemError("this Monitor is closed: build a new one (on every rank) to go on measuring")
         self._publisher.primed()
+        self._publisher.settle()
         self._gate = False
 
     def record_oom(self, exc: BaseException) -> None:
