@@ -8,8 +8,9 @@ Run:  python bench/bench_report.py [--steps 100000] [--ranks 8] [--plain-steps 2
    ``json.loads`` of the same collects as per-rank JSON lines (what any reader of a per-rank text layout
    pays at least); then ``read_run`` and the whole report in this process. Target: baseline / report
    >= 30. The report's peak RSS in a fresh process is stated. Times are CPU seconds (see :func:`best`).
-2. A plain loop's run (``--plain-steps`` x ``--plain-ranks``, the keys a CPU Monitor logs): the whole
-   ``rankmem report`` as a command, against ``json.loads`` over the run log's own lines. Target <= 0.5x.
+2. A plain loop's run (``--plain-steps`` x ``--plain-ranks``, the keys a CPU Monitor logs; then README's
+   loop, a step with two phases and ``track()``): the whole ``rankmem report`` as a command, against
+   ``json.loads`` over the run log's own lines. Target <= 0.5x.
    The command runs with its bytecode cached, as an installed package's is (one untimed run first; where
    PYTHONDONTWRITEBYTECODE is set, the cache goes to a temp dir): else every run compiles rankmem.
 
@@ -53,11 +54,25 @@ def gpu_keys() -> list[str]:
     return sorted(out)
 
 
-def cpu_keys() -> list[str]:
-    """The per-rank keys a CPU Monitor logs for a loop with one metric (read off a real collect)."""
+def cpu_keys(readme_loop: bool = False) -> list[str]:
+    """The per-rank keys a CPU Monitor logs for a loop with one metric (read off a real collect); with
+    ``readme_loop``, for README's loop: a step with its ``forward`` and ``update`` phases and ``track()``."""
+    import torch
+
     import rankmem
 
     monitor = rankmem.Monitor(device="cpu", children=False, leak_check=False, near_oom_watch=False)
+    if readme_loop:
+        model = torch.nn.Linear(64, 64)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        monitor.track(model, optimizer)
+        with monitor.step(0):
+            with monitor.phase("forward"):
+                loss = model(torch.randn(8, 64)).square().mean()
+            with monitor.phase("update"):
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
     got = monitor.collect({"loss": 1.0})
     monitor.close()
     return sorted(k[: -len("/max")] for k in got if k.endswith("/max"))
@@ -175,14 +190,13 @@ def main() -> None:
         speedup = wall["plain"] / wall["report"]
         print(f"  target (a)/(c) >= 30x: {speedup:.1f}x {'PASS' if speedup >= 30 else 'FAIL'}; "
               f"report peak RSS {peak_rss_mib(run):.0f} MiB (fresh process)")
-    if args.plain_steps:
-        ks = cpu_keys()
-        run = cached("plain", args.plain_steps, args.plain_ranks, ks, per_rank=False)
-        print(f"\nplain loop: {args.plain_steps} steps x {args.plain_ranks} ranks, {len(ks)} per-rank keys: "
+    for name, ks in (("plain", cpu_keys()), ("readme", cpu_keys(readme_loop=True))) if args.plain_steps else ():
+        run = cached(name, args.plain_steps, args.plain_ranks, ks, per_rank=False)
+        print(f"\n{name} loop: {args.plain_steps} steps x {args.plain_ranks} ranks, {len(ks)} per-rank keys: "
               f"{sizes(run)}")
         cli_report(run)  # untimed: writes the bytecode cache where the environment keeps none
-        wall = best({"loads": lambda: loads(os.path.join(run, "rankmem.jsonl")), "report": lambda: report_of(run),
-                     "cli": lambda: cli_report(run)}, args.repeat)
+        wall = best({"loads": lambda run=run: loads(os.path.join(run, "rankmem.jsonl")),
+                     "report": lambda run=run: report_of(run), "cli": lambda run=run: cli_report(run)}, args.repeat)
         print(f"  (a) json.loads of the run log's own lines: {wall['loads']:6.2f} s")
         print(f"  (b) rankmem report, in process:            {wall['report']:6.2f} s "
               f"({wall['report'] / wall['loads']:.2f}x)")
