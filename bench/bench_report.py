@@ -8,8 +8,9 @@ Run:  python bench/bench_report.py [--steps 100000] [--ranks 8] [--plain-steps 2
    ``json.loads`` of the same collects as per-rank JSON lines (what any reader of a per-rank text layout
    pays at least); then ``read_run`` and the whole report in this process. Target: baseline / report
    >= 30. The report's peak RSS in a fresh process is stated. Times are CPU seconds (see :func:`best`).
-2. A plain loop's run (``--plain-steps`` x ``--plain-ranks``, the keys a CPU Monitor logs; then README's
-   loop, a step with two phases and ``track()``): the whole ``rankmem report`` as a command, against
+2. A plain loop's run (``--plain-steps`` x ``--plain-ranks``, the keys a CPU Monitor logs for a bare
+   ``collect()``; then for a phased loop: README's ``forward`` and ``update`` phases in a step, with the
+   ``track()`` its "What fills the peak" section adds): the whole ``rankmem report`` as a command, against
    ``json.loads`` over the run log's own lines. Target <= 0.5x.
    The command runs with its bytecode cached, as an installed package's is (one untimed run first; where
    PYTHONDONTWRITEBYTECODE is set, the cache goes to a temp dir): else every run compiles rankmem.
@@ -54,15 +55,15 @@ def gpu_keys() -> list[str]:
     return sorted(out)
 
 
-def cpu_keys(readme_loop: bool = False) -> list[str]:
+def cpu_keys(phased: bool = False) -> list[str]:
     """The per-rank keys a CPU Monitor logs for a loop with one metric (read off a real collect); with
-    ``readme_loop``, for README's loop: a step with its ``forward`` and ``update`` phases and ``track()``."""
+    ``phased``, for README's loop (a step, its ``forward`` and ``update`` phases) with ``track()``."""
     import torch
 
     import rankmem
 
     monitor = rankmem.Monitor(device="cpu", children=False, leak_check=False, near_oom_watch=False)
-    if readme_loop:
+    if phased:
         model = torch.nn.Linear(64, 64)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         monitor.track(model, optimizer)
@@ -190,7 +191,8 @@ def main() -> None:
         speedup = wall["plain"] / wall["report"]
         print(f"  target (a)/(c) >= 30x: {speedup:.1f}x {'PASS' if speedup >= 30 else 'FAIL'}; "
               f"report peak RSS {peak_rss_mib(run):.0f} MiB (fresh process)")
-    for name, ks in (("plain", cpu_keys()), ("readme", cpu_keys(readme_loop=True))) if args.plain_steps else ():
+    plain_runs = [("plain", cpu_keys()), ("phased", cpu_keys(phased=True))] if args.plain_steps else []
+    for name, ks in plain_runs:
         run = cached(name, args.plain_steps, args.plain_ranks, ks, per_rank=False)
         print(f"\n{name} loop: {args.plain_steps} steps x {args.plain_ranks} ranks, {len(ks)} per-rank keys: "
               f"{sizes(run)}")
