@@ -46,11 +46,26 @@ class PhaseRow:
 def worst_of(matrix: np.ndarray, low: bool) -> tuple[np.ndarray, int]:
     """``matrix`` with its NaN and infinities made the best value, and the flat index of its worst value
     (ties: earliest step, then lowest rank); ``matrix`` itself where that changes nothing (no copy)."""
-    flat = int(matrix.argmin() if low else matrix.argmax())  # a NaN, or the infinity at the worse end, wins
+    flat = first_extreme(matrix, low)  # a NaN, or the infinity at the worse end, wins
     if math.isfinite(matrix.flat[flat]):
         return matrix, flat
     filled = np.where(np.isfinite(matrix), matrix, np.inf if low else -np.inf)
-    return filled, int(filled.argmin() if low else filled.argmax())
+    return filled, first_extreme(filled, low)
+
+
+def first_extreme(matrix: np.ndarray, low: bool) -> int:
+    """``matrix.argmin()`` (``low``) or ``argmax()`` of a (steps x ranks) matrix: the row-major flat index
+    of the first extreme, a NaN first. The reader's series are column-major (each rank's values
+    contiguous), which a flat argmax would copy first: here each column's own, then the earliest row."""
+    if matrix.flags.c_contiguous or matrix.ndim != 2 or matrix.size == 0:
+        return int(matrix.argmin() if low else matrix.argmax())
+    rows = matrix.argmin(axis=0) if low else matrix.argmax(axis=0)
+    values = matrix[rows, np.arange(matrix.shape[1])]
+    nan = np.isnan(values)
+    best = nan if nan.any() else values == (values.min() if low else values.max())
+    ranks = np.flatnonzero(best)
+    at = int(ranks[np.argmin(rows[ranks])])  # the earliest row; argmin's first: the lowest rank of a tie
+    return int(rows[at]) * int(matrix.shape[1]) + at
 
 
 def phase_rows(run: Run) -> list[PhaseRow]:

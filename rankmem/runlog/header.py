@@ -49,10 +49,8 @@ def header_from_json(obj: Mapping[str, Any], path: str) -> RunHeader:
     schema = obj.get("schema")
     if isinstance(schema, bool) or schema not in SUPPORTED_SCHEMAS:
         supported = ", ".join(str(s) for s in SUPPORTED_SCHEMAS)
-        raise RankmemError(
-            f"{path} has run log schema {short(schema)}; this rankmem reads schema {supported}: "
-            "read it with the rankmem version that wrote it (see the header's 'rankmem' field)"
-        )
+        raise RankmemError(f"{path} has run log schema {short(schema)}; this rankmem reads schema {supported}: "
+                           "read it with the rankmem version that wrote it (see the header's 'rankmem' field)")
     world = _world_size(obj, path)
     detail = obj.get("detail")
     if not isinstance(detail, str) or not detail:
@@ -61,19 +59,10 @@ def header_from_json(obj: Mapping[str, Any], path: str) -> RunHeader:
     read = Fields(obj)
     read.skip("kind", "schema", "world_size", "detail", "ranks", RUN_ID_FIELD)
     ranks, unread_ranks = _ranks(obj.get("ranks"))
-    header = RunHeader(
-        world_size=world,
-        ranks=ranks,
-        config=read.take("config", as_object, {}),
-        started=read.optional("started", as_float),
-        run_id=valid_run_id(obj.get(RUN_ID_FIELD)),
-        schema=int(schema),
-        detail=detail,
-        rankmem_version=read.optional("rankmem", as_str),
-        torch_version=read.optional("torch", as_str),
-        extra=read.extra(),
-        unread=read.unread,
-    )
+    header = RunHeader(world_size=world, ranks=ranks, config=read.take("config", as_object, {}),
+                       started=read.optional("started", as_float), run_id=valid_run_id(obj.get(RUN_ID_FIELD)),
+                       schema=int(schema), detail=detail, rankmem_version=read.optional("rankmem", as_str),
+                       torch_version=read.optional("torch", as_str), extra=read.extra(), unread=read.unread)
     if unread_ranks:
         header.unread["ranks"] = unread_ranks
     return header
@@ -101,16 +90,11 @@ def _ranks(raw: Any) -> tuple[list[RankInfo], dict[int, Any]]:
     out, unread = [], {}
     for i, entry in enumerate(raw if isinstance(raw, list) else []):
         read = Fields(entry if isinstance(entry, dict) else {})
-        info = RankInfo(
-            rank=read.take("rank", as_int, i),
-            local_rank=read.optional("local_rank", as_int),
-            host=read.take("host", as_str, ""),
-            pid=read.optional("pid", as_int),
-            device=read.take("device", as_str, ""),
-            peak_rss_scope=read.take("peak_rss_scope", as_str, ""),
-            device_uuid=read.optional("device_uuid", as_str),
-        )
-        out.append(info)
+        out.append(RankInfo(rank=read.take("rank", as_int, i), local_rank=read.optional("local_rank", as_int),
+                            host=read.take("host", as_str, ""), pid=read.optional("pid", as_int),
+                            device=read.take("device", as_str, ""),
+                            peak_rss_scope=read.take("peak_rss_scope", as_str, ""),
+                            device_uuid=read.optional("device_uuid", as_str)))
         if not isinstance(entry, dict):
             unread[i] = entry
         elif read.unread:

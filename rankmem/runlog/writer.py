@@ -1,13 +1,10 @@
 """The run-log writer, on the logging rank's run-log thread: the header once, then per collect one
 side-file record (its per-rank values) and one line (its aggregates), in :mod:`rankmem.runlog.layout`.
-
-Each record and each line is one ``write(2)`` to a file opened for appending, with no buffer in between:
-a crash loses at most the collect being written. A write that fails part-way (a full disk takes what
-fits, then says ENOSPC) is cut back to the last whole record. :meth:`RunLogWriter.write` never raises
-for the disk: a collect it cannot write joins a pending gap (:meth:`RunLogWriter.lost` adds those its
-queue dropped), written as a GAP record and a gap line as soon as the disk takes writes again, and
-warned about at :meth:`close` if it never does. Online code: it imports nothing of the reader.
-"""
+Each is one unbuffered ``write(2)`` in append mode: a crash loses at most the collect being written, and
+a write the disk refuses part-way (ENOSPC) is cut back to the last whole record. :meth:`RunLogWriter.write`
+never raises for the disk: a collect it cannot write joins a pending gap (:meth:`RunLogWriter.lost` adds
+those its queue dropped), written as a GAP record and a gap line once the disk takes writes again, and
+warned about at :meth:`close` if it never does. Online code: it imports nothing of the reader."""
 
 from __future__ import annotations
 
@@ -49,9 +46,11 @@ def append_whole(fd: int, data: bytes, size: int, path: str) -> int:
 
 
 def record(kind: int, payload: bytes) -> bytes:
-    """One side-file record: kind, length, payload, and the CRC-32 of all of it."""
+    """One side-file record: kind, length, payload, and the checksum of all of it."""
     body = L.RECORD_HEAD.pack(kind, len(payload) // 8) + payload
-    return body + zlib.crc32(body).to_bytes(8, "little")
+    import numpy as np  # on the sink thread, as below
+
+    return body + int(L.checksums(np.frombuffer(body, dtype="<u8"))).to_bytes(8, "little")
 
 
 def _line(obj: dict[str, Any]) -> bytes:

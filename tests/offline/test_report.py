@@ -13,6 +13,7 @@ import pytest
 
 from rankmem.cli import main
 from rankmem.core.catalogue import key_of, phase_key
+from rankmem.offline.phases import first_extreme
 from rankmem.runlog import RUN_LOG_NAME
 from tests.runlog_helpers import known_run, run_with_events, write_run
 
@@ -142,3 +143,18 @@ def test_report_of_an_event_with_an_odd_field_is_not_a_traceback(tmp_path: Path,
     run = run_with_events(tmp_path, event)
     rc, out, err = _cli(capsys, "report", str(run))
     assert rc == 0 and "EVENT" in out
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_worst_value_of_a_column_major_series_is_the_row_major_first(seed: int) -> None:
+    """The reader's series are column-major; the worst value's step and rank must still be the first in
+    step order (then rank order) that a row-major argmax names, NaN and infinities included."""
+    rng = np.random.default_rng(seed)
+    matrix = rng.integers(0, 4, size=(rng.integers(1, 40), rng.integers(1, 9))).astype(float)  # many ties
+    for value in (np.nan, np.inf, -np.inf)[: seed % 4]:
+        matrix.flat[rng.integers(0, matrix.size, size=2)] = value
+    column_major = np.asfortranarray(matrix)
+    for low in (False, True):
+        expected = int(matrix.argmin() if low else matrix.argmax())
+        assert first_extreme(column_major, low) == expected
+        assert first_extreme(matrix, low) == expected

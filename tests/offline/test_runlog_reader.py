@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,7 @@ from rankmem.core.records import RunHeader, StepRecord
 from rankmem.errors import RankmemError
 from rankmem.offline import read_run
 from rankmem.runlog import RUN_LOG_NAME, RunLogWriter
+from rankmem.runlog import layout as L
 from rankmem.runlog.layout import DETAIL_NAME
 from tests.runlog_helpers import write_run
 
@@ -74,6 +76,35 @@ def test_a_damaged_record_ends_the_per_rank_values_there_and_says_so(tmp_path: P
     run = read_run(str(tmp_path))
     assert run.detail_note is not None and "checksum does not match" in run.detail_note
     assert 0 < run.steps.size < 6 and run.series[RSS][:, 0].tolist() == [0.0, 0.5, 1.0, 1.5, 2.0][: run.steps.size]
+    assert run.logged is not None and run.logged.steps.tolist() == [0, 10, 20, 30, 40, 50]
+
+
+def _collect_block_at(data: bytes, step: int) -> int:
+    """Where the per-rank block of ``step``'s collect record starts in a side file's bytes."""
+    off = L.FILE_HEADER.size
+    while True:
+        kind, n = L.RECORD_HEAD.unpack_from(data, off)
+        if kind == L.COLLECT and L.COLLECT_HEAD.unpack_from(data, off + 16)[0] == step:
+            return off + 16 + L.COLLECT_HEAD.size
+        off += 16 + 8 * n + 8
+
+
+@pytest.mark.parametrize("damage", ["two ranks' values swapped", "a value zeroed"])
+def test_damage_a_plain_sum_of_the_words_would_miss_is_named(tmp_path: Path, damage: str) -> None:
+    """Step 20 holds rank 0's 1.0 and rank 1's 1.5 for the same key: swapping them keeps the words' sum."""
+    _two_rank(tmp_path)
+    data = bytearray(_side(tmp_path).read_bytes())
+    at = _collect_block_at(bytes(data), 20)
+    first, other = data[at : at + 8], data[at + 16 : at + 24]  # rank 0's and rank 1's RSS (2 keys a rank)
+    assert struct.unpack("<d", first)[0] == 1.0 and struct.unpack("<d", other)[0] == 1.5
+    if damage == "a value zeroed":
+        data[at : at + 8] = bytes(8)
+    else:
+        data[at : at + 8], data[at + 16 : at + 24] = other, first
+    _side(tmp_path).write_bytes(bytes(data))
+    run = read_run(str(tmp_path))
+    assert run.detail_note is not None and "checksum does not match" in run.detail_note
+    assert run.steps.tolist() == [0, 10] and run.series[RSS][:, 0].tolist() == [0.0, 0.5]  # nothing misread
     assert run.logged is not None and run.logged.steps.tolist() == [0, 10, 20, 30, 40, 50]
 
 
