@@ -5,6 +5,7 @@ the check of the work counts a caller tells ``Monitor.micro_batch``."""
 from __future__ import annotations
 
 import enum
+import json
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -96,13 +97,17 @@ UNENCODABLE = "<not encodable: {}>"
 """What the run log's header holds in place of a config value JSON cannot hold (named by its type)."""
 CYCLE = "<cycle>"
 """What it holds in place of a container that contains itself."""
+CONFIG_MAX_BYTES = 4 << 20
+"""Most bytes of JSON a run_config keeps: the header line is read up to 16 MiB, per-rank records included."""
 
 
 def plain_config(config: Any) -> Any:
     """The caller's ``run_config`` as plain JSON data, once, at the Monitor's construction: keys become
     strings (numpy's and Enum's, tuples), numpy scalars numbers, tuples and sets lists, paths strings,
     non-finite floats None; a cycle becomes :data:`CYCLE` and anything else :data:`UNENCODABLE`, with one
-    warning naming the first. The run log's header can then never fail to encode."""
+    warning naming the first. Keys equal as text get their type's name; a value whose JSON passes
+    :data:`CONFIG_MAX_BYTES` is replaced too. The run log's header can then never fail to encode, nor be
+    too long to read."""
     replaced: list[str] = []
 
     def key(k: Any) -> str:
@@ -111,7 +116,26 @@ def plain_config(config: Any) -> Any:
         if isinstance(k, enum.Enum):
             return f"{type(k).__name__}.{k.name}"
         item = getattr(k, "item", None)
-        return str(item() if callable(item) and not isinstance(k, (tuple, list)) else k)
+        try:
+            return str(item() if callable(item) and not isinstance(k, (tuple, list)) else k)
+        except Exception:  # noqa: BLE001 - a caller's __str__ that raises
+            replaced.append(f"a {type(k).__name__} key (its str() raised)")
+            return UNENCODABLE.format(f"a {type(k).__name__} key")
+
+    def mapping(value: Mapping[Any, Any], path: str, inner: tuple[int, ...]) -> Any:
+        try:
+            items = list(value.items())
+        except Exception:  # noqa: BLE001 - a caller's mapping whose items() raises
+            replaced.append(f"{path} ({type(value).__name__})")
+            return UNENCODABLE.format(type(value).__name__)
+        out: dict[str, Any] = {}
+        for k, v in items:
+            name = key(k)
+            if name in out:
+                replaced.append(f"{path}.{name} (keys equal as text)")
+                name = f"{name} <{type(k).__name__}>"
+            out[name] = plain(v, f"{path}.{name}", inner)
+        return out
 
     def plain(value: Any, path: str, seen: tuple[int, ...]) -> Any:
         if value is None or isinstance(value, (str, bool, int)):
@@ -131,7 +155,7 @@ def plain_config(config: Any) -> Any:
                 return UNENCODABLE.format("nested too deep")
             inner = (*seen, id(value))
             if isinstance(value, dict):
-                return {key(k): plain(v, f"{path}.{key(k)}", inner) for k, v in value.items()}
+                return mapping(value, path, inner)
             items = sorted(value, key=repr) if isinstance(value, (set, frozenset)) else value
             return [plain(v, f"{path}[{i}]", inner) for i, v in enumerate(items)]
         item = getattr(value, "item", None)  # a numpy scalar (or a 0-d array, a one-value tensor)
@@ -150,10 +174,23 @@ def plain_config(config: Any) -> Any:
         return UNENCODABLE.format(type(value).__name__)
 
     out = plain(config, "run_config", ())
+    total = len(json.dumps(out))
+    if total > CONFIG_MAX_BYTES and isinstance(out, dict):  # the largest values go first, the rest kept
+        sizes = {k: len(json.dumps(v)) for k, v in out.items()}
+        for k in sorted(sizes, key=sizes.__getitem__, reverse=True)[:64]:
+            if total <= CONFIG_MAX_BYTES:
+                break
+            replaced.append(f"run_config.{k} ({sizes[k]} bytes of JSON: the header keeps {CONFIG_MAX_BYTES} at most)")
+            out[k] = UNENCODABLE.format(f"{sizes[k]} bytes of JSON")
+            total += len(out[k]) + 2 - sizes[k]
+    if total > CONFIG_MAX_BYTES:  # many small values, or one that is not a mapping
+        replaced.append(f"run_config ({total} bytes of JSON: the header keeps {CONFIG_MAX_BYTES} at most)")
+        out = UNENCODABLE.format(f"{total} bytes of JSON")
     if replaced:
-        warn(f"rankmem: run_config holds what JSON cannot: {replaced[0]}"
-             f"{f' and {len(replaced) - 1} more' if len(replaced) > 1 else ''}; the run log's header holds "
-             f"{CYCLE!r} or {UNENCODABLE.format('TYPE')!r} there instead", stacklevel=4)
+        warn(f"rankmem: run_config holds what the run log's header cannot keep as it is: {replaced[0]}"
+             f"{f' and {len(replaced) - 1} more' if len(replaced) > 1 else ''}; the header holds "
+             f"{CYCLE!r}, {UNENCODABLE.format('...')!r} or the key with its type's name there instead",
+             stacklevel=4)
     return out
 WORK_MAX = 2.0**40
 """No micro-batch holds more tokens or sequences (a trillion): a count past it is an overflowed counter or

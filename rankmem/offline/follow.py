@@ -31,12 +31,10 @@ def read_last_steps(path: str, count: int = 2, size: int | None = None) -> tuple
             start = max(0, end - block)
             f.seek(start)
             data = f.read(end - start)
-            # Cut what follows the last newline (a line being written) and, unless this is the file's
-            # start, the first piece (a line cut by the block's start).
+            # Cut a line being written (after the last newline) and, but at the file's start, one cut by the block.
             cut = data.rfind(b"\n")
             lines = data[: cut + 1].split(b"\n")[:-1] if cut >= 0 else []
-            if start > 0 and lines:
-                lines = lines[1:]
+            lines = lines[1:] if start > 0 else lines
             steps: list[dict[str, Any]] = []
             for line in reversed(lines):
                 step = R.step_of(line)

@@ -358,10 +358,6 @@ def read_run(path: str, *, metrics: bool = False) -> Run:
         header = parse_header(first, path)
         side_path = side_path_of(path)
         side, series, note = _read_side(side_path, header, first)
-        if side.damaged:
-            damage = (f"{side_path}: {side.damaged} after collect {len(side.steps)}; the later collects' "
-                      "aggregates come from the run log's lines, without per-rank values")
-            note = f"{note}; {damage}" if note else damage
         has = np.zeros(len(side.steps), dtype=bool)
         for run_of in side.runs:
             has[run_of[0] : run_of[0] + run_of[1]] = True
@@ -372,6 +368,12 @@ def read_run(path: str, *, metrics: bool = False) -> Run:
         except EOFError:  # a gzip'd log cut short (compressed while still written)
             tail, cut = [b"", b""], True
         extra = unheld(tail[1 if side.offsets else 0 : -1])
+        cut_short = side.truncated and extra  # a record goes before its line: damaged, or copied while written
+        if side.damaged or cut_short:
+            why = side.damaged or f"the record at byte {side.end} runs past the file's end"
+            damage = (f"{side_path}: {why} after collect {len(side.steps)}; the later collects' aggregates come "
+                      "from the run log's lines, without per-rank values")
+            note = f"{note}; {damage}" if note else damage
         truncated = cut or side.truncated or bool(tail[-1].strip())
         lines = _Lines(f, len(first)) if metrics or extra or not has.all() else None
     detail = np.flatnonzero(has)

@@ -1,7 +1,5 @@
 """The run log as written, on the logging rank: its layout (:mod:`~rankmem.runlog.layout`, which draws
-the format) and :class:`~rankmem.runlog.writer.RunLogWriter`. Reading is offline code:
-:func:`rankmem.offline.read_run`.
-"""
+the format) and :class:`~rankmem.runlog.writer.RunLogWriter`. Reading: :func:`rankmem.offline.read_run`."""
 
 from __future__ import annotations
 

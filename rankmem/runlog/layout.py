@@ -63,15 +63,19 @@ def padded(data: bytes) -> bytes:
 
 
 @functools.lru_cache(maxsize=16)
-def _weights(n: int) -> np.ndarray:
-    import numpy as np  # here: `import rankmem` and Monitor() load no numpy (the sink thread does)
-
+def _weights(n: int) -> np.ndarray:  # numpy imported here: `import rankmem` and Monitor() load none
+    import numpy as np
     return (np.arange(n, dtype=np.uint64) * np.uint64(2) + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
 
 
 def checksums(words: np.ndarray) -> np.ndarray:
-    """Each row's checksum: its words, each times an odd weight of its position, summed modulo 2**64 (uint64
-    wraps). Any one word changed (an odd weight is invertible), words swapped or zeroed change it; numpy
-    checks a whole file at memory speed (a CRC-32 per record was a quarter of a report's time)."""
-    out: np.ndarray = (words * _weights(words.shape[-1])).sum(axis=-1, dtype=words.dtype)
+    """Each row's checksum: each word times an odd weight of its position, mixed (xor-shift, times the weight,
+    xor-shift: a bijection that carries high bits down; a plain weighted sum misses two sign bits flipped),
+    summed modulo 2**64. numpy checks a file at memory speed; a CRC-32 per record was a quarter of a report."""
+    weights = _weights(words.shape[-1])
+    mixed: np.ndarray = words * weights  # uint64 arrays wrap modulo 2**64, silently
+    mixed ^= mixed >> 29
+    mixed *= weights
+    mixed ^= mixed >> 32
+    out: np.ndarray = mixed.sum(axis=-1, dtype=mixed.dtype)
     return out

@@ -49,7 +49,6 @@ def record(kind: int, payload: bytes) -> bytes:
     """One side-file record: kind, length, payload, and the checksum of all of it."""
     body = L.RECORD_HEAD.pack(kind, len(payload) // 8) + payload
     import numpy as np  # on the sink thread, as below
-
     return body + int(L.checksums(np.frombuffer(body, dtype="<u8"))).to_bytes(8, "little")
 
 
@@ -117,7 +116,6 @@ class RunLogWriter:
         keys, matrix, key_set, k, block = rec.keys, rec.matrix, _NO_KEYS, 0, b""
         if matrix is None and rec.ranks:
             import numpy as np  # on the sink thread: `import rankmem` and Monitor() load no numpy
-
             keys = tuple(rec.ranks)
             matrix = np.array([[np.nan if v is None else v for v in rec.ranks[k]] for k in keys], dtype=float).T
         if matrix is not None:

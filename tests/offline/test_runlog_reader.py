@@ -89,22 +89,52 @@ def _collect_block_at(data: bytes, step: int) -> int:
         off += 16 + 8 * n + 8
 
 
-@pytest.mark.parametrize("damage", ["two ranks' values swapped", "a value zeroed"])
-def test_damage_a_plain_sum_of_the_words_would_miss_is_named(tmp_path: Path, damage: str) -> None:
-    """Step 20 holds rank 0's 1.0 and rank 1's 1.5 for the same key: swapping them keeps the words' sum."""
+def _record_end(data: bytes, block: int) -> int:
+    """Where the checksum word of the collect record whose per-rank block starts at ``block`` is."""
+    head = block - L.COLLECT_HEAD.size - 16
+    return head + 16 + 8 * L.RECORD_HEAD.unpack_from(data, head)[1]
+
+
+DAMAGE = ["two ranks' values swapped", "a value zeroed", "two values' signs flipped", "a value's sign and the "
+          "checksum's top bit flipped", "the step's sign and the checksum's top bit flipped"]
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_damage_a_weighted_sum_of_the_words_would_miss_is_named(tmp_path: Path, damage: str) -> None:
+    """Step 20 holds rank 0's 1.0 and rank 1's 1.5 for the same key: swapping them keeps the words' sum;
+    a top bit flipped twice keeps any sum of the words times odd weights (2**63 + 2**63 is 0 modulo 2**64)."""
     _two_rank(tmp_path)
     data = bytearray(_side(tmp_path).read_bytes())
     at = _collect_block_at(bytes(data), 20)
     first, other = data[at : at + 8], data[at + 16 : at + 24]  # rank 0's and rank 1's RSS (2 keys a rank)
     assert struct.unpack("<d", first)[0] == 1.0 and struct.unpack("<d", other)[0] == 1.5
+    checksum, step = _record_end(bytes(data), at), at - L.COLLECT_HEAD.size  # where their words start
+    flipped = {DAMAGE[2]: [at + 7, at + 23], DAMAGE[3]: [at + 7, checksum + 7], DAMAGE[4]: [step + 7, checksum + 7]}
+    for byte in flipped.get(damage, []):  # the top bit of a little-endian word: its 8th byte's 0x80
+        data[byte] ^= 0x80
     if damage == "a value zeroed":
         data[at : at + 8] = bytes(8)
-    else:
+    elif damage.endswith("swapped"):
         data[at : at + 8], data[at + 16 : at + 24] = other, first
     _side(tmp_path).write_bytes(bytes(data))
     run = read_run(str(tmp_path))
     assert run.detail_note is not None and "checksum does not match" in run.detail_note
     assert run.steps.tolist() == [0, 10] and run.series[RSS][:, 0].tolist() == [0.0, 0.5]  # nothing misread
+    assert run.series[RSS][:, 1].tolist() == [1.0, 1.25]
+    assert run.logged is not None and run.logged.steps.tolist() == [0, 10, 20, 30, 40, 50]
+
+
+def test_a_damaged_record_length_that_runs_past_the_end_is_named_not_taken_for_a_cut(tmp_path: Path) -> None:
+    """A length word damaged mid-file can send a record past the file's end, as a crash cuts the last one:
+    but a record goes before its line, and the log's lines go on past this one."""
+    _two_rank(tmp_path)
+    data = bytearray(_side(tmp_path).read_bytes())
+    head = _collect_block_at(bytes(data), 20) - L.COLLECT_HEAD.size - 16
+    data[head + 8 : head + 16] = (1 << 20).to_bytes(8, "little")  # under MAX_WORDS, past the end
+    _side(tmp_path).write_bytes(bytes(data))
+    run = read_run(str(tmp_path))
+    assert run.detail_note is not None and f"the record at byte {head} runs past the file's end" in run.detail_note
+    assert run.steps.tolist() == [0, 10] and run.series[RSS][:, 1].tolist() == [1.0, 1.25]
     assert run.logged is not None and run.logged.steps.tolist() == [0, 10, 20, 30, 40, 50]
 
 
@@ -186,3 +216,21 @@ def test_keys_that_differ_by_collect_and_collects_without_values(tmp_path: Path)
     np.testing.assert_array_equal(run.series["c"], [[nan, nan]] * 3 + [[16, 17]])
     assert run.steps.tolist() == [0, 1, 2, 4] and run.corrupt == 0
     assert run.logged is not None and run.logged.steps.tolist() == [0, 1, 2, 3, 4]  # step 3: aggregates only
+
+
+def test_the_record_checksum_catches_every_two_bit_error_of_a_record(tmp_path: Path) -> None:
+    """Every pair of bits of a real collect record (its head, values and checksum word: 12 words), each
+    pair flipped: the checksum of the damaged words never equals the damaged checksum word."""
+    _two_rank(tmp_path)
+    data = _side(tmp_path).read_bytes()
+    block = _collect_block_at(data, 20)
+    start, end = block - L.COLLECT_HEAD.size - 16, _record_end(data, block)
+    record = np.frombuffer(data[start : end + 8], dtype="<u8")
+    bits = record.size * 64
+    first, second = np.triu_indices(bits, 1)
+    for lo in range(0, first.size, 200_000):
+        damaged = np.repeat(record[None, :], min(200_000, first.size - lo), axis=0)
+        rows = np.arange(damaged.shape[0])
+        for flip in (first[lo : lo + 200_000], second[lo : lo + 200_000]):
+            damaged[rows, flip // 64] ^= np.uint64(1) << (flip % 64).astype(np.uint64)
+        assert not (L.checksums(damaged[:, :-1]) == damaged[:, -1]).any()

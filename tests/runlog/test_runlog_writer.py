@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import enum
 import json
 import math
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +28,57 @@ def test_config_with_paths_and_nan_keeps_the_header(tmp_path: Path) -> None:
     header = json.loads(lines[0])
     assert header["config"]["run"] == {"data": "/data/x", "lr": None}
     assert [json.loads(line)["step"] for line in lines[1:]] == [0, 1]
+
+
+class Split(enum.Enum):
+    TRAIN = "train"
+
+
+class BadStr:
+    def __str__(self) -> str:
+        raise RuntimeError("no text")
+
+
+class BadItems(dict):  # type: ignore[type-arg]
+    def items(self):  # type: ignore[no-untyped-def,override]
+        raise RuntimeError("no items")
+
+
+def _configs() -> dict[str, tuple[dict[object, object], dict[str, object]]]:
+    """Configs users pass, and what the header must hold for a part of each (the rest kept as given)."""
+    cyclic: dict[str, object] = {"lr": 0.1}
+    cyclic["self"] = cyclic
+    files = [f"/data/shard-{i:07d}.parquet" for i in range(200_000)]
+    weights = dict(zip(*np.unique(np.array([3, 1, 3, 7]), return_counts=True), strict=True))  # numpy-int keys
+    return {
+        "numpy, tuple and Enum keys": ({"weights": weights, (1, 2): "pair", Split.TRAIN: 0.5, "lr": 0.1},
+                                       {"weights": {"1": 1, "3": 2, "7": 1}, "(1, 2)": "pair", "Split.TRAIN": 0.5}),
+        "a cycle": (cyclic, {"self": "<cycle>"}),
+        "keys equal as text": ({1: "int", "1": "str", "lr": 0.1}, {"1": "int", "1 <str>": "str"}),
+        "a key whose str raises": ({BadStr(): 1, "lr": 0.1}, {"<not encodable: a BadStr key>": 1}),
+        "a mapping whose items raise": ({"inner": BadItems(a=1), "lr": 0.1}, {"inner": "<not encodable: BadItems>"}),
+        "200k file names (over 4 MiB)": ({"files": files, "lr": 0.1},
+                                         {"files": f"<not encodable: {len(json.dumps(files))} bytes of JSON>"}),
+    }
+
+
+@pytest.mark.parametrize("case", list(_configs()))
+def test_a_config_json_cannot_hold_costs_no_record_and_says_so_once(tmp_path: Path, case: str) -> None:
+    """Keys made text say nothing; a marker or a renamed key is said in one warning."""
+    config, expected = _configs()[case]
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        monitor = rankmem.Monitor(out_dir=str(tmp_path), device="cpu", children=False, run_config=config)
+    said = [str(w.message) for w in warned if "run_config" in str(w.message)]
+    assert len(said) == (0 if case.startswith("numpy") else 1), said
+    assert all("run_config holds what the run log's header cannot keep as it is" in s for s in said)
+    for step in range(20):
+        monitor.collect({"loss": float(step)}, step=step)
+    monitor.close()
+    run = read_run(str(tmp_path))
+    assert run.steps.tolist() == list(range(20))
+    held = run.header.config["run"]
+    assert {k: held[k] for k in expected} == expected and held["lr"] == 0.1
 
 
 def test_a_restart_into_the_same_out_dir_keeps_the_earlier_log(tmp_path: Path) -> None:
