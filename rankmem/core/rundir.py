@@ -423,7 +423,7 @@ def _being_created(path: str) -> bool:
         st = os.lstat(path)
     except OSError:
         return True
-    return stat.S_ISREG(st.st_mode) and st.st_size == 0
+    return stat.S_ISREG(st.st_mode) and st.st_size == 0 and st.st_nlink == 1  # a hard link is not ours
 
 
 def rotated_lines(moved: list[Moved]) -> list[str]:

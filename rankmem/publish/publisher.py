@@ -192,18 +192,24 @@ class Publisher(Handoff):
             self._run_log.settle()
         super().settle()
 
+    RUN_LOG_SHARE = 0.8
+    """Of a flush's or close's bound, the most the run log's queue may take: a stuck run-log writer still
+    leaves the trackers time to flush and close (a TensorBoard file closed, a W&B run finished)."""
+
     def flush(self, timeout: float | None = None) -> bool:
         """Both queues flushed within ``timeout`` (default :data:`FLUSH_TIMEOUT_S`) in all; the run
-        log's first."""
-        deadline = time.monotonic() + (self.FLUSH_TIMEOUT_S if timeout is None else timeout)
-        done = self._run_log is None or self._run_log.flush(timeout)
+        log's first, within :data:`RUN_LOG_SHARE` of it."""
+        bound = self.FLUSH_TIMEOUT_S if timeout is None else timeout
+        deadline = time.monotonic() + bound
+        done = self._run_log is None or self._run_log.flush(bound * self.RUN_LOG_SHARE)
         return super().flush(max(0.0, deadline - time.monotonic())) and done
 
     def close(self, timeout: float | None = None) -> bool:
         """Close both queues within ``timeout`` (default :data:`FLUSH_TIMEOUT_S`) in all: the run log's
-        first, and the rest in what time is left."""
-        deadline = time.monotonic() + (self.FLUSH_TIMEOUT_S if timeout is None else timeout)
-        done = self._run_log is None or self._run_log.close(timeout)
+        first, within :data:`RUN_LOG_SHARE` of it, and the rest in what time is left."""
+        bound = self.FLUSH_TIMEOUT_S if timeout is None else timeout
+        deadline = time.monotonic() + bound
+        done = self._run_log is None or self._run_log.close(bound * self.RUN_LOG_SHARE)
         return super().close(max(0.0, deadline - time.monotonic())) and done
 
     def _write(self, item: _Collect | RunHeader) -> None:

@@ -235,6 +235,19 @@ def test_links_planted_in_the_run_directory_are_never_followed(tmp_path: Path) -
         open_regular(str(out / "torchrun.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
 
 
+@pytest.mark.parametrize("name", ["rankmem.jsonl", "rankmem.ranks.f64", "events/rank0.jsonl"])
+def test_an_empty_file_hard_linked_in_is_not_written_through(tmp_path: Path, name: str) -> None:
+    """An empty file where a run writes looks like one a rank has just created, unless it has other names."""
+    out, target = tmp_path / "run", tmp_path / "elsewhere"
+    (out / "events").mkdir(parents=True)
+    target.write_bytes(b"")
+    os.link(target, out / name)
+    done = _child(_steps(out, 3, "m.record_oom(MemoryError()) if s == 0 else None"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert target.read_bytes() == b"" and os.stat(target).st_nlink == 2  # moved aside, not written to
+    assert read_run(str(out)).steps.tolist() == [0, 1, 2]
+
+
 def _device(path: Path) -> None:
     try:
         os.mknod(path, 0o600 | stat.S_IFCHR, os.makedev(1, 3))  # what /dev/null is, made here

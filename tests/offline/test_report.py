@@ -158,3 +158,18 @@ def test_the_worst_value_of_a_column_major_series_is_the_row_major_first(seed: i
         expected = int(matrix.argmin() if low else matrix.argmax())
         assert first_extreme(column_major, low) == expected
         assert first_extreme(matrix, low) == expected
+
+
+@pytest.mark.parametrize("written", [b"9", b"-1", b"1.5", b"1e300"])
+def test_a_rank_a_line_names_outside_the_run_is_not_printed_as_a_rank(tmp_path: Path, written: bytes,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """The side file gone, the worst rank comes from the lines' ``K/max_rank``: untrusted text. A digit
+    damaged there (1 -> 9) must not send the user to a rank the 2-rank run never had."""
+    rss = np.column_stack([np.arange(6) * 0.5, np.arange(6) * 0.5 + 1.0])  # rank 1 the worst at every step
+    write_run(tmp_path, {key_of("rss"): rss}, steps=np.arange(6))
+    (tmp_path / "rankmem.ranks.f64").unlink()
+    log = tmp_path / RUN_LOG_NAME
+    log.write_bytes(log.read_bytes().replace(b'rss_gib/max_rank":1,', b'rss_gib/max_rank":' + written + b","))
+    assert main(["report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"worst rss: rank \?, max 3\.500 GiB at step 5", out) and "rank 9" not in out, out
