@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from rankmem.cli import COMMANDS
 from tests.conftest import REPO
 
 HEAVY = ("numpy", "torch", "rankmem.offline", "rankmem.fit.", "rankmem.trend.trend")
@@ -67,9 +68,9 @@ m.close()
     assert {"numpy", "rankmem.fit", "rankmem.exchange.exchange"} <= got
 
 
-@pytest.mark.parametrize("command", [[], ["plot"], ["advise"], ["watch"], ["train"], ["doctor"],
-                                     ["completion"]])
+@pytest.mark.parametrize("command", [[], *([name] for name in COMMANDS)])
 def test_help_loads_nothing_heavy(command: list[str]) -> None:
+    """Every command's help, the readers' too: their option defaults come from numpy-free modules."""
     argv = [*command, "--help"]
     got = loaded(f"from rankmem.cli import main\ntry:\n    main({argv!r})\nexcept SystemExit:\n    pass")
     assert heavy(got) == []

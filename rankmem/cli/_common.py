@@ -84,7 +84,7 @@ def bound_numbers(parser: argparse.ArgumentParser) -> None:
 
 
 def add_leak_options(parser: argparse.ArgumentParser) -> None:
-    from rankmem.trend.trend import LeakConfig  # its defaults (numpy): only the commands with these options
+    from rankmem.core.thresholds import LeakConfig  # its defaults, without numpy
 
     d = LeakConfig()
     g = parser.add_argument_group("leak detection")
@@ -112,7 +112,7 @@ def leak_config(args: argparse.Namespace) -> LeakConfig:
                         ("--noise-factor", args.noise_factor), ("--capacity-fraction", args.capacity_fraction)):
         if not math.isfinite(value):
             raise RankmemError(f"{flag} must be a finite number, got {value}")
-    from rankmem.trend.trend import LeakConfig
+    from rankmem.core.thresholds import LeakConfig
 
     return LeakConfig(window=args.window, last=args.last, min_steps=args.min_steps, noise_factor=args.noise_factor,
                       capacity_fraction=args.capacity_fraction, min_growth_mib=args.min_growth, alpha=args.alpha)

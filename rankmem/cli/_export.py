@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import argparse
 
-import numpy as np
-
 from rankmem.cli._common import add_run_argument, check_output, note_damage, require_steps
 from rankmem.cli._runs import resolve_run
 from rankmem.core.rundir import replace_file
@@ -25,6 +23,8 @@ def run(args: argparse.Namespace) -> int:
         import pyarrow.parquet as pq
     except ImportError:
         raise MissingExtraError("rankmem export --parquet", "parquet", "pyarrow") from None
+    import numpy as np  # here: `rankmem export --help` loads no numpy
+
     from rankmem.offline import read_run
 
     check_output(args.parquet, "--parquet")

@@ -10,7 +10,7 @@ import os
 from rankmem.cli._common import add_leak_options, add_run_argument, check_output, leak_config, require_steps
 from rankmem.cli._runs import resolve_run
 from rankmem.core.rundir import RunDir
-from rankmem.offline.imbalance import FLOOR_GIB, FRACTION
+from rankmem.core.thresholds import FLOOR_GIB, FRACTION
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,8 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from rankmem.core.thresholds import ImbalanceConfig
     from rankmem.offline import read_run
-    from rankmem.offline.imbalance import ImbalanceConfig
     from rankmem.offline.report import build_report, render
 
     imbalance = ImbalanceConfig(floor_gib=args.imbalance_floor_mib / 1024, fraction=args.imbalance_fraction)

@@ -21,33 +21,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from rankmem.core.catalogue import phase_key, work_key
-from rankmem.errors import RankmemError
+from rankmem.core.thresholds import FLOOR_GIB, FRACTION
 from rankmem.fit.model import Fit
 from rankmem.offline import Run
 from rankmem.offline.advice import fit_ranks, memory_kind, work_phases
 from rankmem.offline.budget import configured_budget, over_budget
 
-FLOOR_GIB = 0.25
-FRACTION = 0.10
 # Balanced 4-rank runs (tests/offline/test_imbalance.py, 20 seeds) stay under 2x their spread; a hidden
 # buffer stands at ~20x.
 NOTE_SIGMAS = 4.0
-
-
-@dataclass(frozen=True)
-class ImbalanceConfig:
-    """When a rank's unexplained excess is flagged: over ``max(fraction x mean peak rise, floor_gib)``."""
-
-    floor_gib: float = FLOOR_GIB
-    """The least unexplained excess that is flagged, GiB (``rankmem report --imbalance-floor-mib``)."""
-    fraction: float = FRACTION
-    """The share of the phase's mean peak rise that is flagged (``--imbalance-fraction``)."""
-
-    def __post_init__(self) -> None:
-        if not (math.isfinite(self.floor_gib) and self.floor_gib >= 0):
-            raise RankmemError(f"the imbalance floor must be a size >= 0, got {self.floor_gib * 1024:g} MiB")
-        if not (math.isfinite(self.fraction) and 0 <= self.fraction <= 1):
-            raise RankmemError(f"the imbalance fraction must be between 0 and 1, got {self.fraction:g}")
 
 
 @dataclass

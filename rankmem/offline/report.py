@@ -35,6 +35,7 @@ from rankmem.core.catalogue import (
 from rankmem.core.events import Event, KilledEvent, NearOomEvent, OomEvent, StalledEvent
 from rankmem.core.scalars import json_safe, to_float
 from rankmem.core.text import printable
+from rankmem.core.thresholds import ImbalanceConfig
 from rankmem.fit.capacity import Assessment, Capacity, capacities
 from rankmem.offline import Run
 from rankmem.offline.advice import assess
@@ -42,7 +43,6 @@ from rankmem.offline.anatomy import PhaseAnatomy, anatomy_lines, anatomy_rows
 from rankmem.offline.events import read_events
 from rankmem.offline.holders import ANATOMY, holder_lines
 from rankmem.offline.imbalance import (
-    ImbalanceConfig,
     OverBudget,
     RankExcess,
     budget_overruns,
