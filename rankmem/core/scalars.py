@@ -133,11 +133,15 @@ def plain_config(config: Any) -> Any:
             name = key(k)
             if name in out:
                 replaced.append(f"{path}.{name} (keys equal as text)")
+            while name in out:
                 name = f"{name} <{type(k).__name__}>"
             out[name] = plain(v, f"{path}.{name}", inner)
         return out
 
     def plain(value: Any, path: str, seen: tuple[int, ...]) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 10_000:
+            replaced.append(f"{path} (an int of {value.bit_length()} bits: JSON writes 4,300 digits at most)")
+            return UNENCODABLE.format("an int of over 3,000 digits")
         if value is None or isinstance(value, (str, bool, int)):
             return value
         if isinstance(value, float):

@@ -1,8 +1,7 @@
 """The one follower of a run still being written (``rankmem watch``): :meth:`Follower.poll` re-reads
 only what changed. The newest step lines come from the log's end (a block, doubled until it holds
 them), the newest per-rank values and gaps from the side-file records added since the last poll. What
-follows the last newline or whole record is left for the next poll; a rotation is told by identity.
-"""
+follows the last newline or whole record is left for the next poll; a rotation is told by identity."""
 
 from __future__ import annotations
 

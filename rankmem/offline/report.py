@@ -195,7 +195,8 @@ def _worst_logged(run: Run, key: str, low: bool) -> tuple[float, int, int] | Non
     filled = np.where(np.isfinite(values), values, np.inf if low else -np.inf)
     at = int(filled.argmin() if low else filled.argmax())
     rank = float(ranks[at])  # a line is untrusted: a rank outside the world (a flipped digit) is unknown, -1
-    return float(values[at]), int(run.logged.steps[at]), int(rank) if rank in range(run.world_size) else -1
+    known = rank.is_integer() and 0 <= rank < run.world_size
+    return float(values[at]), int(run.logged.steps[at]), int(rank) if known else -1
 
 
 def key_report(run: Run, key: str) -> KeyReport | None:

@@ -215,9 +215,8 @@ def header_note(data: bytes, path: str, header_line: bytes | None) -> str | None
 
 
 def check_file_header(data: bytes, path: str, header: RunHeader) -> str | None:
-    """Why the side file's header does not belong to ``header``'s log, or None."""
-    if len(data) < L.FILE_HEADER.size:
-        return f"{path} has no whole file header: no per-rank values"
+    """Why the side file's header (``data``, whole: the callers check its size) does not belong to
+    ``header``'s log, or None."""
     magic, version, world, run_id, _ = L.FILE_HEADER.unpack_from(data)
     if magic != L.MAGIC or version != L.VERSION:
         return f"{path} is not a rankmem per-rank file of version {L.VERSION}"
@@ -279,9 +278,7 @@ def _collects(data: Any, off: int, size: int, n: int, side: SideFile) -> int:
         return 0
     same = (words[:, 0] == L.COLLECT) & (words[:, 1] == n) & (words[:, 5] == key_set) & (words[:, 6] == k)
     count = len(same) if same.all() else int(np.argmin(same))
-    rows = max(1, (1 << 15) // words.shape[1])  # by slices of 256 KB that stay in cache (and bound a temporary)
-    sums = [L.checksums(words[c : min(c + rows, count), :-1]) for c in range(0, count, rows)]  # count >= 1
-    bad = np.concatenate(sums) != words[:count, -1]
+    bad = L.checksums(words[:count, :-1]) != words[:count, -1]
     count = int(np.argmax(bad)) if bad.any() else count  # the bad one is judged on its own, next
     if k:
         side.runs.append((len(side.steps), count, off + 56, size_of, key_set))
@@ -357,14 +354,16 @@ def read_run(path: str, *, metrics: bool = False) -> Run:
         first = f.readline(MAX_HEADER)
         header = parse_header(first, path)
         side_path = side_path_of(path)
+        # The log's size before the side file is read: a live run's lines after it are not this reading's.
+        end = None if isinstance(f, gzip.GzipFile) else os.fstat(f.fileno()).st_size
         side, series, note = _read_side(side_path, header, first)
         has = np.zeros(len(side.steps), dtype=bool)
         for run_of in side.runs:
             has[run_of[0] : run_of[0] + run_of[1]] = True
         # The lines the side file does not hold: after the last collect's own line (its gaps aside).
         try:
-            f.seek(side.offsets[-1] if side.offsets else len(first))
-            tail, cut = f.read().split(b"\n"), False
+            start = f.seek(side.offsets[-1] if side.offsets else len(first))
+            tail, cut = f.read(-1 if end is None else max(0, end - start)).split(b"\n"), False
         except EOFError:  # a gzip'd log cut short (compressed while still written)
             tail, cut = [b"", b""], True
         extra = unheld(tail[1 if side.offsets else 0 : -1])

@@ -22,8 +22,7 @@ words, so that a reader maps a collect's values straight into a numpy array::
 
 A key set is written (once) before the first collect that uses it. A record is written before its
 line (a GAP before its gap line), both whole; a write the disk refuses part-way is cut back, so the
-files hold whole records only. The file header's CRC tells a damaged header line (JSON has no checksum).
-"""
+files hold whole records only. The file header's CRC-32 tells a damaged header line (JSON has none)."""
 
 from __future__ import annotations
 
@@ -63,19 +62,24 @@ def padded(data: bytes) -> bytes:
 
 
 @functools.lru_cache(maxsize=16)
-def _weights(n: int) -> np.ndarray:  # numpy imported here: `import rankmem` and Monitor() load none
+def _weights(start: int, n: int) -> np.ndarray:  # numpy imported here: `import rankmem` and Monitor() load none
     import numpy as np
-    return (np.arange(n, dtype=np.uint64) * np.uint64(2) + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
+    return (np.arange(start, start + n, dtype=np.uint64) * np.uint64(2) + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
 
 
 def checksums(words: np.ndarray) -> np.ndarray:
     """Each row's checksum: each word times an odd weight of its position, mixed (xor-shift, times the weight,
     xor-shift: a bijection that carries high bits down; a plain weighted sum misses two sign bits flipped),
-    summed modulo 2**64. numpy checks a file at memory speed; a CRC-32 per record was a quarter of a report."""
-    weights = _weights(words.shape[-1])
-    mixed: np.ndarray = words * weights  # uint64 arrays wrap modulo 2**64, silently
-    mixed ^= mixed >> 29
-    mixed *= weights
-    mixed ^= mixed >> 32
-    out: np.ndarray = mixed.sum(axis=-1, dtype=mixed.dtype)
-    return out
+    summed modulo 2**64. By slices of 256 KB: they stay in cache, and a damaged length allocates nothing large."""
+    import numpy as np
+    rows = words.reshape(-1, words.shape[-1])
+    total = np.zeros(len(rows), dtype=np.uint64)
+    step = max(1, (1 << 15) // max(rows.shape[1], 1))
+    for r, at in ((r, at) for r in range(0, len(rows), step) for at in range(0, rows.shape[1], 1 << 15)):
+        weights = _weights(at, min(1 << 15, rows.shape[1] - at))
+        mixed = rows[r : r + step, at : at + (1 << 15)] * weights  # uint64 arrays wrap modulo 2**64, silently
+        mixed ^= mixed >> 29
+        mixed *= weights
+        mixed ^= mixed >> 32
+        total[r : r + step] += mixed.sum(axis=-1, dtype=mixed.dtype)
+    return total.reshape(words.shape[:-1])

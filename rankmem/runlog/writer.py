@@ -61,11 +61,9 @@ def _line(obj: dict[str, Any]) -> bytes:
 
 class RunLogWriter:
     """Appends whole records to ``path`` and its side file; the headers are written by :meth:`open`.
-
     :meth:`open` raises ``OSError`` when the disk refuses the header (call it again to start over); a log
     whose file was deleted under it raises :class:`~rankmem.errors.RankmemError`. The lock and the rotation
-    are the caller's (:class:`rankmem.sinks._jsonl.JsonlSink`).
-    """
+    are the caller's (:class:`rankmem.sinks._jsonl.JsonlSink`)."""
 
     def __init__(self, path: str) -> None:
         self.path = path

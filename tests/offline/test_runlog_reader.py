@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import os
 import struct
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -136,6 +138,25 @@ def test_a_damaged_record_length_that_runs_past_the_end_is_named_not_taken_for_a
     assert run.detail_note is not None and f"the record at byte {head} runs past the file's end" in run.detail_note
     assert run.steps.tolist() == [0, 10] and run.series[RSS][:, 1].tolist() == [1.0, 1.25]
     assert run.logged is not None and run.logged.steps.tolist() == [0, 10, 20, 30, 40, 50]
+
+
+def test_a_length_damaged_to_a_huge_record_is_checked_in_small_slices(tmp_path: Path) -> None:
+    """A length word damaged to 2**24 words in a file that long (sparse): the check reads it in slices,
+    allocating a few MiB, not the 128 MiB record three times over."""
+    _two_rank(tmp_path)
+    words = 1 << 24
+    with open(_side(tmp_path), "ab") as f:
+        f.write(L.RECORD_HEAD.pack(L.COLLECT, words))
+        end = f.tell() + 8 * words + 8
+    os.truncate(_side(tmp_path), end)
+    tracemalloc.start()
+    try:
+        run = read_run(str(tmp_path))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert run.detail_note is not None and "its checksum does not match" in run.detail_note
+    assert run.steps.tolist() == [0, 10, 20, 30, 40, 50] and peak < 32 << 20, peak
 
 
 def test_a_missing_side_file_is_noted_and_the_aggregates_read(tmp_path: Path) -> None:

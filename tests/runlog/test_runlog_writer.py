@@ -57,6 +57,8 @@ def _configs() -> dict[str, tuple[dict[object, object], dict[str, object]]]:
         "keys equal as text": ({1: "int", "1": "str", "lr": 0.1}, {"1": "int", "1 <str>": "str"}),
         "a key whose str raises": ({BadStr(): 1, "lr": 0.1}, {"<not encodable: a BadStr key>": 1}),
         "a mapping whose items raise": ({"inner": BadItems(a=1), "lr": 0.1}, {"inner": "<not encodable: BadItems>"}),
+        "an int JSON cannot write": ({"seed": 10**5000, "lr": 0.1},
+                                     {"seed": "<not encodable: an int of over 3,000 digits>"}),
         "200k file names (over 4 MiB)": ({"files": files, "lr": 0.1},
                                          {"files": f"<not encodable: {len(json.dumps(files))} bytes of JSON>"}),
     }
