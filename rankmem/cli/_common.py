@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING
 
 from rankmem.core.rundir import kind_of
 from rankmem.core.text import printable
+from rankmem.core.thresholds import LeakConfig
 from rankmem.errors import RankmemError
 
 if TYPE_CHECKING:
     from rankmem.offline import Run
-    from rankmem.offline.leaks import LeakConfig
 
 
 def add_run_argument(parser: argparse.ArgumentParser) -> None:
@@ -84,8 +84,6 @@ def bound_numbers(parser: argparse.ArgumentParser) -> None:
 
 
 def add_leak_options(parser: argparse.ArgumentParser) -> None:
-    from rankmem.core.thresholds import LeakConfig  # its defaults, without numpy
-
     d = LeakConfig()
     g = parser.add_argument_group("leak detection")
     g.add_argument("--window", type=float, default=d.window, metavar="FRAC",
@@ -112,8 +110,6 @@ def leak_config(args: argparse.Namespace) -> LeakConfig:
                         ("--noise-factor", args.noise_factor), ("--capacity-fraction", args.capacity_fraction)):
         if not math.isfinite(value):
             raise RankmemError(f"{flag} must be a finite number, got {value}")
-    from rankmem.core.thresholds import LeakConfig
-
     return LeakConfig(window=args.window, last=args.last, min_steps=args.min_steps, noise_factor=args.noise_factor,
                       capacity_fraction=args.capacity_fraction, min_growth_mib=args.min_growth, alpha=args.alpha)
 

@@ -23,9 +23,8 @@ The boundaries (``file: function``: where it stands, why):
 - ``forensics/sampler.py: HistorySampler._sampled``: a sampled step's allocator history: one warning.
 - ``forensics/sampler.py: HistorySampler._replay``: its replay off the training thread: one warning per
   topic, no ``anatomy`` event.
-- ``core/scalars.py: plain_config.key``, ``core/scalars.py: plain_config.mapping``: the caller's
-  ``run_config`` made JSON at the Monitor's construction, where a key's ``__str__`` or a mapping's ``items()`` may raise
-  anything: a marker in the header and one warning, never a failed ``Monitor()``.
+- ``core/scalars.py: plain_config.key``, ``core/scalars.py: plain_config.mapping``: a caller's key's
+  ``__str__`` or mapping's ``items()`` may raise anything: a marker in the header, never a failed ``Monitor()``.
 - ``integrations/verl/__init__.py: _never_raise``: Ray's worker-process setup hook and the patch it
   applies to verl's engine worker: one warning, and the worker starts without rankmem.
 

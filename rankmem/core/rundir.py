@@ -172,12 +172,6 @@ def is_regular(path: str) -> bool:
         return False
 
 
-def read_bytes(path: str, limit: int | None = None) -> bytes:
-    """The file's bytes (at most ``limit``), through :func:`open_regular`."""
-    with open_binary(path) as f:
-        return f.read() if limit is None else f.read(limit)
-
-
 def replace_file(path: str, data: bytes) -> None:
     """Write ``data`` to ``path`` whole or not at all: a temporary file beside it, renamed over it once
     written and flushed. Only a regular file or a new path is replaced (:class:`NotRegularFile` for a

@@ -97,17 +97,16 @@ UNENCODABLE = "<not encodable: {}>"
 """What the run log's header holds in place of a config value JSON cannot hold (named by its type)."""
 CYCLE = "<cycle>"
 """What it holds in place of a container that contains itself."""
-CONFIG_MAX_BYTES = 4 << 20
-"""Most bytes of JSON a run_config keeps: the header line is read up to 16 MiB, per-rank records included."""
+CONFIG_MAX_BYTES = 4 << 20  # of a run_config's JSON: the header line is read up to 16 MiB, ranks included
 
 
 def plain_config(config: Any) -> Any:
     """The caller's ``run_config`` as plain JSON data, once, at the Monitor's construction: keys become
     strings (numpy's and Enum's, tuples), numpy scalars numbers, tuples and sets lists, paths strings,
     non-finite floats None; a cycle becomes :data:`CYCLE` and anything else :data:`UNENCODABLE`, with one
-    warning naming the first. Keys equal as text get their type's name; a value whose JSON passes
-    :data:`CONFIG_MAX_BYTES` is replaced too. The run log's header can then never fail to encode, nor be
-    too long to read."""
+    warning naming the first. Keys equal as text get their type's name; where the whole passes
+    :data:`CONFIG_MAX_BYTES`, its values over 64 KiB of JSON are replaced too (else the whole). The run log's
+    header can then never fail to encode, nor be too long to read."""
     replaced: list[str] = []
 
     def key(k: Any) -> str:
@@ -131,9 +130,8 @@ def plain_config(config: Any) -> Any:
         out: dict[str, Any] = {}
         for k, v in items:
             name = key(k)
-            if name in out:
-                replaced.append(f"{path}.{name} (keys equal as text)")
             while name in out:
+                replaced.append(f"{path}.{name} (keys equal as text)")
                 name = f"{name} <{type(k).__name__}>"
             out[name] = plain(v, f"{path}.{name}", inner)
         return out
@@ -178,18 +176,13 @@ def plain_config(config: Any) -> Any:
         return UNENCODABLE.format(type(value).__name__)
 
     out = plain(config, "run_config", ())
-    total = len(json.dumps(out))
-    if total > CONFIG_MAX_BYTES and isinstance(out, dict):  # the largest values go first, the rest kept
-        sizes = {k: len(json.dumps(v)) for k, v in out.items()}
-        for k in sorted(sizes, key=sizes.__getitem__, reverse=True)[:64]:
-            if total <= CONFIG_MAX_BYTES:
-                break
-            replaced.append(f"run_config.{k} ({sizes[k]} bytes of JSON: the header keeps {CONFIG_MAX_BYTES} at most)")
-            out[k] = UNENCODABLE.format(f"{sizes[k]} bytes of JSON")
-            total += len(out[k]) + 2 - sizes[k]
-    if total > CONFIG_MAX_BYTES:  # many small values, or one that is not a mapping
+    if (total := len(json.dumps(out))) > CONFIG_MAX_BYTES:  # its values over 64 KiB give way, the rest kept
         replaced.append(f"run_config ({total} bytes of JSON: the header keeps {CONFIG_MAX_BYTES} at most)")
-        out = UNENCODABLE.format(f"{total} bytes of JSON")
+        if isinstance(out, dict):
+            sizes = {k: len(json.dumps(v)) for k, v in out.items()}
+            out = {k: out[k] if n <= 1 << 16 else UNENCODABLE.format(f"{n} bytes of JSON") for k, n in sizes.items()}
+        if not isinstance(out, dict) or len(json.dumps(out)) > CONFIG_MAX_BYTES:  # many small values
+            out = UNENCODABLE.format(f"{total} bytes of JSON")
     if replaced:
         warn(f"rankmem: run_config holds what the run log's header cannot keep as it is: {replaced[0]}"
              f"{f' and {len(replaced) - 1} more' if len(replaced) > 1 else ''}; the header holds "

@@ -1,18 +1,15 @@
-"""The thresholds of rankmem's offline verdicts, with their defaults: what a leak is (:class:`LeakConfig`)
-and when a rank's unexplained excess is flagged (:class:`ImbalanceConfig`). No numpy here: the CLI's
-help shows these defaults (``rankmem report --help``) without loading what the verdicts compute with."""
+"""The offline verdicts' thresholds and defaults: a leak (:class:`LeakConfig`), a rank's unexplained excess
+(:class:`ImbalanceConfig`). No numpy: the CLI's help shows these defaults without loading the verdicts'."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
+from rankmem.core.units import MIB_PER_GIB
 from rankmem.errors import RankmemError
 
-_MIB_PER_GIB = 1024.0
-_OWN_MIB = 4.0
-"""The least stakes floor where the capacity is known: what rankmem itself settles into on a rank (its
-rings, first fits and caches) is no leak of the job's."""
+_OWN_MIB = 4.0  # the least stakes floor where capacity is known: rankmem's own settling is no leak of the job's
 
 
 @dataclass(frozen=True)
@@ -59,7 +56,7 @@ class LeakConfig:
         """The stakes floor for a series growing into ``capacity_gib`` (None: unknown)."""
         if capacity_gib is None or not math.isfinite(capacity_gib) or capacity_gib <= 0:
             return self.min_growth_mib
-        return max(self.capacity_fraction * capacity_gib * _MIB_PER_GIB, min(_OWN_MIB, self.min_growth_mib))
+        return max(self.capacity_fraction * capacity_gib * MIB_PER_GIB, min(_OWN_MIB, self.min_growth_mib))
 
 
 FLOOR_GIB = 0.25

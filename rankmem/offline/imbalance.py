@@ -21,8 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from rankmem.core.catalogue import phase_key, work_key
-from rankmem.core.thresholds import FLOOR_GIB, FRACTION
-from rankmem.core.thresholds import ImbalanceConfig as ImbalanceConfig  # where it was first defined
+from rankmem.core.thresholds import FLOOR_GIB, FRACTION, ImbalanceConfig  # noqa: F401 - re-exported
 from rankmem.fit.model import Fit
 from rankmem.offline import Run
 from rankmem.offline.advice import fit_ranks, memory_kind, work_phases

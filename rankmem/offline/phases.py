@@ -54,18 +54,11 @@ def worst_of(matrix: np.ndarray, low: bool) -> tuple[np.ndarray, int]:
 
 
 def first_extreme(matrix: np.ndarray, low: bool) -> int:
-    """``matrix.argmin()`` (``low``) or ``argmax()`` of a (steps x ranks) matrix: the row-major flat index
-    of the first extreme, a NaN first. The reader's series are column-major (each rank's values
-    contiguous), which a flat argmax would copy first: here each column's own, then the earliest row."""
-    if matrix.flags.c_contiguous or matrix.ndim != 2 or matrix.size == 0:
-        return int(matrix.argmin() if low else matrix.argmax())
-    rows = matrix.argmin(axis=0) if low else matrix.argmax(axis=0)
-    values = matrix[rows, np.arange(matrix.shape[1])]
-    nan = np.isnan(values)
-    best = nan if nan.any() else values == (values.min() if low else values.max())
-    ranks = np.flatnonzero(best)
-    at = int(ranks[np.argmin(rows[ranks])])  # the earliest row; argmin's first: the lowest rank of a tie
-    return int(rows[at]) * int(matrix.shape[1]) + at
+    """``matrix.argmin()`` (``low``) or ``argmax()`` of a (steps x ranks) matrix, a NaN first, without the
+    copy a flat argmax makes of the reader's column-major series: the first row holding it, then its rank."""
+    pick = np.argmin if low else np.argmax
+    row = int(pick(matrix.min(axis=1) if low else matrix.max(axis=1)))  # a row's NaN is its min and max
+    return row * int(matrix.shape[1]) + int(pick(matrix[row]))
 
 
 def phase_rows(run: Run) -> list[PhaseRow]:

@@ -195,7 +195,7 @@ def _worst_logged(run: Run, key: str, low: bool) -> tuple[float, int, int] | Non
     filled = np.where(np.isfinite(values), values, np.inf if low else -np.inf)
     at = int(filled.argmin() if low else filled.argmax())
     rank = float(ranks[at])  # a line is untrusted: a rank outside the world (a flipped digit) is unknown, -1
-    known = rank.is_integer() and 0 <= rank < run.world_size
+    known = 0 <= rank < run.world_size and rank.is_integer()
     return float(values[at]), int(run.logged.steps[at]), int(rank) if known else -1
 
 
@@ -365,8 +365,8 @@ def key_table(report: Report) -> tuple[Columns, list[list[str]]]:
     """(name, justify) columns and rows of the per-key table, for the terminal and the HTML page."""
     columns = [("key", "left"), ("worst", "right"), ("unit", "left"), ("step", "right"), ("rank", "right"),
                ("phase", "left"), ("max/mean", "right")]
-    rows = [[k.key, f"{k.worst} {_fmt(k.value, k.key)}", _unit(k.key), str(k.step),
-             _rank(k.rank), k.phase or "", f"{k.imbalance:.2f}" if k.imbalance is not None else ""]
+    rows = [[k.key, f"{k.worst} {_fmt(k.value, k.key)}", _unit(k.key), str(k.step), str(k.rank) if k.rank >= 0 else "?",
+             k.phase or "", f"{k.imbalance:.2f}" if k.imbalance is not None else ""]
             for k in report.keys if not is_freshness_key(k.key)]
     return columns, rows
 
@@ -481,11 +481,6 @@ def owners_text(table: Any) -> str:
     return f"; device by owner (GiB): {', '.join(parts)}" + (f" (unknown: {'; '.join(why)})" if why else "")
 
 
-def _rank(rank: int) -> str:
-    """A rank as text; ``?`` where the log's lines named none of the run's ranks (-1)."""
-    return str(rank) if rank >= 0 else "?"
-
-
 def worst_lines(report: Report) -> list[str]:
     """The worst rank of each headline key, one line each: ``worst peak_rss: rank 2, max 4.500 GiB at
     step 7 (phase update)``."""
@@ -493,8 +488,8 @@ def worst_lines(report: Report) -> list[str]:
     for label, k in report.worst():
         unit = f" {_unit(k.key)}" if _unit(k.key) else ""
         phase = "" if not k.phase else f" (phase {k.phase})" if k.phase_verdict == "rose" else f" {k.phase}"
-        value = f"{k.worst} {_fmt(k.value, k.key)}{unit}"
-        lines.append(f"worst {label}: rank {_rank(k.rank)}, {value} at step {k.step}{phase}")
+        rank, value = k.rank if k.rank >= 0 else "?", f"{k.worst} {_fmt(k.value, k.key)}{unit}"  # -1: the lines'
+        lines.append(f"worst {label}: rank {rank}, {value} at step {k.step}{phase}")
     return lines
 
 
@@ -551,7 +546,7 @@ def verdict_lines(report: Report) -> list[str]:
             lines.append(f"{HEADROOM_LABELS[lim.label]}: min {least[0]:.3f} GiB at step {least[1]} on rank "
                          f"{least[2]} (of {lim.value:.3f} GiB)")
     lines += [f"figures' age ({k.key}): {k.worst} {_fmt(k.value, k.key)} {_unit(k.key)} at step {k.step} "
-              f"on rank {_rank(k.rank)}" for k in report.keys if is_freshness_key(k.key)]
+              f"on rank {k.rank if k.rank >= 0 else '?'}" for k in report.keys if is_freshness_key(k.key)]
     if report.host_growth is not None:
         g = report.host_growth
         lines.append(

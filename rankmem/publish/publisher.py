@@ -192,9 +192,7 @@ class Publisher(Handoff):
             self._run_log.settle()
         super().settle()
 
-    RUN_LOG_SHARE = 0.8
-    """Of a flush's or close's bound, the most the run log's queue may take: a stuck run-log writer still
-    leaves the trackers time to flush and close (a TensorBoard file closed, a W&B run finished)."""
+    RUN_LOG_SHARE = 0.8  # of a flush's or close's bound, the run log's most: a stuck disk leaves the trackers time
 
     def flush(self, timeout: float | None = None) -> bool:
         """Both queues flushed within ``timeout`` (default :data:`FLUSH_TIMEOUT_S`) in all; the run

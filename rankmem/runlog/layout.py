@@ -26,7 +26,6 @@ files hold whole records only. The file header's CRC-32 tells a damaged header l
 
 from __future__ import annotations
 
-import functools
 import struct
 from typing import TYPE_CHECKING
 
@@ -61,25 +60,20 @@ def padded(data: bytes) -> bytes:
     return data + b"\0" * (-len(data) % 8)
 
 
-@functools.lru_cache(maxsize=16)
-def _weights(start: int, n: int) -> np.ndarray:  # numpy imported here: `import rankmem` and Monitor() load none
-    import numpy as np
-    return (np.arange(start, start + n, dtype=np.uint64) * np.uint64(2) + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
-
-
 def checksums(words: np.ndarray) -> np.ndarray:
     """Each row's checksum: each word times an odd weight of its position, mixed (xor-shift, times the weight,
-    xor-shift: a bijection that carries high bits down; a plain weighted sum misses two sign bits flipped),
-    summed modulo 2**64. By slices of 256 KB: they stay in cache, and a damaged length allocates nothing large."""
-    import numpy as np
+    xor-shift: a plain weighted sum misses two sign bits flipped), summed modulo 2**64; by 256 KB slices."""
+    import numpy as np  # here: `import rankmem` and Monitor() load no numpy (the sink thread does)
     rows = words.reshape(-1, words.shape[-1])
     total = np.zeros(len(rows), dtype=np.uint64)
     step = max(1, (1 << 15) // max(rows.shape[1], 1))
-    for r, at in ((r, at) for r in range(0, len(rows), step) for at in range(0, rows.shape[1], 1 << 15)):
-        weights = _weights(at, min(1 << 15, rows.shape[1] - at))
-        mixed = rows[r : r + step, at : at + (1 << 15)] * weights  # uint64 arrays wrap modulo 2**64, silently
-        mixed ^= mixed >> 29
-        mixed *= weights
-        mixed ^= mixed >> 32
-        total[r : r + step] += mixed.sum(axis=-1, dtype=mixed.dtype)
+    for at in range(0, rows.shape[1], 1 << 15):
+        weights = np.arange(2 * at + 1, 2 * min(at + (1 << 15), rows.shape[1]), 2, dtype=np.uint64)  # 2i + 1
+        weights *= np.uint64(0x9E3779B97F4A7C15)  # uint64 arrays wrap modulo 2**64, silently
+        for r in range(0, len(rows), step):
+            mixed = rows[r : r + step, at : at + (1 << 15)] * weights
+            mixed ^= mixed >> 29
+            mixed *= weights
+            mixed ^= mixed >> 32
+            total[r : r + step] += mixed.sum(axis=-1, dtype=mixed.dtype)
     return total.reshape(words.shape[:-1])

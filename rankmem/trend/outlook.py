@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from rankmem.core.catalogue import key_of
+from rankmem.core.units import MIB_PER_GIB
 
 DEVICE_PREFIX = "mem/device/"
-MIB_PER_GIB = 1024.0
 
 # The per-rank figures the projections read, by record field: the catalogue spells their keys.
 HOST_CONTEXT = tuple(key_of(f) for f in ("cgroup_limit", "cgroup_working_set", "cgroup_used", "node_available",

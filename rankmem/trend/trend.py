@@ -34,6 +34,7 @@ import numpy as np
 
 from rankmem.core.catalogue import LEAK_KEYS, PHASE_DELTA, PHASE_PREFIX, REFRESHED_KEYS
 from rankmem.core.thresholds import LeakConfig as LeakConfig
+from rankmem.core.units import MIB_PER_GIB
 from rankmem.trend import outlook as _outlook
 from rankmem.trend.outlook import Exhaustion
 from rankmem.trend.stats import (
@@ -50,8 +51,6 @@ from rankmem.trend.stats import (
 )
 
 __all__ = ["LEAK_KEYS", "LeakConfig", "Trend", "mann_kendall", "theil_sen", "trend", "trends"]
-
-_MIB_PER_GIB = 1024.0
 
 
 @dataclass(frozen=True)
@@ -295,7 +294,7 @@ def trend(steps: np.ndarray, values_gib: np.ndarray, key: str, rank: int, config
         config = replace(config, window=1.0, last=None, min_steps=min(config.min_steps, _MIN_REFRESHES))
     x = np.asarray(steps, dtype=float)[ok]
     stakes = np.array([config.stakes_mib(capacity_gib)])
-    return _trend_columns(x, values[ok, None] * _MIB_PER_GIB, key, [rank], config, stakes)[0]
+    return _trend_columns(x, values[ok, None] * MIB_PER_GIB, key, [rank], config, stakes)[0]
 
 
 # Ranks judged in one pass: 64 ranks x 32k pairs keeps the pairwise arrays near 17 MB each.
@@ -317,7 +316,7 @@ def trends(steps: np.ndarray, columns_gib: np.ndarray, key: str, ranks: Sequence
     out: list[Trend | None] = []
     for start in range(0, len(whole), _BATCH):
         cols = whole[start : start + _BATCH]
-        out += _trend_columns(x, columns_gib[:, cols] * _MIB_PER_GIB, key, [ranks[c] for c in cols], config,
+        out += _trend_columns(x, columns_gib[:, cols] * MIB_PER_GIB, key, [ranks[c] for c in cols], config,
                               stakes[cols])
     for c in range(len(ranks)):
         if finite[:, c].any() and c not in whole:

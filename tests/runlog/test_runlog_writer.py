@@ -130,3 +130,15 @@ def test_ranks_are_json_integers(tmp_path: Path) -> None:
     run = read_run(str(tmp_path), metrics=True)
     assert run.metrics is not None and run.metrics["loss/max_rank"].tolist() == [0.0]
     assert run.metrics["loss/max"].tolist() == [1.5] and run.series["loss"].tolist() == [[1.5]]
+
+
+def test_a_config_of_many_small_values_over_the_bound_is_one_marker(tmp_path: Path) -> None:
+    """No value over 64 KiB to give way (50k shard names): the whole config is the marker, the run logged."""
+    config = {f"shard{i}": "x" * 100 for i in range(50_000)}
+    with pytest.warns(RuntimeWarning, match=r"run_config \(\d+ bytes of JSON: the header keeps 4194304 at most\)"):
+        monitor = rankmem.Monitor(out_dir=str(tmp_path), device="cpu", children=False, run_config=config)
+    monitor.collect({"loss": 1.0}, step=0)
+    monitor.close()
+    run = read_run(str(tmp_path))
+    assert run.steps.tolist() == [0]
+    assert run.header.config["run"] == f"<not encodable: {len(json.dumps(config))} bytes of JSON>"
