@@ -62,16 +62,16 @@ def padded(data: bytes) -> bytes:
 
 def checksums(words: np.ndarray) -> np.ndarray:
     """Each row's checksum: each word times an odd weight of its position, mixed (xor-shift, times the weight,
-    xor-shift: a plain weighted sum misses two sign bits flipped), summed modulo 2**64; by 256 KB slices."""
+    xor-shift: a plain weighted sum misses two sign bits flipped), summed modulo 2**64; by 128 KB slices."""
     import numpy as np  # here: `import rankmem` and Monitor() load no numpy (the sink thread does)
     rows = words.reshape(-1, words.shape[-1])
     total = np.zeros(len(rows), dtype=np.uint64)
-    step = max(1, (1 << 15) // max(rows.shape[1], 1))
-    for at in range(0, rows.shape[1], 1 << 15):
-        weights = np.arange(2 * at + 1, 2 * min(at + (1 << 15), rows.shape[1]), 2, dtype=np.uint64)  # 2i + 1
+    step = max(1, (1 << 14) // max(rows.shape[1], 1))
+    for at in range(0, rows.shape[1], 1 << 14):
+        weights = np.arange(2 * at + 1, 2 * min(at + (1 << 14), rows.shape[1]), 2, dtype=np.uint64)  # 2i + 1
         weights *= np.uint64(0x9E3779B97F4A7C15)  # uint64 arrays wrap modulo 2**64, silently
         for r in range(0, len(rows), step):
-            mixed = rows[r : r + step, at : at + (1 << 15)] * weights
+            mixed = rows[r : r + step, at : at + (1 << 14)] * weights
             mixed ^= mixed >> 29
             mixed *= weights
             mixed ^= mixed >> 32
